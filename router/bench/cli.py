@@ -1,0 +1,36 @@
+"""``disagg-router bench ...``: the benchmark subcommands.
+
+Who calls it: ``router/cli.py`` adds a ``bench`` subparser, hands it to :func:`add_arguments`, and
+calls :func:`run` with the parsed namespace. ``python -m router.bench.cli`` works standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from router.bench.run_cmd import add_run_arguments, run_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``run``/``overhead``/``transfer``/``scenarios`` subcommands to ``parser``."""
+    sub = parser.add_subparsers(dest="bench_command", required=True)
+    add_run_arguments(sub.add_parser("run", help="one load-generator run"))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch a parsed ``bench`` namespace; returns the process exit code."""
+    command = args.bench_command
+    if command == "run":
+        return run_command(args)
+    raise ValueError(f"unknown bench command: {command}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disagg-router bench")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
