@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from router.bench.overhead_cmd import add_overhead_arguments, overhead_command
 from router.bench.run_cmd import add_run_arguments, run_command
 
 
@@ -16,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``run``/``overhead``/``transfer``/``scenarios`` subcommands to ``parser``."""
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_run_arguments(sub.add_parser("run", help="one load-generator run"))
+    add_overhead_arguments(
+        sub.add_parser("overhead", help="router vs direct latency and max rate on zero-delay fakes")
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     command = args.bench_command
     if command == "run":
         return run_command(args)
+    if command == "overhead":
+        return overhead_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 

@@ -1,0 +1,250 @@
+"""Router overhead: our router and vLLM-router (P/D mode) vs direct-to-backend, on zero-delay fakes.
+
+Who calls it: ``disagg-router bench overhead``. It starts, as separate processes, a fake prefill and
+a fake decode instance (``router.devstack.fake_vllm``, zero delays), our router in push mode over
+them, and ``vllm-router --vllm-pd-disaggregation`` over the same fakes. Then, in one process and
+interleaved per rate so drift hits all targets alike, it offers the same Poisson load to each
+target at fixed rates, and finally a closed loop at a fixed concurrency to find the request rate
+each one sustains. Everything is reported against the direct baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from router.bench.client import Target
+from router.bench.dataset import SyntheticSpec, make_token_prompts
+from router.bench.loadgen import LoadSpec, make_client, run_load
+from router.bench.procs import ManagedProcess, free_port
+from router.bench.results import metrics_to_dict
+
+MODEL = "fake-model"
+PREFILL_ENGINE_ID = "bench-prefill"
+PREFILL_SIDE_CHANNEL_PORT = 5600  # what the fake reports; nothing listens there
+
+
+@dataclass(frozen=True)
+class OverheadSpec:
+    """Load shape of the overhead benchmark."""
+
+    rates: tuple[float, ...] = (25.0, 50.0, 100.0)
+    seconds_per_rate: float = 8.0
+    input_len: int = 128
+    output_len: int = 16
+    saturation_concurrency: int = 32
+    saturation_requests: int = 1000
+    routers: tuple[str, ...] = ("ours", "vllm-router")
+    seed: int = 0
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def _fake(name: str, port: int, logs: Path, engine_id: str | None = None) -> ManagedProcess:
+    argv = [_python(), "-m", "router.devstack.fake_vllm", "--port", str(port), "--model", MODEL]
+    if engine_id:
+        argv += ["--engine-id", engine_id]
+    return ManagedProcess(name, argv, f"http://127.0.0.1:{port}/health", logs / f"{name}.log")
+
+
+def router_config(prefill_url: str, decode_url: str, mode: str = "push") -> dict[str, Any]:
+    """Our router's YAML config for one P and one D (P reports the fake's side channel)."""
+    return {
+        "models": [MODEL],
+        "mode": mode,
+        "prefill": {
+            "instances": [
+                {
+                    "url": prefill_url,
+                    "identity": {
+                        "engine_id": PREFILL_ENGINE_ID,
+                        "host": "127.0.0.1",
+                        "port": PREFILL_SIDE_CHANNEL_PORT,
+                    },
+                }
+            ]
+        },
+        "decode": {"instances": [{"url": decode_url}]},
+    }
+
+
+def our_router(config: dict[str, Any], port: int, logs: Path) -> ManagedProcess:
+    """Our router as a process, through the :mod:`router.bench.serve_router` adapter."""
+    path = logs / "router.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = [_python(), "-m", "router.bench.serve_router", "--config", str(path)]
+    argv += ["--port", str(port)]
+    return ManagedProcess("router", argv, f"http://127.0.0.1:{port}/health", logs / "router.log")
+
+
+def vllm_router(prefill_url: str, decode_url: str, port: int, logs: Path) -> ManagedProcess:
+    """``vllm-router`` in vLLM P/D mode (NIXL pull protocol) over one P and one D."""
+    exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    argv = [
+        exe,
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        prefill_url,
+        "--decode",
+        decode_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(free_port()),
+        "--kv-connector",
+        "nixl",
+        "--policy",
+        "round_robin",
+        "--worker-startup-check-interval",
+        "1",
+        "--queue-size",
+        "4096",
+        "--log-level",
+        "warning",
+    ]
+    ready = f"http://127.0.0.1:{port}/health"
+    return ManagedProcess("vllm-router", argv, ready, logs / "vllm-router.log")
+
+
+def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "completed",
+        "failed",
+        "request_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_e2el_ms",
+        "p99_e2el_ms",
+        "median_itl_ms",
+    )
+    return {k: metrics[k] for k in keys}
+
+
+async def measure(targets: dict[str, Target], spec: OverheadSpec) -> dict[str, Any]:
+    """Offer the fixed-rate loads and the saturation loop to every target (interleaved)."""
+    out: dict[str, Any] = {"fixed_rate": [], "saturation": {}}
+    async with make_client() as client:
+        warm = make_token_prompts(SyntheticSpec(20, spec.input_len, spec.output_len, seed=99))
+        for target in targets.values():
+            await run_load(client, target, warm, LoadSpec(max_concurrency=4, show_progress=False))
+        for rate in spec.rates:
+            n = max(int(rate * spec.seconds_per_rate), 10)
+            requests = make_token_prompts(
+                SyntheticSpec(n, spec.input_len, spec.output_len, seed=spec.seed)
+            )
+            row: dict[str, Any] = {"rate": rate, "num_requests": n, "targets": {}}
+            for name, target in targets.items():
+                print(f"overhead: {name} at {rate:g} req/s ({n} requests)", file=sys.stderr)
+                load = LoadSpec(request_rate=rate, seed=spec.seed, show_progress=False)
+                result = await run_load(client, target, requests, load)
+                row["targets"][name] = _summary(metrics_to_dict(result.metrics))
+            out["fixed_rate"].append(row)
+        requests = make_token_prompts(
+            SyntheticSpec(spec.saturation_requests, spec.input_len, spec.output_len, seed=1)
+        )
+        for name, target in targets.items():
+            print(f"overhead: {name} saturation", file=sys.stderr)
+            load = LoadSpec(max_concurrency=spec.saturation_concurrency, show_progress=False)
+            result = await run_load(client, target, requests, load)
+            out["saturation"][name] = _summary(metrics_to_dict(result.metrics))
+    return out
+
+
+def derive(raw: dict[str, Any]) -> dict[str, Any]:
+    """Added latency (ms) and ratios of each router against ``direct`` from the same run."""
+    added: dict[str, list[dict[str, float | None]]] = {}
+    for row in raw["fixed_rate"]:
+        base = row["targets"]["direct"]
+        for name, m in row["targets"].items():
+            if name == "direct":
+                continue
+            added.setdefault(name, []).append(
+                {
+                    "rate": row["rate"],
+                    "added_ttft_ms_p50": m["median_ttft_ms"] - base["median_ttft_ms"],
+                    "added_ttft_ms_p99": m["p99_ttft_ms"] - base["p99_ttft_ms"],
+                    "added_e2el_ms_p50": m["median_e2el_ms"] - base["median_e2el_ms"],
+                    "added_e2el_ms_p99": m["p99_e2el_ms"] - base["p99_e2el_ms"],
+                    "e2el_p50_ratio": _ratio(m["median_e2el_ms"], base["median_e2el_ms"]),
+                    "e2el_p99_ratio": _ratio(m["p99_e2el_ms"], base["p99_e2el_ms"]),
+                }
+            )
+    sat = raw["saturation"]
+    base_rate = sat["direct"]["request_throughput"]
+    saturation = {
+        name: {
+            "max_request_rate": m["request_throughput"],
+            "ratio_to_direct": _ratio(m["request_throughput"], base_rate),
+            "failed": m["failed"],
+        }
+        for name, m in sat.items()
+    }
+    return {"added": added, "saturation": saturation}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def format_report(derived: dict[str, Any]) -> str:
+    """Markdown tables of the derived numbers."""
+    lines = [
+        "| router | rate (req/s) | added TTFT p50 / p99 (ms) | added E2EL p50 / p99 (ms) "
+        "| E2EL p50 / p99 vs direct |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rows in derived["added"].items():
+        for r in rows:
+            lines.append(
+                f"| {name} | {r['rate']:g} | {r['added_ttft_ms_p50']:.2f} / "
+                f"{r['added_ttft_ms_p99']:.2f} | {r['added_e2el_ms_p50']:.2f} / "
+                f"{r['added_e2el_ms_p99']:.2f} | {_fmt(r['e2el_p50_ratio'])} / "
+                f"{_fmt(r['e2el_p99_ratio'])} |"
+            )
+    lines += [
+        "",
+        "| target | sustained req/s (closed loop) | vs direct | failed |",
+        "|---|---|---|---|",
+    ]
+    for name, s in derived["saturation"].items():
+        lines.append(
+            f"| {name} | {s['max_request_rate']:.1f} | {_fmt(s['ratio_to_direct'])} "
+            f"| {s['failed']} |"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, Any]:
+    """Start the processes, measure, stop them; returns raw and derived numbers."""
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    p_port, d_port, r_port, v_port = (free_port() for _ in range(4))
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    with ExitStack() as stack:
+        stack.enter_context(_fake("fake-prefill", p_port, logs, PREFILL_ENGINE_ID))
+        stack.enter_context(_fake("fake-decode", d_port, logs))
+        targets = {"direct": Target(d_url, MODEL)}
+        if "ours" in spec.routers:
+            stack.enter_context(our_router(router_config(p_url, d_url), r_port, logs))
+            targets["ours"] = Target(f"http://127.0.0.1:{r_port}", MODEL)
+        if "vllm-router" in spec.routers:
+            stack.enter_context(vllm_router(p_url, d_url, v_port, logs))
+            targets["vllm-router"] = Target(f"http://127.0.0.1:{v_port}", MODEL)
+        raw = asyncio.run(measure(targets, spec))
+    return {"spec": spec.__dict__, "logs": str(logs), "raw": raw, "derived": derive(raw)}

@@ -1,0 +1,50 @@
+"""Overhead bookkeeping: config accepted by the router's schema, ratios from the same run."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.bench.overhead import derive, format_report, router_config
+from router.config import settings_from_mapping
+
+
+def test_router_config_is_valid_for_the_router() -> None:
+    settings = settings_from_mapping(router_config("http://127.0.0.1:1", "http://127.0.0.1:2"))
+    assert settings.mode == "push"
+    assert settings.prefill.instances[0].identity is not None
+
+
+def _m(rate: float, ttft50: float, ttft99: float, e2el50: float, e2el99: float) -> dict[str, float]:
+    return {
+        "completed": 10,
+        "failed": 0,
+        "request_throughput": rate,
+        "median_ttft_ms": ttft50,
+        "p99_ttft_ms": ttft99,
+        "median_e2el_ms": e2el50,
+        "p99_e2el_ms": e2el99,
+        "median_itl_ms": 0.1,
+    }
+
+
+def test_derive_subtracts_and_divides_by_direct() -> None:
+    raw = {
+        "fixed_rate": [
+            {
+                "rate": 10.0,
+                "targets": {
+                    "direct": _m(10, 1.0, 2.0, 4.0, 8.0),
+                    "ours": _m(10, 3.0, 7.0, 6.0, 12.0),
+                },
+            }
+        ],
+        "saturation": {"direct": _m(400, 0, 0, 0, 0), "ours": _m(100, 0, 0, 0, 0)},
+    }
+    d = derive(raw)
+    (row,) = d["added"]["ours"]
+    assert row["added_ttft_ms_p50"] == pytest.approx(2.0)
+    assert row["added_ttft_ms_p99"] == pytest.approx(5.0)
+    assert row["added_e2el_ms_p50"] == pytest.approx(2.0)
+    assert row["e2el_p99_ratio"] == pytest.approx(1.5)
+    assert d["saturation"]["ours"]["ratio_to_direct"] == pytest.approx(0.25)
+    assert "| ours | 10 | 2.00 / 5.00 |" in format_report(d)
