@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -99,6 +99,14 @@ class FakeVllmState:
         self.cancelled = 0
         self.completed = 0
         self._cond = threading.Condition(self._lock)
+
+    def reset(self, behavior: FakeBehavior | None = None) -> None:
+        """Forget recorded requests and counters; install ``behavior`` (default: a fresh one)."""
+        with self._lock:
+            self.requests.clear()
+            self.cancelled = 0
+            self.completed = 0
+            self.behavior = behavior or FakeBehavior()
 
     def record(self, rec: RecordedRequest) -> None:
         with self._lock:
@@ -413,37 +421,37 @@ async def _stream(
         state._leave(rec, outcome)
 
 
-class FakeVllmServer:
-    """Runs one fake on ``127.0.0.1:<free port>`` with uvicorn in a daemon thread.
+class UvicornThread:
+    """Serves any ASGI app on ``127.0.0.1:<free port>`` with uvicorn in a daemon thread.
 
-    Use as a context manager or call ``start()``/``stop()``. ``url`` is the base URL.
+    ``lifespan`` is passed to uvicorn ("on" for apps with startup work, like the router).
+    Use as a context manager or call ``start()``/``stop()``; ``url`` is the base URL.
     """
 
-    def __init__(self, state: FakeVllmState | None = None) -> None:
-        self.state = state or FakeVllmState()
+    def __init__(self, app: Any, lifespan: Literal["on", "off"] = "on") -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port: int = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            create_fake_app(self.state),
+            app,
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=1,
-            lifespan="off",
+            lifespan=lifespan,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
         )
 
-    def start(self) -> FakeVllmServer:
+    def start(self) -> UvicornThread:
         self._thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not self._server.started:
             if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("fake vLLM server did not start")
+                raise RuntimeError("uvicorn server did not start")
             time.sleep(0.005)
         return self
 
@@ -455,11 +463,19 @@ class FakeVllmServer:
             self._thread.join(timeout=5)
         self._sock.close()
 
-    def __enter__(self) -> FakeVllmServer:
+    def __enter__(self) -> UvicornThread:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class FakeVllmServer(UvicornThread):
+    """One fake vLLM instance on a free loopback port; ``state`` steers and records it."""
+
+    def __init__(self, state: FakeVllmState | None = None) -> None:
+        self.state = state or FakeVllmState()
+        super().__init__(create_fake_app(self.state), lifespan="off")
 
 
 @contextmanager

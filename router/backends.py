@@ -1,0 +1,47 @@
+"""Runtime state of one upstream vLLM instance (a P or D backend).
+
+Who mutates it: the orchestrator (``in_flight`` around each leg, ``mark_failed`` on connection
+loss) and the health monitor (``healthy``, discovered ``identity``). All mutation happens on the
+router's event loop, so no locking is needed. Policies only read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.config import InstanceConfig, PushIdentity
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass
+class BackendState:
+    config: InstanceConfig
+    role: Role
+    healthy: bool = True
+    in_flight: int = 0
+    discovered_identity: PushIdentity | None = None
+    last_error: str | None = field(default=None)
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def label(self) -> str:
+        return self.config.label
+
+    @property
+    def identity(self) -> PushIdentity | None:
+        """The push identity: configured if given, else the last one discovered."""
+        return self.config.identity or self.discovered_identity
+
+    @property
+    def needs_discovery(self) -> bool:
+        return self.role == "prefill" and self.config.identity is None
+
+    def mark_failed(self, reason: str) -> None:
+        """Take the backend out of rotation until the next successful health check."""
+        self.healthy = False
+        self.last_error = reason

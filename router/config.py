@@ -1,0 +1,151 @@
+"""Router configuration: pydantic models loaded from YAML.
+
+Who calls it: ``disagg-router serve``/``check-config`` (via :func:`load_config`) and tests (which
+build :class:`RouterSettings` directly). Models are frozen; every field is validated, unknown keys
+are rejected, and :class:`ConfigError` names the offending field path (``prefill.instances.0.url``).
+No timeout may be infinite: each is a positive number of seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from router.errors import ConfigError
+
+PolicyName = Literal["round_robin", "least_in_flight"]
+Mode = Literal["push", "pull"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PushIdentity(_Frozen):
+    """A prefill instance's NIXL identity as the decode side needs it (push mode)."""
+
+    engine_id: str = Field(min_length=1)
+    host: str = Field(min_length=1, description="NIXL side-channel host of the P instance")
+    port: int = Field(ge=1, le=65535, description="NIXL side-channel port of the P instance")
+    tp_size: int = Field(default=1, ge=1)
+    pp_size: int = Field(default=1, ge=1)
+
+
+class InstanceConfig(_Frozen):
+    """One vLLM instance; ``identity`` only matters for prefill instances."""
+
+    url: str
+    name: str | None = None
+    identity: PushIdentity | None = None
+    api_key: str | None = Field(default=None, description="sent as Bearer token to this instance")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http(s) URL with a host, e.g. http://127.0.0.1:8100")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError("must be a base URL without path, query or fragment")
+        return value.rstrip("/")
+
+    @property
+    def label(self) -> str:
+        """Stable name used in metrics and logs."""
+        return self.name or self.url
+
+
+class PoolConfig(_Frozen):
+    instances: list[InstanceConfig] = Field(min_length=1)
+    policy: PolicyName = "round_robin"
+
+    @model_validator(mode="after")
+    def _unique(self) -> PoolConfig:
+        labels = [i.label for i in self.instances]
+        if len(set(labels)) != len(labels):
+            raise ValueError("instances must have distinct urls/names")
+        return self
+
+
+class TimeoutsConfig(_Frozen):
+    """Seconds; all finite and positive.
+
+    ``connect``: TCP connect to an instance. ``prefill``: the whole P leg. ``first_token``: from
+    dispatch until D's first token. ``total``: the whole request, end to end. ``health``: one
+    health/discovery probe.
+    """
+
+    connect: float = Field(default=5.0, gt=0)
+    prefill: float = Field(default=120.0, gt=0)
+    first_token: float = Field(default=180.0, gt=0)
+    total: float = Field(default=600.0, gt=0)
+    health: float = Field(default=10.0, gt=0)
+
+
+class HealthConfig(_Frozen):
+    interval: float = Field(default=10.0, gt=0, description="seconds between health checks")
+    discovery_prompt: str = Field(default="ping", min_length=1)
+
+
+class RouterSettings(_Frozen):
+    models: list[str] = Field(min_length=1)
+    mode: Mode = "push"
+    prefill: PoolConfig
+    decode: PoolConfig
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    health: HealthConfig = HealthConfig()
+    api_keys: list[str] = Field(default_factory=list)
+    retry_on_fresh_pair: bool = False
+
+    @field_validator("models")
+    @classmethod
+    def _models_nonempty(cls, value: list[str]) -> list[str]:
+        if any(not m.strip() for m in value):
+            raise ValueError("model names must be non-empty")
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_nonempty(cls, value: list[str]) -> list[str]:
+        if any(not k for k in value):
+            raise ValueError("api keys must be non-empty strings")
+        return value
+
+    @model_validator(mode="after")
+    def _timeouts_consistent(self) -> RouterSettings:
+        t = self.timeouts
+        if t.total < t.first_token or t.total < t.prefill:
+            raise ValueError("timeouts.total must be >= timeouts.first_token and timeouts.prefill")
+        return self
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(p) for p in loc) or "<root>"
+
+
+def settings_from_mapping(data: Any) -> RouterSettings:
+    """Validate a parsed mapping; raise :class:`ConfigError` naming the first offending field."""
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", "config must be a mapping (YAML object)")
+    try:
+        return RouterSettings.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ConfigError(_field_path(tuple(err["loc"])), err["msg"]) from exc
+
+
+def load_config(path: str | Path) -> RouterSettings:
+    """Read and validate a YAML config file; :class:`ConfigError` on any problem."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError("<file>", f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("<file>", f"invalid YAML: {exc}") from exc
+    return settings_from_mapping(data)

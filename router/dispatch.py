@@ -1,0 +1,315 @@
+"""One P/D dispatch: both legs of one attempt, shared by push and pull mode.
+
+Who calls it: :class:`router.orchestrator.Orchestrator`, which chooses the pair and may retry.
+Lifecycle: ``open()`` runs the legs up to the commit point (D's first token, or D's whole answer
+for a non-streamed request); then ``sse_events()`` or ``json_response()`` relays the rest; then
+``close()`` (always, also on errors and disconnects) cancels whatever still runs.
+
+The only difference between the modes is when the D leg may start: in push mode right away with
+P's identity (so D's block registration overlaps prefill); in pull mode after P answered, with
+the ``kv_transfer_params`` P returned. Everything else (timeouts, commit point, relay, usage
+merge, cancellation) is one code path. Every wait is bounded by a configured timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from router.backends import BackendState
+from router.config import PushIdentity, RouterSettings
+from router.errors import (
+    NoBackendAvailable,
+    RouterError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    error_payload,
+)
+from router.ids import new_request_id
+from router.metrics import RouterMetrics
+from router.rewrite import (
+    client_response,
+    decode_body_pull,
+    decode_body_push,
+    identity_from_kv,
+    merge_usage,
+    prefill_body,
+)
+from router.upstream import open_sse, post_json
+from router.validation import ClientRequest
+
+log = logging.getLogger(__name__)
+
+
+class _End:
+    """Queue sentinel: the D leg finished cleanly."""
+
+
+_END = _End()
+DecodeItem = str | dict[str, Any] | RouterError | _End
+
+
+@dataclass(frozen=True)
+class DispatchContext:
+    """What every dispatch of one app shares."""
+
+    settings: RouterSettings
+    client: httpx.AsyncClient
+    metrics: RouterMetrics
+
+
+def sse_error_event(exc: RouterError) -> bytes:
+    """The one SSE event sent when a stream fails after its first byte went out."""
+    return b"data: " + json.dumps(error_payload(exc)).encode() + b"\n\n"
+
+
+class Dispatch:
+    """Both legs of one attempt on one (P, D) pair with one fresh request id."""
+
+    def __init__(
+        self,
+        ctx: DispatchContext,
+        request: ClientRequest,
+        prefill: BackendState,
+        decode: BackendState,
+    ) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.prefill = prefill
+        self.decode = decode
+        self.request_id = new_request_id()
+        self.transfer_id = self.request_id
+        self.started = time.monotonic()
+        self.outcome = "in_progress"
+        self._queue: asyncio.Queue[DecodeItem] = asyncio.Queue()
+        self._p_task: asyncio.Task[dict[str, Any]] | None = None
+        self._d_task: asyncio.Task[None] | None = None
+        self._sent_identity: PushIdentity | None = None
+        self._first: DecodeItem = _END
+
+    # ---- legs -------------------------------------------------------------------------------
+
+    @contextmanager
+    def _track(self, backend: BackendState) -> Iterator[None]:
+        gauge = self.ctx.metrics.in_flight.labels(backend.role, backend.label)
+        backend.in_flight += 1
+        gauge.set(backend.in_flight)
+        try:
+            yield
+        finally:
+            backend.in_flight -= 1
+            gauge.set(backend.in_flight)
+
+    async def _prefill_leg(self) -> dict[str, Any]:
+        """P leg: 1 token, not streamed; returns P's answer after checking its kv params."""
+        t = self.ctx.settings.timeouts
+        body = prefill_body(self.request.body, self.request.chat, self.transfer_id)
+        outcome = "error"
+        start = time.monotonic()
+        try:
+            with self._track(self.prefill):
+                try:
+                    data = await asyncio.wait_for(
+                        post_json(
+                            self.ctx.client,
+                            self.prefill,
+                            "prefill",
+                            self.request.path,
+                            body,
+                            self.request_id,
+                        ),
+                        t.prefill,
+                    )
+                except TimeoutError as exc:
+                    outcome = "timeout"
+                    raise UpstreamTimeout(
+                        "prefill", self.prefill.label, f"no answer within {t.prefill:g}s"
+                    ) from exc
+            self._check_prefill_answer(data)
+            outcome = "ok"
+            return data
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.ctx.metrics.prefill_duration.labels(self.prefill.label, outcome).observe(
+                time.monotonic() - start
+            )
+
+    def _check_prefill_answer(self, data: dict[str, Any]) -> None:
+        kv = data.get("kv_transfer_params")
+        if not isinstance(kv, dict):
+            raise UpstreamProtocolError(
+                "prefill",
+                self.prefill.label,
+                "answer has no kv_transfer_params (is a NIXL KV connector configured?)",
+            )
+        if self._sent_identity is None:
+            return
+        try:
+            answered = identity_from_kv(kv)
+        except ValueError as exc:
+            raise UpstreamProtocolError("prefill", self.prefill.label, str(exc)) from exc
+        if answered.engine_id != self._sent_identity.engine_id:
+            if self.prefill.config.identity is None:
+                self.prefill.discovered_identity = answered
+                self.ctx.metrics.discoveries.labels(self.prefill.label).inc()
+            raise UpstreamProtocolError(
+                "prefill",
+                self.prefill.label,
+                f"engine id changed from {self._sent_identity.engine_id} to "
+                f"{answered.engine_id}; the decode leg was paired with the old one",
+            )
+
+    async def _decode_leg(self) -> None:
+        """D leg: puts SSE payloads (or the one JSON answer), then ``_END`` or an error."""
+        try:
+            body = await self._decode_body()
+            start = time.monotonic()
+            first = self.ctx.metrics.decode_first_token.labels(self.decode.label)
+            args = (self.ctx.client, self.decode, "decode", self.request.path, body)
+            with self._track(self.decode):
+                if self.request.stream:
+                    async with open_sse(*args, self.request_id) as payloads:
+                        async for payload in payloads:
+                            if start:
+                                first.observe(time.monotonic() - start)
+                                start = 0.0
+                            self._queue.put_nowait(payload)
+                else:
+                    answer = await post_json(*args, self.request_id)
+                    first.observe(time.monotonic() - start)
+                    self._queue.put_nowait(answer)
+            self._queue.put_nowait(_END)
+        except RouterError as exc:
+            self._queue.put_nowait(exc)
+
+    async def _decode_body(self) -> dict[str, Any]:
+        if self._sent_identity is not None:
+            return decode_body_push(
+                self.request.body, self._sent_identity, self.request_id, self.transfer_id
+            )
+        assert self._p_task is not None
+        answer = await asyncio.shield(self._p_task)
+        return decode_body_pull(self.request.body, answer["kv_transfer_params"], self.transfer_id)
+
+    # ---- commit point -----------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Start both legs and wait for D's first token (the commit point).
+
+        Raises the failing leg's error if P fails first or D fails before its first token, and
+        :class:`UpstreamTimeout` if the first token does not come in time. The caller must call
+        ``close()`` in every case.
+        """
+        settings = self.ctx.settings
+        if settings.mode == "push":
+            self._sent_identity = self.prefill.identity
+            if self._sent_identity is None:
+                raise NoBackendAvailable(f"prefill {self.prefill.label} has no known identity")
+        self._p_task = asyncio.create_task(self._prefill_leg())
+        self._d_task = asyncio.create_task(self._decode_leg())
+        t = settings.timeouts
+        limit = min(t.first_token, t.total) if self.request.stream else t.total
+        deadline = self.started + limit
+        get = asyncio.create_task(self._queue.get())
+        waiting: set[asyncio.Future[Any]] = {get, self._p_task}
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    leg = "prefill" if not self._p_task.done() else "decode"
+                    backend = self.prefill if leg == "prefill" else self.decode
+                    raise UpstreamTimeout(leg, backend.label, f"no first token within {limit:g}s")
+                done, _ = await asyncio.wait(
+                    waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                if self._p_task in done:
+                    waiting.discard(self._p_task)
+                    p_exc = self._p_task.exception()
+                    if p_exc is not None:
+                        raise p_exc
+                if get in done:
+                    item = get.result()
+                    if isinstance(item, RouterError):
+                        raise item
+                    self._first = item
+                    return
+        finally:
+            get.cancel()
+
+    # ---- relay ------------------------------------------------------------------------------
+
+    async def _prefill_usage(self) -> Any:
+        """P's usage, waiting for P (bounded by the total timeout); None if P failed."""
+        if self._p_task is None:
+            return None
+        left = self.started + self.ctx.settings.timeouts.total - time.monotonic()
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(self._p_task), max(left, 0.0))
+        except (RouterError, TimeoutError):
+            return None
+        return answer.get("usage")
+
+    async def _client_event(self, payload: str) -> bytes:
+        if '"usage"' in payload:
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                chunk = None
+            if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
+                chunk["usage"] = merge_usage(chunk["usage"], await self._prefill_usage())
+                payload = json.dumps(chunk, separators=(",", ":"))
+        return b"data: " + payload.encode() + b"\n\n"
+
+    async def sse_events(self) -> AsyncIterator[bytes]:
+        """Client SSE bytes from the first token on; a later failure ends it with one error event.
+
+        Sets ``outcome``. Never raises :class:`RouterError` (headers are already sent by then).
+        """
+        deadline = self.started + self.ctx.settings.timeouts.total
+        item = self._first
+        while True:
+            if isinstance(item, _End):
+                self.outcome = "ok"
+                yield b"data: [DONE]\n\n"
+                return
+            if isinstance(item, RouterError):
+                self.outcome = "decode_failed_midstream"
+                log.warning("dispatch %s failed mid-stream: %s", self.request_id, item.message)
+                yield sse_error_event(item)
+                return
+            if isinstance(item, str):
+                yield await self._client_event(item)
+            try:
+                item = await asyncio.wait_for(self._queue.get(), deadline - time.monotonic())
+            except TimeoutError:
+                limit = self.ctx.settings.timeouts.total
+                item = UpstreamTimeout("decode", self.decode.label, f"total {limit:g}s exceeded")
+
+    async def json_response(self) -> dict[str, Any]:
+        """The non-streamed answer for the client (after ``open()``), usage merged."""
+        if not isinstance(self._first, dict):
+            raise UpstreamProtocolError("decode", self.decode.label, "unexpected streamed answer")
+        self.outcome = "ok"
+        return client_response(self._first, await self._prefill_usage())
+
+    async def close(self) -> None:
+        """Cancel whatever leg still runs and wait for it to unwind (idempotent)."""
+        tasks = [t for t in (self._d_task, self._p_task) if t is not None]
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        p_result = results[-1] if self._p_task is not None else None
+        if isinstance(p_result, UpstreamError) and self.outcome == "ok":
+            log.warning("dispatch %s: prefill failed after commit: %s", self.request_id, p_result)

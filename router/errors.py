@@ -1,0 +1,157 @@
+"""The router's one exception tree and its translation into OpenAI-style error JSON.
+
+Who raises: config loading, request validation, upstream calls and orchestration. Who translates:
+the app boundary only (:func:`error_payload`), never the code that raises. Upstream transport
+errors are wrapped here with ``raise ... from exc`` by the upstream module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RouterError(Exception):
+    """Base of every error the router raises on purpose."""
+
+    status: int = 500
+    error_type: str = "internal_error"
+    code: str | None = None
+    param: str | None = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(RouterError):
+    """The config file or mapping is invalid; ``field`` is the dotted path of the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.param = field
+
+
+class ClientRequestError(RouterError):
+    """The client's request is malformed (400) or names an unknown model (404)."""
+
+    error_type = "invalid_request_error"
+
+    def __init__(
+        self, message: str, param: str | None, status: int = 400, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+class AuthenticationError(RouterError):
+    status = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NoBackendAvailable(RouterError):
+    """No usable instance in a pool (all unhealthy, or no known push identity)."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+
+class UpstreamError(RouterError):
+    """A P or D leg failed. ``leg`` is ``prefill`` or ``decode``; ``backend`` its label.
+
+    ``retryable`` says whether retrying the request on a fresh pair may succeed.
+    """
+
+    status = 502
+    error_type = "upstream_error"
+    retryable = True
+
+    def __init__(self, leg: str, backend: str, message: str) -> None:
+        super().__init__(f"{leg} instance {backend}: {message}")
+        self.leg = leg
+        self.backend = backend
+
+
+class UpstreamUnavailable(UpstreamError):
+    """Could not connect, or the connection broke."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+
+class UpstreamTimeout(UpstreamError):
+    """A bounded wait (prefill, first token, total, connect) ran out."""
+
+    status = 504
+    error_type = "timeout"
+
+
+class UpstreamHTTPError(UpstreamError):
+    """The instance answered with an HTTP error; 4xx are the client's fault and not retried."""
+
+    def __init__(self, leg: str, backend: str, status: int, detail: Any) -> None:
+        message = _upstream_message(detail) or f"HTTP {status}"
+        super().__init__(leg, backend, message)
+        self.upstream_status = status
+        if 400 <= status < 500:
+            self.status = status
+            self.error_type = "invalid_request_error"
+            self.retryable = False
+            self.message = message
+        else:
+            self.status = 502
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The instance answered something the router cannot use (bad JSON, missing fields)."""
+
+
+def _upstream_message(detail: Any) -> str | None:
+    if isinstance(detail, dict):
+        err = detail.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])
+        if isinstance(detail.get("message"), str):
+            return str(detail["message"])
+    if isinstance(detail, str) and detail:
+        return detail[:500]
+    return None
+
+
+def error_payload(exc: RouterError) -> dict[str, Any]:
+    """OpenAI-style error body for ``exc``: ``{"error": {message, type, param, code}}``."""
+    return {
+        "error": {
+            "message": exc.message,
+            "type": exc.error_type,
+            "param": exc.param,
+            "code": exc.code if exc.code is not None else exc.status,
+        }
+    }
+
+
+class ClientDisconnected(RouterError):
+    """The client went away before the answer was ready; nobody reads this error."""
+
+    status = 499
+    error_type = "client_closed_request"
+
+
+def outcome_label(exc: RouterError) -> str:
+    """The ``outcome`` metric label for a request that ended with ``exc``."""
+    if isinstance(exc, UpstreamHTTPError) and not exc.retryable:
+        return "upstream_rejected"
+    if isinstance(exc, UpstreamTimeout):
+        return f"{exc.leg}_timeout"
+    if isinstance(exc, UpstreamError):
+        return f"{exc.leg}_failed"
+    labels: dict[type[RouterError], str] = {
+        ClientRequestError: "invalid_request",
+        AuthenticationError: "unauthorized",
+        NoBackendAvailable: "no_backend",
+        ClientDisconnected: "client_disconnected",
+    }
+    return labels.get(type(exc), "error")

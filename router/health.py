@@ -1,0 +1,103 @@
+"""Periodic health checks and prefill identity discovery.
+
+Who calls it: the app lifespan (one :class:`HealthMonitor` per app): ``check_all()`` once at
+start, then ``run()`` as a background task until shutdown. Each probe is bounded by
+``timeouts.health``; a failed probe takes the backend out of rotation, a passing one puts it back.
+
+Discovery (push mode, prefill instances without a configured identity): a 1-token prefill probe
+with ``do_remote_decode: true`` makes vLLM answer with ``kv_transfer_params`` carrying its engine
+id, side-channel host/port, tp and pp size. This runs on every check, so a P restarted with a new
+engine id is re-learned. Cost: P keeps the probe's few KV blocks until its lease expires, since no
+decode ever fetches them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from router.backends import BackendState
+from router.config import PushIdentity, RouterSettings
+from router.errors import UpstreamError
+from router.ids import new_request_id
+from router.metrics import RouterMetrics
+from router.pools import Pool
+from router.rewrite import identity_from_kv, prefill_body
+from router.upstream import leg_headers, post_json
+
+log = logging.getLogger(__name__)
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        client: httpx.AsyncClient,
+        pools: list[Pool],
+        metrics: RouterMetrics,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.pools = pools
+        self.metrics = metrics
+
+    async def probe_identity(self, backend: BackendState) -> PushIdentity:
+        """Ask a prefill instance who it is; raises ``UpstreamError`` or ``ValueError``."""
+        rid = new_request_id()
+        body = prefill_body(
+            {"model": self.settings.models[0], "prompt": self.settings.health.discovery_prompt},
+            chat=False,
+            transfer_id=rid,
+        )
+        answer = await post_json(self.client, backend, "prefill", "/v1/completions", body, rid)
+        kv = answer.get("kv_transfer_params")
+        if not isinstance(kv, dict):
+            raise ValueError("probe answer has no kv_transfer_params")
+        return identity_from_kv(kv)
+
+    async def _check(self, backend: BackendState) -> None:
+        resp = await self.client.get(
+            backend.url + "/health", headers=leg_headers(backend, new_request_id())
+        )
+        if resp.status_code != 200:
+            raise ValueError(f"/health answered {resp.status_code}")
+        if self.settings.mode == "push" and backend.needs_discovery:
+            identity = await self.probe_identity(backend)
+            if identity != backend.discovered_identity:
+                log.info(
+                    "prefill %s identity: %s (was %s)",
+                    backend.label,
+                    identity,
+                    backend.discovered_identity,
+                )
+                backend.discovered_identity = identity
+                self.metrics.discoveries.labels(backend.label).inc()
+
+    async def check(self, backend: BackendState) -> bool:
+        """One bounded health check (and discovery); updates ``backend.healthy``."""
+        try:
+            await asyncio.wait_for(self._check(backend), self.settings.timeouts.health)
+        except (httpx.HTTPError, UpstreamError, ValueError, TimeoutError) as exc:
+            if backend.healthy:
+                log.warning("%s %s unhealthy: %r", backend.role, backend.label, exc)
+            backend.healthy = False
+            backend.last_error = repr(exc)
+        else:
+            if not backend.healthy:
+                log.info("%s %s healthy again", backend.role, backend.label)
+            backend.healthy = True
+            backend.last_error = None
+        self.metrics.healthy.labels(backend.role, backend.label).set(1 if backend.healthy else 0)
+        return backend.healthy
+
+    async def check_all(self) -> None:
+        """Check every backend of every pool concurrently."""
+        await asyncio.gather(*(self.check(b) for pool in self.pools for b in pool.backends))
+
+    async def run(self) -> None:
+        """Check forever, every ``health.interval`` seconds (cancel to stop)."""
+        while True:
+            await asyncio.sleep(self.settings.health.interval)
+            await self.check_all()

@@ -1,0 +1,24 @@
+"""Request ids for one P/D dispatch.
+
+vLLM appends ``-<8 hex>`` to every external request id and strips exactly such a suffix again when
+it matches a decode registration with a finished prefill (push mode). An id that itself ended in
+``-<8 hex>`` could therefore collide after stripping. Ours are 32 lowercase hex characters with no
+dash at all, fresh per dispatch (a retry on a fresh pair gets a fresh id).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def new_request_id() -> str:
+    """A fresh dispatch id: ``uuid4().hex`` (32 hex chars, never ends in ``-<8 hex>``)."""
+    return uuid.uuid4().hex
+
+
+def is_safe_request_id(value: str) -> bool:
+    """True when vLLM's suffix stripping cannot alter ``value``."""
+    return bool(value) and _VLLM_SUFFIX.search(value) is None

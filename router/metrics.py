@@ -1,0 +1,87 @@
+"""Prometheus metrics of one router app, created once against a registry passed in.
+
+Who calls it: ``create_app`` builds one :class:`RouterMetrics` per app (so tests can run several
+apps in one process); the orchestrator and health monitor record into it; ``/metrics`` renders the
+registry. Nothing here is module-global.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+
+class RouterMetrics:
+    """All router metrics; names are prefixed ``disagg_router_``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "disagg_router_requests",
+            "Client generation requests by mode, endpoint and outcome",
+            ["mode", "endpoint", "outcome"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "disagg_router_ttft_seconds",
+            "Router-observed time to first token: request accepted to first byte sent",
+            ["mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_duration = Histogram(
+            "disagg_router_prefill_leg_seconds",
+            "Duration of the prefill leg by backend and outcome",
+            ["backend", "outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.decode_first_token = Histogram(
+            "disagg_router_decode_first_token_seconds",
+            "Time from dispatch of the decode leg to its first token (or whole answer)",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "disagg_router_backend_in_flight",
+            "Legs currently in flight per backend",
+            ["role", "backend"],
+            registry=registry,
+        )
+        self.healthy = Gauge(
+            "disagg_router_backend_healthy",
+            "1 if the backend passed its last health check",
+            ["role", "backend"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "disagg_router_retries",
+            "Dispatches retried on a fresh P/D pair",
+            registry=registry,
+        )
+        self.discoveries = Counter(
+            "disagg_router_identity_changes",
+            "Prefill identities learned or changed by discovery",
+            ["backend"],
+            registry=registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,132 @@
+"""HTTP calls to one upstream vLLM instance, with httpx errors translated into ours.
+
+Who calls it: the dispatch (P and D legs) and the health monitor. Uses the app's one shared
+``httpx.AsyncClient``; streams are always closed (context manager). A failed connect marks the
+backend failed so the next dispatch avoids it until a health check passes again.
+Raises only :class:`router.errors.UpstreamError` subclasses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from router.backends import BackendState
+from router.errors import (
+    UpstreamError,
+    UpstreamHTTPError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+SSE_DONE = "[DONE]"
+
+
+def leg_headers(backend: BackendState, request_id: str) -> dict[str, str]:
+    """Headers for one leg: the dispatch id as ``X-Request-Id``, plus the instance's API key."""
+    headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+    if backend.config.api_key:
+        headers["Authorization"] = f"Bearer {backend.config.api_key}"
+    return headers
+
+
+def _translate(exc: httpx.HTTPError, leg: str, backend: BackendState) -> UpstreamError:
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        backend.mark_failed(f"connect failed: {exc!r}")
+        if isinstance(exc, httpx.ConnectTimeout):
+            return UpstreamTimeout(leg, backend.label, "connect timed out")
+        return UpstreamUnavailable(leg, backend.label, "connection refused or unreachable")
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(leg, backend.label, f"timed out ({type(exc).__name__})")
+    return UpstreamUnavailable(leg, backend.label, f"connection lost ({type(exc).__name__})")
+
+
+def _detail(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+async def post_json(
+    client: httpx.AsyncClient,
+    backend: BackendState,
+    leg: str,
+    path: str,
+    body: dict[str, Any],
+    request_id: str,
+) -> dict[str, Any]:
+    """POST ``body`` and return the JSON object answered; HTTP errors raise."""
+    try:
+        resp = await client.post(
+            backend.url + path, content=_encode(body), headers=leg_headers(backend, request_id)
+        )
+    except httpx.HTTPError as exc:
+        raise _translate(exc, leg, backend) from exc
+    if resp.status_code >= 400:
+        raise UpstreamHTTPError(leg, backend.label, resp.status_code, _detail(resp))
+    try:
+        data = resp.json()
+    except ValueError as exc:
+        raise UpstreamProtocolError(leg, backend.label, "answer is not JSON") from exc
+    if not isinstance(data, dict):
+        raise UpstreamProtocolError(leg, backend.label, "answer is not a JSON object")
+    return data
+
+
+@asynccontextmanager
+async def open_sse(
+    client: httpx.AsyncClient,
+    backend: BackendState,
+    leg: str,
+    path: str,
+    body: dict[str, Any],
+    request_id: str,
+) -> AsyncIterator[AsyncIterator[str]]:
+    """POST a streamed request; yields an iterator over SSE ``data:`` payloads (closed on exit).
+
+    The iterator stops after ``[DONE]`` (not yielded); a stream that ends without it, or breaks,
+    raises an :class:`UpstreamError`.
+    """
+    request = client.build_request(
+        "POST", backend.url + path, content=_encode(body), headers=leg_headers(backend, request_id)
+    )
+    try:
+        resp = await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        raise _translate(exc, leg, backend) from exc
+    try:
+        if resp.status_code >= 400:
+            try:
+                await resp.aread()
+            except httpx.HTTPError as exc:
+                raise _translate(exc, leg, backend) from exc
+            raise UpstreamHTTPError(leg, backend.label, resp.status_code, _detail(resp))
+        yield _sse_payloads(resp, leg, backend)
+    finally:
+        await resp.aclose()
+
+
+async def _sse_payloads(
+    resp: httpx.Response, leg: str, backend: BackendState
+) -> AsyncIterator[str]:
+    try:
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == SSE_DONE:
+                return
+            yield payload
+    except httpx.HTTPError as exc:
+        raise _translate(exc, leg, backend) from exc
+    raise UpstreamUnavailable(leg, backend.label, "stream ended before [DONE]")

@@ -1,0 +1,106 @@
+"""Validation of client requests before any upstream traffic.
+
+Who calls it: the app, on the raw body of ``/v1/completions`` and ``/v1/chat/completions``.
+It checks only what the router itself relies on (JSON object, model, prompt/messages, stream,
+token limits, ``n``); everything else is left for vLLM to judge (its 4xx is passed through).
+Raises :class:`ClientRequestError` naming the offending field; never returns a partial result.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from router.errors import ClientRequestError
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    """A validated generation request. ``body`` is the parsed JSON (not to be mutated)."""
+
+    body: dict[str, Any]
+    chat: bool
+    stream: bool
+    model: str
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
+def _check_prompt(prompt: Any) -> None:
+    """One prompt: a string, token ids, or a one-element batch of either."""
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        return
+    one = isinstance(prompt, list) and len(prompt) == 1
+    if one and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
+        return
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ClientRequestError(
+            "only one prompt per request is supported in disaggregated mode", "prompt"
+        )
+    raise ClientRequestError(
+        "prompt must be a string, a list of token ids, or a one-element list of either", "prompt"
+    )
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ClientRequestError("messages must be a non-empty array", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ClientRequestError(
+                "each message must be an object with a string role", f"messages.{i}"
+            )
+
+
+def parse_client_request(raw: bytes, chat: bool, models: Collection[str]) -> ClientRequest:
+    """Parse and check one request body; :class:`ClientRequestError` on the first problem."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ClientRequestError(f"request body is not valid JSON: {exc}", None) from exc
+    if not isinstance(body, dict):
+        raise ClientRequestError("request body must be a JSON object", None)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ClientRequestError("model is required and must be a string", "model")
+    if model not in models:
+        raise ClientRequestError(
+            f"The model `{model}` does not exist.", "model", status=404, code="model_not_found"
+        )
+    if chat:
+        _check_messages(body.get("messages"))
+    elif "prompt" not in body:
+        raise ClientRequestError("prompt is required", "prompt")
+    else:
+        _check_prompt(body["prompt"])
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ClientRequestError("stream must be a boolean", "stream")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ClientRequestError(f"{key} must be an integer >= 1", key)
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise ClientRequestError("only n=1 is supported in disaggregated mode", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise ClientRequestError("only best_of=1 is supported in disaggregated mode", "best_of")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ClientRequestError("stream_options must be an object", "stream_options")
+    return ClientRequest(body=body, chat=chat, stream=stream, model=model)

@@ -1,0 +1,38 @@
+"""Fixtures for router integration tests: fake vLLM instances on loopback, reset per test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from router_fixtures import MODEL
+
+from router.devstack.fake_vllm import FakeVllmServer, FakeVllmState, PushIdentity
+
+
+@pytest.fixture(scope="module")
+def fakes() -> Iterator[dict[str, FakeVllmServer]]:
+    """Three fakes shared by a module: two prefill (p0, p1) and one decode (d0)."""
+    servers = {
+        "p0": FakeVllmServer(
+            FakeVllmState(MODEL, identity=PushIdentity(engine_id="engine-p0", port=5600))
+        ),
+        "p1": FakeVllmServer(
+            FakeVllmState(MODEL, identity=PushIdentity(engine_id="engine-p1", port=5601))
+        ),
+        "d0": FakeVllmServer(FakeVllmState(MODEL)),
+        "d1": FakeVllmServer(FakeVllmState(MODEL)),
+    }
+    for server in servers.values():
+        server.start()
+    yield servers
+    for server in servers.values():
+        server.stop()
+
+
+@pytest.fixture
+def fake(fakes: dict[str, FakeVllmServer]) -> dict[str, FakeVllmServer]:
+    """The shared fakes, reset (no records, default behaviour) for this test."""
+    for server in fakes.values():
+        server.state.reset()
+    return fakes

@@ -1,0 +1,67 @@
+"""Helpers for router integration tests: settings, a running router, SSE parsing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from router.app import create_app
+from router.config import RouterSettings, settings_from_mapping
+from router.devstack.fake_vllm import UvicornThread
+
+MODEL = "fake-model"
+
+
+def make_settings(
+    prefill: list[str],
+    decode: list[str],
+    mode: str = "push",
+    identities: dict[str, dict[str, Any]] | None = None,
+    **extra: Any,
+) -> RouterSettings:
+    """Settings for the given instance URLs; ``identities`` maps a prefill URL to its identity."""
+    identities = identities or {}
+    data: dict[str, Any] = {
+        "models": [MODEL],
+        "mode": mode,
+        "prefill": {
+            "instances": [
+                {"url": u, **({"identity": identities[u]} if u in identities else {})}
+                for u in prefill
+            ]
+        },
+        "decode": {"instances": [{"url": u} for u in decode]},
+        "health": {"interval": 3600},
+        **extra,
+    }
+    return settings_from_mapping(data)
+
+
+@contextmanager
+def running_router(settings: RouterSettings) -> Iterator[UvicornThread]:
+    """A router app for ``settings`` served on a free loopback port."""
+    server = UvicornThread(create_app(settings))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def sse_payloads(text: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body, in order."""
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def sse_text(text: str, chat: bool) -> str:
+    """The generated text carried by an SSE body (completions or chat chunks)."""
+    out = []
+    for payload in sse_payloads(text):
+        if payload == "[DONE]":
+            continue
+        chunk = json.loads(payload)
+        for choice in chunk.get("choices", []):
+            out.append(choice["delta"].get("content", "") if chat else choice["text"])
+    return "".join(out)

@@ -1,0 +1,224 @@
+"""Push mode against fake vLLM instances on loopback: exact legs, concurrency, usage, pairing."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+from router_fixtures import MODEL, make_settings, running_router, sse_payloads, sse_text
+
+from router.devstack.fake_vllm import FakeBehavior, FakeVllmServer, RecordedRequest
+
+HEX_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _only(server: FakeVllmServer) -> RecordedRequest:
+    [rec] = server.state.generation_requests()
+    return rec
+
+
+def _static(server: FakeVllmServer) -> dict[str, dict[str, object]]:
+    ident = server.state.identity
+    return {server.url: {"engine_id": ident.engine_id, "host": ident.host, "port": ident.port}}
+
+
+def test_stream_completion_sends_exact_legs(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    settings = make_settings([p.url], [d.url], identities=_static(p))
+    body = {
+        "model": MODEL,
+        "prompt": "one two three",
+        "max_tokens": 3,
+        "stream": True,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "evil"},
+    }
+    with running_router(settings) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert sse_payloads(resp.text)[-1] == "[DONE]"
+    assert sse_text(resp.text, chat=False) == " tok0 tok1 tok2"
+
+    p_rec, d_rec = _only(p), _only(d)
+    rid = p_rec.headers["x-request-id"]
+    assert HEX_ID.match(rid)
+    assert d_rec.headers["x-request-id"] == rid
+    assert p_rec.path == d_rec.path == "/v1/completions"
+    client_fields = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    assert p_rec.body == {
+        **client_fields,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": rid,
+        },
+    }
+    assert d_rec.body == {
+        **client_fields,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "engine-p0",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "pp_size": 1,
+            "remote_request_id": rid,
+            "transfer_id": rid,
+        },
+    }
+
+
+def test_legs_run_concurrently(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    p.state.behavior.prefill_delay_s = 0.4
+    settings = make_settings([p.url], [d.url], identities=_static(p))
+    with running_router(settings) as router:
+        resp = httpx.post(
+            f"{router.url}/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True},
+            timeout=10,
+        )
+    assert resp.status_code == 200
+    p_rec, d_rec = _only(p), _only(d)
+    assert p_rec.finished_at is not None
+    # D's leg arrived while P was still prefilling: registration overlaps prefill.
+    assert d_rec.received_at < p_rec.finished_at
+    assert d_rec.received_at - p_rec.received_at < 0.3
+
+
+def test_chat_non_stream_caps_prefill_and_merges_usage(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    p.state.behavior.prompt_cached_tokens = 1
+    settings = make_settings([p.url], [d.url], identities=_static(p))
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello there friend"}],
+        "max_completion_tokens": 4,
+        "stream_options": None,
+    }
+    with running_router(settings) as router:
+        resp = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=10)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert "kv_transfer_params" not in data
+    assert data["choices"][0]["message"]["content"] == " tok0 tok1 tok2 tok3"
+    # prompt and cached counts come from P (D counts the transferred prompt as cached).
+    assert data["usage"]["prompt_tokens"] == 3
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 1
+    assert data["usage"]["completion_tokens"] == 4
+    assert data["usage"]["total_tokens"] == 7
+    p_body = _only(p).body
+    assert p_body["max_tokens"] == 1
+    assert p_body["max_completion_tokens"] == 1
+    assert "stream_options" not in p_body
+    assert _only(d).body["max_completion_tokens"] == 4
+    assert resp.headers["x-request-id"] == _only(d).headers["x-request-id"]
+
+
+def test_stream_usage_chunk_is_merged(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    settings = make_settings([p.url], [d.url], identities=_static(p))
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a b"}],
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with running_router(settings) as router:
+        resp = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=10)
+    chunks = [json.loads(x) for x in sse_payloads(resp.text) if x != "[DONE]"]
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage == [
+        {
+            "prompt_tokens": 2,
+            "total_tokens": 4,
+            "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+    ]
+    assert sse_text(resp.text, chat=True) == " tok0 tok1"
+
+
+def test_two_prefills_each_pair_with_the_right_identity(fake: dict[str, FakeVllmServer]) -> None:
+    """2P1D with discovered identities: every D leg names the P that prefilled it."""
+    p0, p1, d = fake["p0"], fake["p1"], fake["d0"]
+    settings = make_settings([p0.url, p1.url], [d.url])
+    with running_router(settings) as router:
+        for _ in range(6):
+            resp = httpx.post(
+                f"{router.url}/v1/completions",
+                json={"model": MODEL, "prompt": "go", "max_tokens": 1},
+                timeout=10,
+            )
+            assert resp.status_code == 200, resp.text
+    engine_of_rid = {}
+    for server in (p0, p1):
+        for rec in server.state.generation_requests():
+            engine_of_rid[rec.headers["x-request-id"]] = server.state.identity.engine_id
+    d_legs = d.state.generation_requests()
+    assert len(d_legs) == 6
+    used = set()
+    for rec in d_legs:
+        kv = rec.body["kv_transfer_params"]
+        assert kv["remote_engine_id"] == engine_of_rid[rec.headers["x-request-id"]]
+        used.add(kv["remote_engine_id"])
+    assert used == {"engine-p0", "engine-p1"}
+
+
+def test_periodic_check_rediscovers_a_restarted_prefill(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    settings = make_settings([p.url], [d.url], health={"interval": 0.1})
+    req = {"model": MODEL, "prompt": "go", "max_tokens": 1}
+    try:
+        with running_router(settings) as router:
+            assert httpx.post(f"{router.url}/v1/completions", json=req, timeout=10).is_success
+            p.state.identity.engine_id = "engine-p0-restarted"
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                metrics = httpx.get(f"{router.url}/metrics").text
+                if "disagg_router_identity_changes_total" in metrics and re.search(
+                    r'identity_changes_total\{backend="[^"]+"\} 2\.0', metrics
+                ):
+                    break
+                time.sleep(0.05)
+            assert httpx.post(f"{router.url}/v1/completions", json=req, timeout=10).is_success
+    finally:
+        p.state.identity.engine_id = "engine-p0"
+    engines = [
+        r.body["kv_transfer_params"]["remote_engine_id"] for r in d.state.generation_requests()
+    ]
+    assert engines == ["engine-p0", "engine-p0-restarted"]
+
+
+def test_changed_engine_id_seen_on_prefill_answer_fails_fast(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    """P answers with an engine id other than the one D was paired with: D is cancelled, the
+    client gets a clean error at once, and the next request uses the new identity."""
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(prefill_delay_s=5)  # D waits for KV that never comes
+    settings = make_settings([p.url], [d.url])
+    req = {"model": MODEL, "prompt": "go", "max_tokens": 1}
+    try:
+        with running_router(settings) as router:
+            p.state.identity.engine_id = "engine-p0-new"
+            start = time.monotonic()
+            first = httpx.post(f"{router.url}/v1/completions", json=req, timeout=10)
+            assert time.monotonic() - start < 3
+            assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+            d.state.behavior = FakeBehavior()
+            second = httpx.post(f"{router.url}/v1/completions", json=req, timeout=10)
+    finally:
+        p.state.identity.engine_id = "engine-p0"
+    assert first.status_code == 502
+    assert "engine id changed" in first.json()["error"]["message"]
+    assert second.status_code == 200
+    last = d.state.generation_requests()[-1]
+    assert last.body["kv_transfer_params"]["remote_engine_id"] == "engine-p0-new"
