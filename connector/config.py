@@ -1,0 +1,64 @@
+"""Connector settings parsed from ``kv_connector_extra_config`` (vLLM-independent).
+
+Who calls it: the facade (once per role) and the transfer-core tests. Every failure path has a
+bound here; nothing in the connector waits without one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """An extra-config field has a bad value; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Bounds and addresses of one connector instance (P or D)."""
+
+    side_channel_host: str = "127.0.0.1"
+    """Where P's side channel (registrations, cancels, pings) listens; D connects to the params'."""
+    side_channel_port: int = 5600
+    """P's side-channel port, advertised as ``remote_port`` in its kv_transfer_params."""
+    transfer_timeout_s: float = 30.0
+    """D: a registered transfer that is neither done nor failed after this long fails."""
+    connect_timeout_s: float = 2.0
+    """D: bound on one side-channel request (connect + reply)."""
+    liveness_interval_s: float = 0.5
+    """D: how often D pings a P it waits on; two failed pings in a row fail its transfers."""
+    lease_s: float = 30.0
+    """P: a finished prefill whose D never registers is freed after this long."""
+    registration_ttl_s: float = 30.0
+    """P: a registration whose prefill never finishes gets a fail notification after this long."""
+    max_inflight_s: float = 20.0
+    """Both: a WRITE not complete after this long is treated as failed (handle released)."""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
+        """Build from vLLM's ``kv_connector_extra_config``; unknown keys are ignored."""
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            if field.name not in extra:
+                continue
+            raw = extra[field.name]
+            try:
+                if field.type in ("float", float):
+                    value: Any = float(raw)
+                    if value <= 0:
+                        raise ValueError("must be > 0")
+                elif field.type in ("int", int):
+                    value = int(raw)
+                    if not 0 <= value < 65536:
+                        raise ValueError("must be a port number")
+                else:
+                    value = str(raw)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(
+                    f"kv_connector_extra_config.{field.name}: invalid value {raw!r} ({exc})"
+                ) from exc
+            values[field.name] = value
+        return cls(**values)

@@ -1,0 +1,208 @@
+"""Versioned wire protocol between D and P (vLLM-independent, no NIXL).
+
+Two carriers:
+
+* **Side channel** (TCP to P, length-prefixed JSON frames, one request and one reply per
+  connection): ``register`` (D -> P: D's NIXL agent metadata, memory layout, block ids),
+  ``cancel`` (D -> P: D gives up; P answers whether a WRITE can still land) and ``ping``.
+* **NIXL notifications** (P -> D): ``done`` rides on the WRITE itself (NIXL delivers it only
+  after the data has landed), ``failed`` is sent with ``send_notif``.
+
+Every message carries ``"v": PROTOCOL_VERSION``; a peer speaking another version is rejected
+with :class:`ProtocolError` naming both versions.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+PROTOCOL_VERSION = 1
+NOTIF_PREFIX = b"DPC1:"
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """A message is malformed or speaks an unknown protocol version."""
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """One registered memory region holding ``num_blocks`` equally sized KV blocks."""
+
+    addr: int
+    block_stride: int
+    block_bytes: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """The KV memory layout of one worker; P and D must agree on region count and block bytes."""
+
+    regions: tuple[RegionSpec, ...]
+    blocks_per_logical: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "regions": [asdict(r) for r in self.regions],
+            "blocks_per_logical": self.blocks_per_logical,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any) -> LayoutSpec:
+        try:
+            regions = tuple(RegionSpec(**r) for r in raw["regions"])
+            return cls(regions=regions, blocks_per_logical=int(raw["blocks_per_logical"]))
+        except (KeyError, TypeError) as exc:
+            raise ProtocolError(f"bad layout: {exc}") from exc
+
+    def compatible_with(self, other: LayoutSpec) -> str | None:
+        """``None`` if a block of ``self`` can be written into ``other``; else why not."""
+        if len(self.regions) != len(other.regions):
+            return f"region count differs: {len(self.regions)} vs {len(other.regions)}"
+        if self.blocks_per_logical != other.blocks_per_logical:
+            return "physical blocks per logical block differ"
+        for i, (a, b) in enumerate(zip(self.regions, other.regions, strict=True)):
+            if a.block_bytes != b.block_bytes:
+                return f"region {i} block bytes differ: {a.block_bytes} vs {b.block_bytes}"
+        return None
+
+
+@dataclass(frozen=True)
+class Registration:
+    """D -> P: "write the prompt KV of ``transfer_key`` into these blocks of mine"."""
+
+    transfer_key: str
+    d_request_id: str
+    p_engine_id: str
+    d_agent_name: str
+    d_agent_metadata: bytes
+    d_layout: LayoutSpec
+    block_ids: tuple[tuple[int, ...], ...]
+    """D's destination block ids per KV group (only the blocks D lacks)."""
+    first_block: int
+    """Index in P's block list of the first block to write (D's prefix-cache hit, in blocks)."""
+    budget_s: float
+    """How long D will wait; P never *starts* a WRITE after this (from receipt)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """P -> D answer on the side channel."""
+
+    status: Literal["accepted", "failed", "cancelled", "in_flight", "unknown", "pong"]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Notification:
+    """P -> D over NIXL: a transfer finished (``done``) or will never happen (``failed``)."""
+
+    kind: Literal["done", "failed"]
+    transfer_key: str
+    d_request_id: str
+    reason: str = ""
+
+
+def _check_version(obj: Any) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ProtocolError("message is not a JSON object")
+    version = obj.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {version!r} (this peer speaks {PROTOCOL_VERSION})"
+        )
+    return obj
+
+
+def encode_request(kind: str, body: dict[str, Any]) -> bytes:
+    return json.dumps({"v": PROTOCOL_VERSION, "type": kind, **body}).encode()
+
+
+def encode_registration(reg: Registration) -> bytes:
+    return encode_request(
+        "register",
+        {
+            "transfer_key": reg.transfer_key,
+            "d_request_id": reg.d_request_id,
+            "p_engine_id": reg.p_engine_id,
+            "d_agent_name": reg.d_agent_name,
+            "d_agent_metadata": base64.b64encode(reg.d_agent_metadata).decode(),
+            "d_layout": reg.d_layout.to_json(),
+            "block_ids": [list(g) for g in reg.block_ids],
+            "first_block": reg.first_block,
+            "budget_s": reg.budget_s,
+        },
+    )
+
+
+def decode_request(data: bytes) -> tuple[str, dict[str, Any]]:
+    """Decode a side-channel request into ``(type, body)``; raises :class:`ProtocolError`."""
+    try:
+        obj = _check_version(json.loads(data))
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"not JSON: {exc}") from exc
+    kind = obj.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError("missing message type")
+    return kind, obj
+
+
+def registration_from_body(body: dict[str, Any]) -> Registration:
+    try:
+        return Registration(
+            transfer_key=str(body["transfer_key"]),
+            d_request_id=str(body["d_request_id"]),
+            p_engine_id=str(body["p_engine_id"]),
+            d_agent_name=str(body["d_agent_name"]),
+            d_agent_metadata=base64.b64decode(body["d_agent_metadata"]),
+            d_layout=LayoutSpec.from_json(body["d_layout"]),
+            block_ids=tuple(tuple(int(b) for b in g) for g in body["block_ids"]),
+            first_block=int(body["first_block"]),
+            budget_s=float(body["budget_s"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad registration: {exc!r}") from exc
+
+
+def encode_reply(reply: Reply) -> bytes:
+    return json.dumps(
+        {"v": PROTOCOL_VERSION, "status": reply.status, "reason": reply.reason}
+    ).encode()
+
+
+def decode_reply(data: bytes) -> Reply:
+    try:
+        obj = _check_version(json.loads(data))
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"reply is not JSON: {exc}") from exc
+    status = obj.get("status")
+    if status not in ("accepted", "failed", "cancelled", "in_flight", "unknown", "pong"):
+        raise ProtocolError(f"unknown reply status {status!r}")
+    return Reply(status=status, reason=str(obj.get("reason", "")))
+
+
+def encode_notification(note: Notification) -> bytes:
+    return NOTIF_PREFIX + json.dumps({"v": PROTOCOL_VERSION, **asdict(note)}).encode()
+
+
+def decode_notification(data: bytes) -> Notification:
+    """Decode a NIXL notification; raises :class:`ProtocolError` for foreign or bad ones."""
+    if not data.startswith(NOTIF_PREFIX):
+        raise ProtocolError(f"not a connector notification: {data[:16]!r}")
+    try:
+        obj = _check_version(json.loads(data[len(NOTIF_PREFIX) :]))
+        kind = obj["kind"]
+        if kind not in ("done", "failed"):
+            raise ProtocolError(f"unknown notification kind {kind!r}")
+        return Notification(
+            kind=kind,
+            transfer_key=str(obj["transfer_key"]),
+            d_request_id=str(obj["d_request_id"]),
+            reason=str(obj.get("reason", "")),
+        )
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ProtocolError(f"bad notification: {exc!r}") from exc

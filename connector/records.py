@@ -1,0 +1,23 @@
+"""Per-transfer observations shared by both sides of the transfer core (pure Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished (or failed) transfer as seen by P (``writer``) or D (``receiver``)."""
+
+    side: Literal["writer", "receiver"]
+    transfer_key: str
+    request_id: str
+    ok: bool
+    num_blocks: int = 0
+    num_bytes: int = 0
+    write_s: float = 0.0
+    """P: WRITE post -> completion. D: 0."""
+    registration_to_write_s: float = 0.0
+    """P: registration received -> WRITE completed. D: registration sent -> done notification."""
+    reason: str = ""

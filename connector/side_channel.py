@@ -1,0 +1,89 @@
+"""P's side channel: a tiny threaded TCP server with length-prefixed frames (stdlib only).
+
+One request frame and one reply frame per connection. The handler runs on the server's
+connection thread and must answer quickly (it only takes a lock and updates dicts).
+"""
+
+from __future__ import annotations
+
+import socket
+import socketserver
+import struct
+import threading
+from collections.abc import Callable
+
+from connector.protocol import MAX_FRAME_BYTES, ProtocolError
+
+_HEADER = struct.Struct("!I")
+
+
+class SideChannelError(ConnectionError):
+    """The peer could not be reached or answered nothing usable within the bound."""
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise SideChannelError("connection closed mid-frame")
+        buf += chunk
+    return bytes(buf)
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if length > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+    return _recv_exact(sock, length)
+
+
+def request(host: str, port: int, payload: bytes, timeout_s: float) -> bytes:
+    """Send one frame to ``host:port`` and return the reply frame; bounded by ``timeout_s``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            send_frame(sock, payload)
+            return recv_frame(sock)
+    except OSError as exc:
+        raise SideChannelError(f"side channel {host}:{port}: {exc}") from exc
+
+
+class SideChannelServer:
+    """Serves ``handler(request_bytes) -> reply_bytes`` on ``host:port`` (port 0: ephemeral)."""
+
+    def __init__(self, host: str, port: int, handler: Callable[[bytes], bytes]) -> None:
+        outer_handler = handler
+
+        class _Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                sock: socket.socket = self.request
+                sock.settimeout(10.0)
+                try:
+                    data = recv_frame(sock)
+                    send_frame(sock, outer_handler(data))
+                except (OSError, ProtocolError, SideChannelError):
+                    return
+
+        class _Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self._server = _Server((host, port), _Handler)
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            daemon=True,
+            name="dpc-side-channel",
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
