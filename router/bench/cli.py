@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from router.bench.overhead_cmd import add_overhead_arguments, overhead_command
 from router.bench.run_cmd import add_run_arguments, run_command
+from router.bench.transfer_cmd import add_transfer_arguments, transfer_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(sub.add_parser("run", help="one load-generator run"))
     add_overhead_arguments(
         sub.add_parser("overhead", help="router vs direct latency and max rate on zero-delay fakes")
+    )
+    add_transfer_arguments(
+        sub.add_parser("transfer", help="connector WRITE path vs bare NIXL WRITE, two processes")
     )
 
 
@@ -29,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
         return run_command(args)
     if command == "overhead":
         return overhead_command(args)
+    if command == "transfer":
+        return transfer_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 

@@ -1,0 +1,52 @@
+"""``disagg-router bench transfer``: connector WRITE path vs bare NIXL WRITE."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from router.bench.results import write_json
+from router.bench.transfer import Kind, TransferSpec, run_transfer
+
+KINDS: tuple[Kind, ...] = ("bare", "connector")
+
+
+def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TransferSpec()
+    parser.add_argument("--regions", type=int, default=defaults.regions)
+    parser.add_argument("--blocks-per-region", type=int, default=defaults.blocks_per_region)
+    parser.add_argument("--block-bytes", type=int, default=defaults.block_bytes)
+    parser.add_argument("--blocks-per-write", type=int, default=defaults.blocks_per_write)
+    parser.add_argument("--iterations", type=int, default=defaults.iterations)
+    parser.add_argument("--warmups", type=int, default=defaults.warmups)
+    parser.add_argument("--rounds", type=int, default=defaults.rounds)
+    parser.add_argument("--kinds", default="bare,connector", help="subset of bare,connector")
+    parser.add_argument("--result-file", type=Path)
+
+
+def transfer_command(args: argparse.Namespace) -> int:
+    spec = TransferSpec(
+        regions=args.regions,
+        blocks_per_region=args.blocks_per_region,
+        block_bytes=args.block_bytes,
+        blocks_per_write=args.blocks_per_write,
+        iterations=args.iterations,
+        warmups=args.warmups,
+        rounds=args.rounds,
+    )
+    names = [k for k in args.kinds.split(",") if k]
+    kinds: tuple[Kind, ...] = tuple(k for k in KINDS if k in names)
+    if not kinds or any(k not in KINDS for k in names):
+        print("error: --kinds must be a subset of bare,connector", file=sys.stderr)
+        return 2
+    try:
+        data = run_transfer(spec, kinds)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.result_file:
+        write_json(args.result_file, data)
+    print(json.dumps({k: v for k, v in data.items() if k != "rounds"}, indent=2))
+    return 0
