@@ -79,12 +79,13 @@ def router_config(prefill_url: str, decode_url: str, mode: str = "push") -> dict
 
 
 def our_router(config: dict[str, Any], port: int, logs: Path) -> ManagedProcess:
-    """Our router as a process, through the :mod:`router.bench.serve_router` adapter."""
-    path = logs / "router.yaml"
+    """Our router as a process (``disagg-router serve``), ready once both pools are usable."""
+    path = logs / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
-    argv = [_python(), "-m", "router.bench.serve_router", "--config", str(path)]
-    argv += ["--port", str(port)]
-    return ManagedProcess("router", argv, f"http://127.0.0.1:{port}/health", logs / "router.log")
+    argv = [_python(), "-m", "router.cli", "serve", "--config", str(path)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    ready = f"http://127.0.0.1:{port}/ready"
+    return ManagedProcess("router", argv, ready, logs / f"router-{port}.log")
 
 
 def vllm_router(prefill_url: str, decode_url: str, port: int, logs: Path) -> ManagedProcess:
