@@ -85,6 +85,12 @@ class TimeoutsConfig(_Frozen):
     total: float = Field(default=600.0, gt=0)
     health: float = Field(default=10.0, gt=0)
 
+    @model_validator(mode="after")
+    def _consistent(self) -> TimeoutsConfig:
+        if self.total < self.first_token or self.total < self.prefill:
+            raise ValueError("total must be >= first_token and >= prefill")
+        return self
+
 
 class HealthConfig(_Frozen):
     interval: float = Field(default=10.0, gt=0, description="seconds between health checks")
@@ -114,13 +120,6 @@ class RouterSettings(_Frozen):
         if any(not k for k in value):
             raise ValueError("api keys must be non-empty strings")
         return value
-
-    @model_validator(mode="after")
-    def _timeouts_consistent(self) -> RouterSettings:
-        t = self.timeouts
-        if t.total < t.first_token or t.total < t.prefill:
-            raise ValueError("timeouts.total must be >= timeouts.first_token and timeouts.prefill")
-        return self
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:

@@ -53,6 +53,7 @@ class FakeBehavior:
     fail_times: int | None = None
     default_max_tokens: int = 16
     prompt_cached_tokens: int = 0
+    kv_wait_timeout_s: float = 5.0
 
 
 @dataclass
@@ -64,6 +65,29 @@ class PushIdentity:
     port: int = 5600
     tp_size: int = 1
     pp_size: int = 1
+
+
+class KvFabric:
+    """Links fakes the way NIXL push links P and D, for tests that share one fabric.
+
+    A prefill fake publishes ``(its engine id, X-Request-Id)`` when it finishes a
+    ``do_remote_decode`` request; a decode fake given ``do_remote_prefill`` produces no token until
+    the P named by ``remote_engine_id`` published the same request id (or its
+    ``kv_wait_timeout_s`` passes: then it fails like vLLM's registration watchdog). So a wrongly
+    paired D fails, and D's first token never precedes P's answer.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: set[tuple[str, str]] = set()
+
+    def publish(self, engine_id: str, request_id: str) -> None:
+        with self._lock:
+            self._done.add((engine_id, request_id))
+
+    def is_done(self, engine_id: str, request_id: str) -> bool:
+        with self._lock:
+            return (engine_id, request_id) in self._done
 
 
 @dataclass
@@ -88,8 +112,10 @@ class FakeVllmState:
         behavior: FakeBehavior | None = None,
         identity: PushIdentity | None = None,
         transfer_mode: str = "push",
+        fabric: KvFabric | None = None,
     ) -> None:
         self.model = model
+        self.fabric = fabric
         self.behavior = behavior or FakeBehavior()
         self.identity = identity or PushIdentity()
         self.transfer_mode = transfer_mode
@@ -143,7 +169,7 @@ class FakeVllmState:
                 self.completed += 1
             self._cond.notify_all()
 
-    def wait_for(self, predicate: Any, timeout: float = 5.0) -> bool:
+    def wait_for(self, predicate: Any, timeout: float = 15.0) -> bool:
         """Block (test thread) until ``predicate(state)`` is true; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -356,6 +382,10 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
             if await _sleep_or_disconnect(request, b.prefill_delay_s):
                 state._leave(rec, "cancelled")
                 return _error(499, "client disconnected")
+            kv_wait = await _wait_for_remote_kv(state, gen, request, rid)
+            if kv_wait is not None:
+                state._leave(rec, "cancelled" if kv_wait == "cancelled" else "error")
+                return _error(500, f"KV transfer failed: {kv_wait}")
         except asyncio.CancelledError:
             state._leave(rec, "cancelled")
             raise
@@ -372,6 +402,8 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
             if await _sleep_or_disconnect(request, b.token_delay_s):
                 state._leave(rec, "cancelled")
                 return _error(499, "client disconnected")
+        if gen.is_prefill and state.fabric is not None:
+            state.fabric.publish(state.identity.engine_id, rid)
         state._leave(rec, "ok")
         return JSONResponse(gen.full_response(), headers={"x-request-id": rid})
 
@@ -384,6 +416,22 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
         return await generate(request, chat=True)
 
     return app
+
+
+async def _wait_for_remote_kv(
+    state: FakeVllmState, gen: _Generation, request: Request, rid: str
+) -> str | None:
+    """D side: wait for the paired P's prefill; None when the KV is there (or no fabric)."""
+    if state.fabric is None or not gen.is_remote_decode or gen.kv_in is None:
+        return None
+    engine_id = str(gen.kv_in.get("remote_engine_id"))
+    deadline = time.monotonic() + state.behavior.kv_wait_timeout_s
+    while not state.fabric.is_done(engine_id, rid):
+        if time.monotonic() > deadline:
+            return f"no push from engine {engine_id} for {rid}"
+        if await _sleep_or_disconnect(request, 0.002):
+            return "cancelled"
+    return None
 
 
 async def _stream(

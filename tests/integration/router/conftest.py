@@ -7,21 +7,26 @@ from collections.abc import Iterator
 import pytest
 from router_fixtures import MODEL
 
-from router.devstack.fake_vllm import FakeVllmServer, FakeVllmState, PushIdentity
+from router.devstack.fake_vllm import FakeVllmServer, FakeVllmState, KvFabric, PushIdentity
 
 
 @pytest.fixture(scope="module")
 def fakes() -> Iterator[dict[str, FakeVllmServer]]:
-    """Three fakes shared by a module: two prefill (p0, p1) and one decode (d0)."""
+    """Fakes shared by a module, linked by one KV fabric: prefill p0, p1 and decode d0, d1."""
+    fabric = KvFabric()
     servers = {
         "p0": FakeVllmServer(
-            FakeVllmState(MODEL, identity=PushIdentity(engine_id="engine-p0", port=5600))
+            FakeVllmState(
+                MODEL, identity=PushIdentity(engine_id="engine-p0", port=5600), fabric=fabric
+            )
         ),
         "p1": FakeVllmServer(
-            FakeVllmState(MODEL, identity=PushIdentity(engine_id="engine-p1", port=5601))
+            FakeVllmState(
+                MODEL, identity=PushIdentity(engine_id="engine-p1", port=5601), fabric=fabric
+            )
         ),
-        "d0": FakeVllmServer(FakeVllmState(MODEL)),
-        "d1": FakeVllmServer(FakeVllmState(MODEL)),
+        "d0": FakeVllmServer(FakeVllmState(MODEL, fabric=fabric)),
+        "d1": FakeVllmServer(FakeVllmState(MODEL, fabric=fabric)),
     }
     for server in servers.values():
         server.start()

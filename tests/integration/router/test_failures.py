@@ -1,0 +1,219 @@
+"""Failures, timeouts, retries and disconnects: clean errors, no hangs, no stranded legs."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+from router_fixtures import MODEL, make_settings, running_router, sse_payloads
+
+from router.devstack.fake_vllm import FakeBehavior, FakeVllmServer
+from router.devstack.ports import free_port
+
+STREAM = {"model": MODEL, "prompt": "a b c", "max_tokens": 4, "stream": True}
+
+
+def _settings(p: FakeVllmServer, d: FakeVllmServer, **extra: object):  # type: ignore[no-untyped-def]
+    ident = p.state.identity
+    identities = {p.url: {"engine_id": ident.engine_id, "host": ident.host, "port": ident.port}}
+    return make_settings([p.url], [d.url], identities=identities, **extra)
+
+
+def _idle(*servers: FakeVllmServer) -> bool:
+    return all(s.state.wait_for(lambda st: st.in_flight == 0, timeout=5) for s in servers)
+
+
+def test_prefill_error_before_first_token_cancels_decode(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    p.state.behavior = FakeBehavior(prefill_delay_s=0.2, fail_status=500)
+    d.state.behavior = FakeBehavior(prefill_delay_s=10)  # D waits for KV that never comes
+    with running_router(_settings(p, d)) as router:
+        start = time.monotonic()
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        elapsed = time.monotonic() - start
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+    assert elapsed < 8  # D alone would wait 10 s
+    assert resp.status_code == 502
+    assert resp.headers["content-type"].startswith("application/json")
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert "prefill" in err["message"]
+
+
+def test_prefill_timeout_cancels_both_legs(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    p.state.behavior = FakeBehavior(hang=True)
+    d.state.behavior = FakeBehavior(prefill_delay_s=10)
+    settings = _settings(p, d, timeouts={"prefill": 0.5, "first_token": 5, "total": 10})
+    with running_router(settings) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        assert p.state.wait_for(lambda s: s.cancelled == 1)
+        assert d.state.wait_for(lambda s: s.cancelled == 1)
+    assert resp.status_code == 504
+    assert "prefill" in resp.json()["error"]["message"]
+    assert _idle(p, d)
+
+
+def test_first_token_timeout(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(hang=True)
+    settings = _settings(p, d, timeouts={"first_token": 0.5, "prefill": 5, "total": 10})
+    with running_router(settings) as router:
+        start = time.monotonic()
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        assert time.monotonic() - start < 8  # the hang lasts 10 min
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+    assert resp.status_code == 504
+    assert "first token" in resp.json()["error"]["message"]
+
+
+def test_total_timeout_mid_stream_sends_error_event(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(token_delay_s=0.1)
+    settings = _settings(p, d, timeouts={"first_token": 0.5, "total": 0.6, "prefill": 0.5})
+    body = {**STREAM, "max_tokens": 100}
+    with running_router(settings) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+    assert resp.status_code == 200
+    payloads = sse_payloads(resp.text)
+    assert payloads[-1] != "[DONE]"
+    last = json.loads(payloads[-1])
+    assert last["error"]["type"] == "timeout"
+    assert 1 < len(payloads) < 10
+
+
+def test_decode_drop_mid_stream_sends_one_error_event(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(drop_after_tokens=2)
+    with running_router(_settings(p, d)) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+    assert resp.status_code == 200
+    payloads = sse_payloads(resp.text)
+    assert len(payloads) == 3
+    assert [json.loads(x)["choices"][0]["text"] for x in payloads[:2]] == [" tok0", " tok1"]
+    err = json.loads(payloads[2])["error"]
+    assert "decode" in err["message"]
+    assert "[DONE]" not in payloads
+
+
+def test_decode_http_error_before_first_token(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(fail_status=500)
+    with running_router(_settings(p, d)) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+    assert resp.status_code == 502
+    assert "decode" in resp.json()["error"]["message"]
+    assert _idle(p, d)
+
+
+def test_decode_client_error_is_passed_through(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(fail_status=400)
+    with running_router(_settings(p, d)) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"].endswith("injected failure")
+
+
+def test_unreachable_decode_gives_503(fake: dict[str, FakeVllmServer]) -> None:
+    p = fake["p0"]
+    ident = p.state.identity
+    settings = make_settings(
+        [p.url],
+        [f"http://127.0.0.1:{free_port()}"],
+        identities={p.url: {"engine_id": ident.engine_id, "host": ident.host, "port": 1}},
+    )
+    with running_router(settings) as router:
+        ready = httpx.get(f"{router.url}/ready")
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+    assert ready.status_code == 503
+    assert ready.json()["decode"] == []
+    assert resp.status_code == 503
+    assert resp.json()["error"]["type"] == "service_unavailable"
+
+
+def test_retry_once_on_a_fresh_pair(fake: dict[str, FakeVllmServer]) -> None:
+    p0, p1, d = fake["p0"], fake["p1"], fake["d0"]
+    settings = make_settings([p0.url, p1.url], [d.url], retry_on_fresh_pair=True)
+    with running_router(settings) as router:
+        p0.state.reset(FakeBehavior(fail_status=500, fail_times=1))
+        p1.state.reset()
+        d.state.behavior = FakeBehavior(prefill_delay_s=0.3)
+        # round robin starts at p0, which fails once; the retry must go to p1.
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        metrics = httpx.get(f"{router.url}/metrics").text
+    assert resp.status_code == 200, resp.text
+    assert sse_payloads(resp.text)[-1] == "[DONE]"
+    [p0_leg] = p0.state.generation_requests()
+    [p1_leg] = p1.state.generation_requests()
+    d_legs = d.state.generation_requests()
+    assert len(d_legs) == 2
+    assert d_legs[0].headers["x-request-id"] == p0_leg.headers["x-request-id"]
+    assert d_legs[1].headers["x-request-id"] == p1_leg.headers["x-request-id"]
+    assert p0_leg.headers["x-request-id"] != p1_leg.headers["x-request-id"]
+    assert d_legs[1].body["kv_transfer_params"]["remote_engine_id"] == "engine-p1"
+    assert d_legs[0].outcome == "cancelled"
+    assert "disagg_router_retries_total 1.0" in metrics
+
+
+def test_no_retry_without_flag(fake: dict[str, FakeVllmServer]) -> None:
+    p0, p1, d = fake["p0"], fake["p1"], fake["d0"]
+    settings = make_settings([p0.url, p1.url], [d.url])
+    with running_router(settings) as router:
+        p0.state.reset(FakeBehavior(fail_status=500))
+        p1.state.reset()
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+    assert resp.status_code == 502
+    assert p1.state.generation_requests() == []
+
+
+def test_client_disconnect_mid_stream_cancels_decode(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(token_delay_s=0.05)
+    body = {**STREAM, "max_tokens": 500}
+    with running_router(_settings(p, d)) as router:
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=10) as resp:
+            lines = resp.iter_lines()
+            got: list[str] = []
+            for line in lines:
+                if line.startswith("data:"):
+                    got.append(line)
+                if len(got) == 2:
+                    break
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+        metrics = httpx.get(f"{router.url}/metrics").text
+    assert p.state.in_flight == 0
+    assert 'outcome="client_disconnected"' in metrics
+
+
+def test_client_disconnect_before_first_token_cancels_both(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    p.state.behavior = FakeBehavior(prefill_delay_s=10)
+    d.state.behavior = FakeBehavior(prefill_delay_s=10)
+    with running_router(_settings(p, d)) as router:
+        for stream in (True, False):
+            p.state.reset(p.state.behavior)
+            d.state.reset(d.state.behavior)
+            errors: list[Exception] = []
+
+            def call(stream: bool = stream, errors: list[Exception] = errors) -> None:
+                try:
+                    httpx.post(
+                        f"{router.url}/v1/completions",
+                        json={**STREAM, "stream": stream},
+                        timeout=0.5,
+                    )
+                except httpx.TimeoutException as exc:
+                    errors.append(exc)
+
+            t = threading.Thread(target=call)
+            t.start()
+            assert p.state.wait_for(lambda s: s.in_flight == 1)
+            assert d.state.wait_for(lambda s: s.in_flight == 1)
+            t.join()
+            assert errors
+            assert p.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+            assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
