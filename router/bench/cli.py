@@ -11,6 +11,12 @@ from collections.abc import Sequence
 
 from router.bench.overhead_cmd import add_overhead_arguments, overhead_command
 from router.bench.run_cmd import add_run_arguments, run_command
+from router.bench.scenarios_cmd import (
+    add_report_arguments,
+    add_scenarios_arguments,
+    report_command,
+    scenarios_command,
+)
 from router.bench.transfer_cmd import add_transfer_arguments, transfer_command
 
 
@@ -24,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_transfer_arguments(
         sub.add_parser("transfer", help="connector WRITE path vs bare NIXL WRITE, two processes")
     )
+    add_scenarios_arguments(
+        sub.add_parser("scenarios", help="sweep every stack on real vLLM CPU instances + report")
+    )
+    add_report_arguments(
+        sub.add_parser("report", help="re-render table, plots and summary.json from JSON")
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
         return overhead_command(args)
     if command == "transfer":
         return transfer_command(args)
+    if command == "scenarios":
+        return scenarios_command(args)
+    if command == "report":
+        return report_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 

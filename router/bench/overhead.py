@@ -11,7 +11,6 @@ each one sustains. Everything is reported against the direct baseline measured i
 from __future__ import annotations
 
 import asyncio
-import shutil
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -19,17 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from router.bench.client import Target
 from router.bench.dataset import SyntheticSpec, make_token_prompts
 from router.bench.loadgen import LoadSpec, make_client, run_load
 from router.bench.procs import ManagedProcess, free_port
 from router.bench.results import metrics_to_dict
+from router.bench.routers import our_router, router_config, vllm_router
 
 MODEL = "fake-model"
 PREFILL_ENGINE_ID = "bench-prefill"
-PREFILL_SIDE_CHANNEL_PORT = 5600  # what the fake reports; nothing listens there
+# What the fake prefill reports about itself; nothing listens on that port.
+FAKE_PREFILL_IDENTITY = {"engine_id": PREFILL_ENGINE_ID, "host": "127.0.0.1", "port": 5600}
 
 
 @dataclass(frozen=True)
@@ -55,68 +54,6 @@ def _fake(name: str, port: int, logs: Path, engine_id: str | None = None) -> Man
     if engine_id:
         argv += ["--engine-id", engine_id]
     return ManagedProcess(name, argv, f"http://127.0.0.1:{port}/health", logs / f"{name}.log")
-
-
-def router_config(prefill_url: str, decode_url: str, mode: str = "push") -> dict[str, Any]:
-    """Our router's YAML config for one P and one D (P reports the fake's side channel)."""
-    return {
-        "models": [MODEL],
-        "mode": mode,
-        "prefill": {
-            "instances": [
-                {
-                    "url": prefill_url,
-                    "identity": {
-                        "engine_id": PREFILL_ENGINE_ID,
-                        "host": "127.0.0.1",
-                        "port": PREFILL_SIDE_CHANNEL_PORT,
-                    },
-                }
-            ]
-        },
-        "decode": {"instances": [{"url": decode_url}]},
-    }
-
-
-def our_router(config: dict[str, Any], port: int, logs: Path) -> ManagedProcess:
-    """Our router as a process (``disagg-router serve``), ready once both pools are usable."""
-    path = logs / f"router-{port}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    argv = [_python(), "-m", "router.cli", "serve", "--config", str(path)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    ready = f"http://127.0.0.1:{port}/ready"
-    return ManagedProcess("router", argv, ready, logs / f"router-{port}.log")
-
-
-def vllm_router(prefill_url: str, decode_url: str, port: int, logs: Path) -> ManagedProcess:
-    """``vllm-router`` in vLLM P/D mode (NIXL pull protocol) over one P and one D."""
-    exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-    argv = [
-        exe,
-        "--vllm-pd-disaggregation",
-        "--prefill",
-        prefill_url,
-        "--decode",
-        decode_url,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-port",
-        str(free_port()),
-        "--kv-connector",
-        "nixl",
-        "--policy",
-        "round_robin",
-        "--worker-startup-check-interval",
-        "1",
-        "--queue-size",
-        "4096",
-        "--log-level",
-        "warning",
-    ]
-    ready = f"http://127.0.0.1:{port}/health"
-    return ManagedProcess("vllm-router", argv, ready, logs / "vllm-router.log")
 
 
 def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -242,7 +179,8 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
         stack.enter_context(_fake("fake-decode", d_port, logs))
         targets = {"direct": Target(d_url, MODEL)}
         if "ours" in spec.routers:
-            stack.enter_context(our_router(router_config(p_url, d_url), r_port, logs))
+            config = router_config(MODEL, p_url, d_url, identity=FAKE_PREFILL_IDENTITY)
+            stack.enter_context(our_router(config, r_port, logs))
             targets["ours"] = Target(f"http://127.0.0.1:{r_port}", MODEL)
         if "vllm-router" in spec.routers:
             stack.enter_context(vllm_router(p_url, d_url, v_port, logs))

@@ -1,0 +1,206 @@
+"""Scenario runner: the same sweep against every stack on real vLLM CPU instances, in one go.
+
+Who calls it: ``disagg-router bench scenarios`` (wrap it in ``flock /tmp/vllm-e2e.lock``). Stacks:
+
+- ``ours``: our router (push) + our connector, 1P1D;
+- ``vllm-push``: our router (push) + vLLM's ``NixlPushConnector``, 1P1D;
+- ``pull``: our router (pull) + vLLM's ``NixlConnector``, 1P1D;
+- ``vllm-router``: ``vllm-router --vllm-pd-disaggregation`` in front of the pull instances;
+- ``aggregated``: one vLLM instance, no router, no connector.
+
+Instances come from :func:`router.devstack.stack.start_stack` (P on core 0, D on core 1, the
+aggregated instance on core 0). One instance group runs at a time; a group that fails to start
+is recorded with its error and the sweep goes on with the next. Every point writes its JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from router.bench.client import Target
+from router.bench.dataset import SyntheticSpec, make_token_prompts
+from router.bench.loadgen import LoadSpec, make_client, run_load
+from router.bench.procs import ManagedProcess, ProcessStartError, free_port
+from router.bench.results import metrics_to_dict, write_json
+from router.bench.routers import our_router, vllm_router
+
+STACKS: tuple[str, ...] = ("ours", "vllm-push", "pull", "vllm-router", "aggregated")
+
+# instance group -> (connector kind, topology, stacks served by that group)
+GROUPS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "ours": ("ours", "1p1d", ("ours",)),
+    "vllm-push": ("vllm-push", "1p1d", ("vllm-push",)),
+    "vllm-pull": ("vllm-pull", "1p1d", ("pull", "vllm-router")),
+    "aggregated": ("vllm-push", "aggregated", ("aggregated",)),
+}
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """The sweep each stack gets: every input length at every rate."""
+
+    input_lens: tuple[int, ...] = (512, 2048, 8192)
+    rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+    output_len: int = 64
+    prefix_len: int = 0
+    seconds_per_point: float = 10.0
+    min_requests: int = 6
+    max_requests: int = 40
+    num_warmups: int = 2
+    burstiness: float = 1.0
+    seed: int = 0
+    request_timeout_s: float = 300.0
+
+    def num_requests(self, rate: float) -> int:
+        return max(self.min_requests, min(self.max_requests, round(rate * self.seconds_per_point)))
+
+
+def point_name(stack: str, input_len: int, rate: float) -> str:
+    return f"{stack}_in{input_len}_r{rate:g}"
+
+
+def _stack_seed(base: int, stack: str, input_len: int, rate: float) -> int:
+    # Distinct prompts per stack and point: no prefix-cache hit across stacks that share instances.
+    return base + zlib.crc32(f"{stack}/{input_len}/{rate:g}".encode())
+
+
+async def sweep_target(
+    stack: str, target: Target, spec: SweepSpec, out_dir: Path, vocab_size: int
+) -> list[dict[str, Any]]:
+    """Run the whole sweep against one target; write one JSON per point; return summary rows."""
+    rows: list[dict[str, Any]] = []
+    async with make_client(request_timeout_s=spec.request_timeout_s) as client:
+        warm = make_token_prompts(
+            SyntheticSpec(
+                spec.num_warmups,
+                spec.input_lens[0],
+                spec.output_len,
+                vocab_size=vocab_size,
+                seed=_stack_seed(spec.seed, stack, 0, 0.0),
+            )
+        )
+        await run_load(client, target, warm, LoadSpec(max_concurrency=1, show_progress=False))
+        for input_len in spec.input_lens:
+            for rate in spec.rates:
+                n = spec.num_requests(rate)
+                seed = _stack_seed(spec.seed, stack, input_len, rate)
+                requests = make_token_prompts(
+                    SyntheticSpec(
+                        n,
+                        input_len,
+                        spec.output_len,
+                        spec.prefix_len,
+                        vocab_size=vocab_size,
+                        seed=seed,
+                    )
+                )
+                name = point_name(stack, input_len, rate)
+                print(f"scenarios: {name} ({n} requests)", file=sys.stderr)
+                load = LoadSpec(
+                    request_rate=rate, burstiness=spec.burstiness, seed=seed, show_progress=True
+                )
+                started = time.time()
+                result = await run_load(client, target, requests, load)
+                metrics = metrics_to_dict(result.metrics)
+                row = {
+                    "stack": stack,
+                    "input_len": input_len,
+                    "rate": rate,
+                    "num_requests": n,
+                    "metrics": metrics,
+                    "errors": [r.error for r in result.records if not r.success][:5],
+                }
+                write_json(
+                    out_dir / "runs" / f"{name}.json",
+                    {**row, "started_at": started, "sweep": asdict(spec)},
+                )
+                rows.append(row)
+    return rows
+
+
+def _targets_for_group(
+    group: str, stack_obj: Any, wanted: tuple[str, ...], logs: Path, es: ExitStack
+) -> dict[str, Target]:
+    """Start the routers of ``group`` over the running instances; return the targets."""
+    model = str(stack_obj.model_name)
+    targets: dict[str, Target] = {}
+    if group == "aggregated":
+        targets["aggregated"] = Target(stack_obj.aggregated[0].url, model)
+        return targets
+    p_url, d_url = stack_obj.prefill[0].url, stack_obj.decode[0].url
+    for stack in GROUPS[group][2]:
+        if stack not in wanted:
+            continue
+        port = free_port()
+        proc: ManagedProcess
+        if stack == "vllm-router":
+            proc = vllm_router(p_url, d_url, port, logs, ready_timeout_s=120.0)
+        else:
+            config = stack_obj.router_config(with_identity=False)
+            config["timeouts"] = {"prefill": 300.0, "first_token": 300.0, "total": 600.0}
+            proc = our_router(config, port, logs, ready_timeout_s=180.0)
+        es.enter_context(proc)
+        targets[stack] = Target(f"http://127.0.0.1:{port}", model)
+    return targets
+
+
+def run_scenarios(
+    spec: SweepSpec,
+    stacks: tuple[str, ...],
+    out_dir: Path,
+    work_dir: Path,
+    start_stack: Callable[[str, str, Path], Any] | None = None,
+) -> dict[str, Any]:
+    """Run every wanted stack (grouped by shared instances); returns rows and per-stack errors."""
+    if start_stack is None:
+        start_stack = _start_devstack
+    rows: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    timings: dict[str, float] = {}
+    for group, (kind, topology, served) in GROUPS.items():
+        wanted = tuple(s for s in served if s in stacks)
+        if not wanted:
+            continue
+        t0 = time.monotonic()
+        logs = work_dir / group
+        logs.mkdir(parents=True, exist_ok=True)
+        print(f"scenarios: starting {group} ({kind}, {topology})", file=sys.stderr)
+        try:
+            with ExitStack() as es:
+                stack_obj = start_stack(kind, topology, logs)
+                es.callback(stack_obj.stop)
+                targets = _targets_for_group(group, stack_obj, wanted, logs, es)
+                timings[f"{group}_startup_s"] = time.monotonic() - t0
+                for name, target in targets.items():
+                    t1 = time.monotonic()
+                    try:
+                        rows += asyncio.run(sweep_target(name, target, spec, out_dir, 4096))
+                    except (OSError, RuntimeError, ValueError) as exc:
+                        errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
+                    timings[f"{name}_sweep_s"] = time.monotonic() - t1
+        except (OSError, RuntimeError, ProcessStartError) as exc:
+            for name in wanted:
+                errors.setdefault(name, f"{type(exc).__name__}: {exc}"[:2000])
+        timings[f"{group}_total_s"] = time.monotonic() - t0
+    return {
+        "sweep": asdict(spec),
+        "stacks": list(stacks),
+        "rows": rows,
+        "errors": errors,
+        "timings": timings,
+    }
+
+
+def _start_devstack(kind: str, topology: str, work_dir: Path) -> Any:
+    from router.devstack.stack import StackOptions, start_stack
+
+    options = StackOptions(kind=kind, topology=topology)  # type: ignore[arg-type]
+    return start_stack(options, work_dir)

@@ -1,0 +1,84 @@
+"""``disagg-router bench scenarios`` (sweep + report) and ``bench report`` (re-render only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from router.bench.report import render
+from router.bench.results import write_json
+from router.bench.scenarios import STACKS, SweepSpec, run_scenarios
+
+DEFAULT_OUT = Path("docs/benchmarks")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def add_scenarios_arguments(parser: argparse.ArgumentParser) -> None:
+    d = SweepSpec()
+    parser.add_argument("--stacks", default=",".join(STACKS), help=f"subset of {STACKS}")
+    parser.add_argument("--input-lens", default=",".join(str(x) for x in d.input_lens))
+    parser.add_argument("--rates", default=",".join(f"{x:g}" for x in d.rates))
+    parser.add_argument("--output-len", type=int, default=d.output_len)
+    parser.add_argument("--prefix-len", type=int, default=d.prefix_len)
+    parser.add_argument("--seconds-per-point", type=float, default=d.seconds_per_point)
+    parser.add_argument("--min-requests", type=int, default=d.min_requests)
+    parser.add_argument("--max-requests", type=int, default=d.max_requests)
+    parser.add_argument("--num-warmups", type=int, default=d.num_warmups)
+    parser.add_argument("--burstiness", type=float, default=d.burstiness)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--work-dir", type=Path, help="instance logs (default: a temp dir)")
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+
+
+def scenarios_command(args: argparse.Namespace) -> int:
+    stacks = tuple(s for s in args.stacks.split(",") if s)
+    unknown = [s for s in stacks if s not in STACKS]
+    if unknown or not stacks:
+        print(f"error: --stacks: unknown {unknown}, choose from {STACKS}", file=sys.stderr)
+        return 2
+    spec = SweepSpec(
+        input_lens=_ints(args.input_lens),
+        rates=_floats(args.rates),
+        output_len=args.output_len,
+        prefix_len=args.prefix_len,
+        seconds_per_point=args.seconds_per_point,
+        min_requests=args.min_requests,
+        max_requests=args.max_requests,
+        num_warmups=args.num_warmups,
+        burstiness=args.burstiness,
+        seed=args.seed,
+    )
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-scenarios-"))
+    data = run_scenarios(spec, stacks, args.out_dir, work)
+    data["command"] = "disagg-router bench " + shlex.join(sys.argv[2:])
+    data["work_dir"] = str(work)
+    write_json(args.out_dir / "scenarios.json", data)
+    summary = render(args.out_dir, data["command"])
+    print(json.dumps(summary, indent=2))
+    for stack, error in data["errors"].items():
+        print(f"{stack}: {error[:500]}", file=sys.stderr)
+    return 0 if not data["errors"] else 1
+
+
+def report_command(args: argparse.Namespace) -> int:
+    scen_path = args.out_dir / "scenarios.json"
+    command = "(no scenarios.json)"
+    if scen_path.exists():
+        command = json.loads(scen_path.read_text()).get("command", command)
+    print(json.dumps(render(args.out_dir, command), indent=2))
+    return 0
