@@ -103,6 +103,12 @@ class RecordedRequest:
     outcome: str = "in_flight"  # ok | cancelled | error | dropped | in_flight
 
 
+def identity_copy(identity: PushIdentity) -> PushIdentity:
+    return PushIdentity(
+        identity.engine_id, identity.host, identity.port, identity.tp_size, identity.pp_size
+    )
+
+
 class FakeVllmState:
     """Shared, thread-safe state of one fake instance (records, counters, behaviour)."""
 
@@ -113,12 +119,15 @@ class FakeVllmState:
         identity: PushIdentity | None = None,
         transfer_mode: str = "push",
         fabric: KvFabric | None = None,
+        kv_connector: bool = True,
     ) -> None:
         self.model = model
         self.fabric = fabric
+        self.kv_connector = kv_connector  # False: like vLLM started without --kv-transfer-config
         self.behavior = behavior or FakeBehavior()
         self.identity = identity or PushIdentity()
         self.transfer_mode = transfer_mode
+        self._initial = (transfer_mode, kv_connector, identity_copy(self.identity))
         self._lock = threading.Lock()
         self.requests: list[RecordedRequest] = []
         self.in_flight = 0
@@ -127,8 +136,11 @@ class FakeVllmState:
         self._cond = threading.Condition(self._lock)
 
     def reset(self, behavior: FakeBehavior | None = None) -> None:
-        """Forget recorded requests and counters; install ``behavior`` (default: a fresh one)."""
+        """Forget records and counters; install ``behavior`` (default: a fresh one); restore the
+        constructed transfer mode, connector flag and identity."""
         with self._lock:
+            self.transfer_mode, self.kv_connector, identity = self._initial
+            self.identity = identity_copy(identity)
             self.requests.clear()
             self.cancelled = 0
             self.completed = 0
@@ -258,7 +270,7 @@ class _Generation:
         }
 
     def kv_out(self) -> dict[str, Any] | None:
-        if not self.is_prefill:
+        if not self.is_prefill or not self.state.kv_connector:
             return None
         ident = self.state.identity
         return {

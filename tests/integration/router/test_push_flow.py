@@ -176,21 +176,16 @@ def test_periodic_check_rediscovers_a_restarted_prefill(fake: dict[str, FakeVllm
     p, d = fake["p0"], fake["d0"]
     settings = make_settings([p.url], [d.url], health={"interval": 0.1})
     req = {"model": MODEL, "prompt": "go", "max_tokens": 1}
-    try:
-        with running_router(settings) as router:
-            assert httpx.post(f"{router.url}/v1/completions", json=req, timeout=10).is_success
-            p.state.identity.engine_id = "engine-p0-restarted"
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                metrics = httpx.get(f"{router.url}/metrics").text
-                if "disagg_router_identity_changes_total" in metrics and re.search(
-                    r'identity_changes_total\{backend="[^"]+"\} 2\.0', metrics
-                ):
-                    break
-                time.sleep(0.05)
-            assert httpx.post(f"{router.url}/v1/completions", json=req, timeout=10).is_success
-    finally:
-        p.state.identity.engine_id = "engine-p0"
+    with running_router(settings) as router:
+        assert httpx.post(f"{router.url}/v1/completions", json=req, timeout=10).is_success
+        p.state.identity.engine_id = "engine-p0-restarted"  # reset() restores it
+        learned = re.compile(r'identity_changes_total\{backend="[^"]+"\} 2\.0')
+        deadline = time.monotonic() + 15
+        while not learned.search(httpx.get(f"{router.url}/metrics").text):
+            assert time.monotonic() < deadline, "new engine id not discovered"
+            time.sleep(0.05)
+        second = httpx.post(f"{router.url}/v1/completions", json=req, timeout=10)
+    assert second.status_code == 200, second.text
     engines = [
         r.body["kv_transfer_params"]["remote_engine_id"] for r in d.state.generation_requests()
     ]
@@ -206,17 +201,13 @@ def test_changed_engine_id_seen_on_prefill_answer_fails_fast(
     d.state.behavior = FakeBehavior(kv_wait_timeout_s=30)  # no push from the old engine comes
     settings = make_settings([p.url], [d.url])
     req = {"model": MODEL, "prompt": "go", "max_tokens": 1}
-    try:
-        with running_router(settings) as router:
-            p.state.identity.engine_id = "engine-p0-new"
-            start = time.monotonic()
-            first = httpx.post(f"{router.url}/v1/completions", json=req, timeout=10)
-            assert time.monotonic() - start < 20  # D alone would wait 30 s for the KV
-            assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
-            d.state.behavior = FakeBehavior()
-            second = httpx.post(f"{router.url}/v1/completions", json=req, timeout=10)
-    finally:
-        p.state.identity.engine_id = "engine-p0"
+    with running_router(settings) as router:
+        p.state.identity.engine_id = "engine-p0-new"  # reset() restores it
+        start = time.monotonic()
+        first = httpx.post(f"{router.url}/v1/completions", json=req, timeout=30)
+        assert time.monotonic() - start < 20  # D alone would wait 30 s for the KV
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+        second = httpx.post(f"{router.url}/v1/completions", json=req, timeout=10)
     assert first.status_code == 502
     assert "engine id changed" in first.json()["error"]["message"]
     assert second.status_code == 200
