@@ -1,0 +1,129 @@
+"""Config loading: valid files load; every error names the offending field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.cli import main
+from router.config import load_config, settings_from_mapping
+from router.errors import ConfigError
+
+VALID = """
+models: [tiny]
+mode: push
+prefill:
+  policy: least_in_flight
+  instances:
+    - url: http://127.0.0.1:8100
+      identity: {engine_id: e0, host: 127.0.0.1, port: 5600, tp_size: 2}
+    - url: http://127.0.0.1:8101/
+decode:
+  instances:
+    - {url: "http://127.0.0.1:8200", name: d0, api_key: secret}
+timeouts: {connect: 1, prefill: 30, first_token: 60, total: 120}
+api_keys: [k1]
+retry_on_fresh_pair: true
+"""
+
+
+def _base() -> dict[str, Any]:
+    return {
+        "models": ["m"],
+        "prefill": {"instances": [{"url": "http://127.0.0.1:1"}]},
+        "decode": {"instances": [{"url": "http://127.0.0.1:2"}]},
+    }
+
+
+def test_valid_file_loads(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text(VALID)
+    s = load_config(path)
+    assert s.mode == "push"
+    assert s.prefill.policy == "least_in_flight"
+    assert s.decode.policy == "round_robin"
+    p0, p1 = s.prefill.instances
+    assert p0.identity is not None and p0.identity.tp_size == 2 and p0.identity.pp_size == 1
+    assert p1.url == "http://127.0.0.1:8101"
+    assert p1.identity is None
+    assert s.decode.instances[0].label == "d0"
+    assert s.timeouts.total == 120
+    assert s.retry_on_fresh_pair is True
+
+
+def test_defaults_are_finite() -> None:
+    s = settings_from_mapping(_base())
+    t = s.timeouts
+    assert all(0 < v < 3600 for v in (t.connect, t.prefill, t.first_token, t.total, t.health))
+    assert s.retry_on_fresh_pair is False
+    assert s.api_keys == []
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"mode": "sideways"}, "mode"),
+        ({"models": []}, "models"),
+        ({"prefill": {"instances": []}}, "prefill.instances"),
+        ({"prefill": {"instances": [{"url": "ftp://x"}]}}, "prefill.instances.0.url"),
+        ({"decode": {"instances": [{"url": "http://h:1/v1"}]}}, "decode.instances.0.url"),
+        ({"decode": {"instances": [{"url": "http://h:1"}], "policy": "random"}}, "decode.policy"),
+        (
+            {"prefill": {"instances": [{"url": "http://h:1", "identity": {"engine_id": "e"}}]}},
+            "prefill.instances.0.identity.host",
+        ),
+        (
+            {
+                "prefill": {
+                    "instances": [
+                        {
+                            "url": "http://h:1",
+                            "identity": {"engine_id": "e", "host": "h", "port": 70000},
+                        }
+                    ]
+                }
+            },
+            "prefill.instances.0.identity.port",
+        ),
+        ({"timeouts": {"total": 0}}, "timeouts.total"),
+        ({"timeouts": {"prefill": None}}, "timeouts.prefill"),
+        ({"timeouts": {"first_token": 100, "total": 10}}, "timeouts"),
+        ({"api_keys": [""]}, "api_keys"),
+        ({"surprise": 1}, "surprise"),
+        (
+            {"decode": {"instances": [{"url": "http://h:1"}, {"url": "http://h:1/"}]}},
+            "decode",
+        ),
+    ],
+)
+def test_errors_name_the_field(patch: dict[str, Any], field: str) -> None:
+    data = {**_base(), **patch}
+    with pytest.raises(ConfigError) as info:
+        settings_from_mapping(data)
+    assert info.value.field == field
+
+
+def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("models: [unclosed")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+def test_check_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(VALID)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(VALID.replace("mode: push", "mode: sideways"))
+    assert main(["check-config", str(good)]) == 0
+    assert "mode=push" in capsys.readouterr().out
+    assert main(["check-config", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "mode" in err and "sideways" not in err.split(":")[0]
