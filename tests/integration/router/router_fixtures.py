@@ -19,6 +19,7 @@ def make_settings(
     decode: list[str],
     mode: str = "push",
     identities: dict[str, dict[str, Any]] | None = None,
+    policy: str = "round_robin",
     **extra: Any,
 ) -> RouterSettings:
     """Settings for the given instance URLs; ``identities`` maps a prefill URL to its identity."""
@@ -30,9 +31,10 @@ def make_settings(
             "instances": [
                 {"url": u, **({"identity": identities[u]} if u in identities else {})}
                 for u in prefill
-            ]
+            ],
+            "policy": policy,
         },
-        "decode": {"instances": [{"url": u} for u in decode]},
+        "decode": {"instances": [{"url": u} for u in decode], "policy": policy},
         "health": {"interval": 3600},
         **extra,
     }
