@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from router.bench.overhead import derive, format_report, router_config
+from router.bench.overhead import FAKE_PREFILL_IDENTITY as IDENTITY
+from router.bench.overhead import derive, format_report
+from router.bench.routers import router_config
 from router.config import settings_from_mapping
 
 
 def test_router_config_is_valid_for_the_router() -> None:
-    settings = settings_from_mapping(router_config("http://127.0.0.1:1", "http://127.0.0.1:2"))
+    config = router_config("m", "http://127.0.0.1:1", "http://127.0.0.1:2", identity=IDENTITY)
+    settings = settings_from_mapping(config)
     assert settings.mode == "push"
     assert settings.prefill.instances[0].identity is not None
 

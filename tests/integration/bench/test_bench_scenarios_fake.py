@@ -1,0 +1,74 @@
+"""The scenario runner's flow (stack start, sweep, per-point JSON, report) on a fake instance."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from router.bench.procs import ManagedProcess, free_port
+from router.bench.report import render
+from router.bench.scenarios import SweepSpec, run_scenarios
+
+
+@dataclass
+class _Instance:
+    url: str
+
+
+class _FakeStack:
+    """Stands in for a devstack aggregated stack: one scripted backend process."""
+
+    model_name = "fake"
+
+    def __init__(self, logs: Path) -> None:
+        port = free_port()
+        argv = [sys.executable, "-m", "router.bench.scripted_backend", "--port", str(port)]
+        argv += ["--ttft", "0.01", "--itl", "0.001"]
+        self.proc = ManagedProcess("fake", argv, f"http://127.0.0.1:{port}/health", logs / "f.log")
+        self.proc.start()
+        self.aggregated = [_Instance(f"http://127.0.0.1:{port}")]
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.proc.stop()
+        self.stopped = True
+
+
+def test_runner_sweeps_and_reports(tmp_path: Path) -> None:
+    started: list[_FakeStack] = []
+
+    def start(kind: str, topology: str, logs: Path) -> Any:
+        assert topology == "aggregated"
+        started.append(_FakeStack(logs))
+        return started[-1]
+
+    spec = SweepSpec(
+        input_lens=(16, 32),
+        rates=(50.0,),
+        output_len=4,
+        min_requests=3,
+        max_requests=3,
+        num_warmups=1,
+    )
+    data = run_scenarios(spec, ("aggregated",), tmp_path, tmp_path / "work", start_stack=start)
+    assert data["errors"] == {}
+    assert started and started[0].stopped
+    assert [(r["input_len"], r["metrics"]["completed"]) for r in data["rows"]] == [(16, 3), (32, 3)]
+    run_file = tmp_path / "runs" / "aggregated_in16_r50.json"
+    assert json.loads(run_file.read_text())["metrics"]["total_output_tokens"] == 12
+    (tmp_path / "scenarios.json").write_text(json.dumps(data))
+    summary = render(tmp_path, "test")
+    assert summary["ttft_push_over_pull_loaded"] is None  # only the aggregated stack ran
+
+
+def test_failed_stack_start_is_recorded(tmp_path: Path) -> None:
+    def start(kind: str, topology: str, logs: Path) -> Any:
+        raise RuntimeError("no vLLM here")
+
+    data = run_scenarios(SweepSpec(), ("ours", "aggregated"), tmp_path, tmp_path / "w", start)
+    assert set(data["errors"]) == {"ours", "aggregated"}
+    assert "no vLLM here" in data["errors"]["ours"]
+    assert data["rows"] == []
