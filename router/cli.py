@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -59,6 +60,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"invalid config {args.config}: {exc.message}", file=sys.stderr)
         return 1
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     uvicorn.run(
         create_app(settings),
         host=args.host,
@@ -81,7 +85,7 @@ def build_parser(plugin_command: str | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="YAML config file")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")
