@@ -94,6 +94,9 @@ class TimeoutsConfig(_Frozen):
 
 class HealthConfig(_Frozen):
     interval: float = Field(default=10.0, gt=0, description="seconds between health checks")
+    unhealthy_interval: float = Field(
+        default=1.0, gt=0, description="seconds between checks while any backend is unhealthy"
+    )
     discovery_prompt: str = Field(default="ping", min_length=1)
 
 

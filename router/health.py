@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 
@@ -97,7 +98,18 @@ class HealthMonitor:
         await asyncio.gather(*(self.check(b) for pool in self.pools for b in pool.backends))
 
     async def run(self) -> None:
-        """Check forever, every ``health.interval`` seconds (cancel to stop)."""
+        """Check forever (cancel to stop): every backend each ``health.interval``; unhealthy ones
+        (still starting, or marked failed after a connect error) each ``unhealthy_interval``,
+        so they rejoin quickly."""
+        h = self.settings.health
+        tick = min(h.interval, h.unhealthy_interval)
+        last_full = time.monotonic()
         while True:
-            await asyncio.sleep(self.settings.health.interval)
-            await self.check_all()
+            await asyncio.sleep(tick)
+            if time.monotonic() - last_full >= h.interval - tick / 2:
+                last_full = time.monotonic()
+                await self.check_all()
+                continue
+            down = [b for pool in self.pools for b in pool.backends if not b.healthy]
+            if down:
+                await asyncio.gather(*(self.check(b) for b in down))

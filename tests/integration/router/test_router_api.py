@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -148,3 +149,26 @@ def test_unready_without_a_prefill_identity(fake: dict[str, FakeVllmServer]) -> 
     assert ready.status_code == 503
     assert ready.json()["prefill"] == []
     assert resp.status_code == 503
+
+
+def test_backend_starting_late_joins_without_waiting_a_full_interval(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    p = fake["p0"]
+    late = FakeVllmServer()  # port reserved, not serving yet: connections are refused
+    settings = make_settings(
+        [p.url], [late.url], health={"interval": 3600, "unhealthy_interval": 0.1}
+    )
+    with running_router(settings) as server:
+        assert httpx.get(f"{server.url}/ready").status_code == 503
+        with late:
+            deadline = time.monotonic() + 15
+            while httpx.get(f"{server.url}/ready").status_code != 200:
+                assert time.monotonic() < deadline, "late decode never became ready"
+                time.sleep(0.05)
+            resp = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                timeout=10,
+            )
+    assert resp.status_code == 200, resp.text
