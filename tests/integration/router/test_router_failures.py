@@ -99,14 +99,46 @@ def test_decode_drop_mid_stream_sends_one_error_event(fake: dict[str, FakeVllmSe
     assert "[DONE]" not in payloads
 
 
-def test_decode_http_error_before_first_token(fake: dict[str, FakeVllmServer]) -> None:
+def test_decode_http_error_before_first_token_cancels_prefill(
+    fake: dict[str, FakeVllmServer],
+) -> None:
     p, d = fake["p0"], fake["d0"]
+    p.state.behavior = FakeBehavior(prefill_delay_s=10)
     d.state.behavior = FakeBehavior(fail_status=500)
     with running_router(_settings(p, d)) as router:
-        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
-    assert resp.status_code == 502
-    assert "decode" in resp.json()["error"]["message"]
-    assert _idle(p, d)
+        for body in (STREAM, {**STREAM, "stream": False}):
+            p.state.reset(p.state.behavior)
+            resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
+            assert resp.status_code == 502
+            assert "decode" in resp.json()["error"]["message"]
+            assert p.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+
+
+def test_non_stream_total_timeout(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(token_delay_s=0.2)
+    settings = _settings(p, d, timeouts={"first_token": 0.5, "prefill": 0.5, "total": 0.8})
+    with running_router(settings) as router:
+        resp = httpx.post(
+            f"{router.url}/v1/completions", json={**STREAM, "stream": False, "max_tokens": 50}
+        )
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+    assert resp.status_code == 504
+    assert resp.json()["error"]["type"] == "timeout"
+
+
+def test_chat_stream_drop_sends_error_event(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(drop_after_tokens=1)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    with running_router(_settings(p, d)) as router:
+        resp = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=10)
+    assert resp.status_code == 200
+    payloads = [json.loads(x) for x in sse_payloads(resp.text)]
+    assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert payloads[1]["choices"][0]["delta"]["content"] == " tok0"
+    assert set(payloads[2]) == {"error"}
+    assert len(payloads) == 3
 
 
 def test_decode_client_error_is_passed_through(fake: dict[str, FakeVllmServer]) -> None:
