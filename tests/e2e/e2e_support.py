@@ -1,0 +1,173 @@
+"""Helpers for the real-vLLM end-to-end suite: prompts, reference outputs, a running router.
+
+The reference ("aggregated") output of a prompt is a plain request, without
+``kv_transfer_params``, straight to a prefill instance: vLLM then serves it like any aggregated
+instance (``test_e2e_pull.py`` checks this against an instance started without a KV connector).
+References are never taken from D, so D's prefix cache only ever holds what came through P/D.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from router.app import create_app
+from router.config import RouterSettings, settings_from_mapping
+from router.devstack.fake_vllm import UvicornThread
+from router.devstack.stack import Stack, StackInstance, StackOptions, start_stack
+from router.devstack.vllm_server import read_metrics_text
+
+MAX_TOKENS = 24
+READY_TIMEOUT_S = 120.0
+_WORDS = ("river", "city", "garden", "music", "paper", "window", "light", "water", "stone")
+_WORDS += ("cloud", "tree", "house", "market", "school", "number", "letter", "green", "blue")
+_WORDS += ("red", "yellow", "alpha", "beta", "gamma", "delta", "seven", "eight", "nine", "ten")
+
+
+def make_prompt(tag: str, words: int = 300) -> str:
+    """A deterministic prompt of roughly ``words`` words (a few hundred tokens), unique per tag.
+
+    Lengths are deliberately not multiples of the KV block size, and every prompt spans several
+    blocks, so a transfer that drops or misplaces blocks changes the output.
+    """
+    rng = random.Random(tag)
+    body = " ".join(rng.choice(_WORDS) for _ in range(words))
+    return f"{tag}: {body}"
+
+
+def reference_text(instance: StackInstance, model: str, prompt: str, chat: bool) -> str:
+    """Greedy output of one aggregated request (no kv_transfer_params) sent straight to vLLM."""
+    body: dict[str, Any] = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    response = httpx.post(instance.url + path, json=body, timeout=httpx.Timeout(120.0))
+    response.raise_for_status()
+    choice = response.json()["choices"][0]
+    text: str = choice["message"]["content"] if chat else choice["text"]
+    return text
+
+
+def metrics(instance: StackInstance) -> dict[str, float]:
+    """``/metrics`` of an instance, samples summed over labels."""
+    response = httpx.get(instance.url + "/metrics", timeout=httpx.Timeout(10.0))
+    response.raise_for_status()
+    return read_metrics_text(response.text)
+
+
+def wait_idle(instance: StackInstance, timeout_s: float) -> tuple[float, float, float]:
+    """Poll until the instance reports 0 running and 0 waiting; return (running, waiting, secs)."""
+    start = time.monotonic()
+    while True:
+        values = metrics(instance)
+        running = values.get("vllm:num_requests_running", -1.0)
+        waiting = values.get("vllm:num_requests_waiting", -1.0)
+        elapsed = time.monotonic() - start
+        if (running == 0 and waiting == 0) or elapsed > timeout_s:
+            return running, waiting, elapsed
+        time.sleep(0.25)
+
+
+@dataclass
+class RunningRouter:
+    """A router app served in-process on a free loopback port, in front of a real stack."""
+
+    stack: Stack
+    settings: RouterSettings
+    server: UvicornThread
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def client(self, max_retries: int = 0) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1",
+            api_key="unused",
+            max_retries=max_retries,
+            timeout=httpx.Timeout(180.0),
+        )
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=httpx.Timeout(180.0),
+        )
+
+
+@contextmanager
+def running_router(stack: Stack, **config_kwargs: Any) -> Iterator[RunningRouter]:
+    """Serve a router for ``stack`` and wait until its ``/ready`` answers 200."""
+    settings = settings_from_mapping(stack.router_config(**config_kwargs))
+    server = UvicornThread(create_app(settings))
+    server.start()
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        status = 0
+        while time.monotonic() < deadline:
+            status = httpx.get(server.url + "/ready", timeout=httpx.Timeout(10.0)).status_code
+            if status == 200:
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"router not ready after {READY_TIMEOUT_S}s (last /ready {status})")
+        yield RunningRouter(stack=stack, settings=settings, server=server)
+    finally:
+        server.stop()
+
+
+def router_completion(client: openai.OpenAI, model: str, prompt: str, stream: bool) -> str:
+    """Greedy completion through the router (openai SDK), streamed or not; the text."""
+    if not stream:
+        result = client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        return result.choices[0].text
+    parts: list[str] = []
+    with client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    ) as chunks:
+        for chunk in chunks:
+            parts.extend(choice.text for choice in chunk.choices)
+    return "".join(parts)
+
+
+def router_chat(client: openai.OpenAI, model: str, prompt: str, stream: bool) -> str:
+    """Greedy chat completion through the router (openai SDK), streamed or not; the content."""
+    messages: list[Any] = [{"role": "user", "content": prompt}]
+    if not stream:
+        result = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
+        return result.choices[0].message.content or ""
+    parts: list[str] = []
+    with client.chat.completions.create(
+        model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    ) as chunks:
+        for chunk in chunks:
+            parts.extend(choice.delta.content or "" for choice in chunk.choices)
+    return "".join(parts)
+
+
+@contextmanager
+def module_stack(options: StackOptions, work_dir: Path) -> Iterator[Stack]:
+    """Start a stack for one module and stop it afterwards, printing where its logs are."""
+    stack = start_stack(options, work_dir)
+    print(f"\nstarted {options.kind} {options.topology} stack:\n{stack.describe()}")
+    try:
+        yield stack
+    finally:
+        stack.stop()

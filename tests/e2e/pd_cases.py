@@ -1,0 +1,135 @@
+"""The P/D cases of issue 2, written once and run for every mode (push and pull).
+
+A test module subclasses :class:`PDRouterCases` as ``Test...`` and provides a ``router`` fixture
+(a :class:`e2e_support.RunningRouter` in front of a real vLLM CPU stack). Each case uses its own
+prompts, so D never has them in its prefix cache and every request really transfers KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from e2e_support import (
+    MAX_TOKENS,
+    RunningRouter,
+    make_prompt,
+    metrics,
+    reference_text,
+    router_chat,
+    router_completion,
+    wait_idle,
+)
+
+DISCONNECT_IDLE_TIMEOUT_S = 5.0
+
+
+class PDRouterCases:
+    """Greedy output through the router equals one aggregated instance, in every shape."""
+
+    tag = "base"
+
+    def _prompt(self, name: str) -> str:
+        return make_prompt(f"{self.tag}-{name}")
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+    def test_completion_equals_aggregated(self, router: RunningRouter, stream: bool) -> None:
+        prompt = self._prompt(f"completion-{stream}")
+        got = router_completion(router.client(), router.stack.model_name, prompt, stream)
+        want = reference_text(router.stack.prefill[0], router.stack.model_name, prompt, False)
+        assert want, "reference output is empty; the comparison would prove nothing"
+        assert got == want
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+    def test_chat_equals_aggregated(self, router: RunningRouter, stream: bool) -> None:
+        prompt = self._prompt(f"chat-{stream}")
+        got = router_chat(router.client(), router.stack.model_name, prompt, stream)
+        want = reference_text(router.stack.prefill[0], router.stack.model_name, prompt, True)
+        assert want
+        assert got == want
+
+    def test_usage_counts_prompt_from_prefill_and_completion_from_decode(
+        self, router: RunningRouter
+    ) -> None:
+        prompt = self._prompt("usage")
+        result = router.client().completions.create(
+            model=router.stack.model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        # The tokenizer's count for the prompt, from a plain request to vLLM's tokenizer.
+        tokens = _tokenize(router, prompt)
+        assert result.usage is not None
+        assert result.usage.prompt_tokens == tokens
+        assert result.usage.completion_tokens == MAX_TOKENS
+        assert result.usage.total_tokens == tokens + MAX_TOKENS
+
+    def test_eight_concurrent_requests_all_correct(self, router: RunningRouter) -> None:
+        model = router.stack.model_name
+        prompts = [self._prompt(f"concurrent-{i}") for i in range(8)]
+
+        async def one(client: Any, prompt: str, stream: bool) -> str:
+            if not stream:
+                result = await client.completions.create(
+                    model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+                )
+                text: str = result.choices[0].text
+                return text
+            parts: list[str] = []
+            chunks = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
+            async with chunks:
+                async for chunk in chunks:
+                    parts.extend(choice.text for choice in chunk.choices)
+            return "".join(parts)
+
+        async def all_of_them() -> list[str]:
+            async with router.async_client() as client:
+                return await asyncio.gather(
+                    *(one(client, p, i % 2 == 1) for i, p in enumerate(prompts))
+                )
+
+        got = asyncio.run(all_of_them())
+        want = [reference_text(router.stack.prefill[0], model, p, False) for p in prompts]
+        assert got == want
+
+    def test_client_disconnect_mid_stream_leaves_decode_idle(self, router: RunningRouter) -> None:
+        decode = router.stack.decode[0]
+        prompt = self._prompt("disconnect")
+        client = router.client()
+        stream = client.completions.create(
+            model=router.stack.model_name,
+            prompt=prompt,
+            max_tokens=4000,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        received = 0
+        for chunk in stream:
+            received += sum(1 for choice in chunk.choices if choice.text)
+            if received >= 5:
+                break
+        busy = metrics(decode)
+        stream.close()
+        assert received >= 5
+        # D was really decoding when the client left (else the test would prove nothing).
+        assert busy.get("vllm:num_requests_running", 0.0) == 1.0
+        running, waiting, elapsed = wait_idle(decode, DISCONNECT_IDLE_TIMEOUT_S)
+        assert (running, waiting) == (0.0, 0.0), f"D still busy {elapsed:.1f}s after disconnect"
+        for prefill in router.stack.prefill:
+            p_running, p_waiting, _ = wait_idle(prefill, DISCONNECT_IDLE_TIMEOUT_S)
+            assert (p_running, p_waiting) == (0.0, 0.0)
+
+
+def _tokenize(router: RunningRouter, prompt: str) -> int:
+    import httpx
+
+    response = httpx.post(
+        router.stack.prefill[0].url + "/tokenize",
+        json={"model": router.stack.model_name, "prompt": prompt},
+        timeout=httpx.Timeout(30.0),
+    )
+    response.raise_for_status()
+    count: int = response.json()["count"]
+    return count

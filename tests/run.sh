@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The project's test command (README, .ci/run): set up .venv, then lint, type-check and run every
+# suite except the docker one. Real-vLLM suites run serially under /tmp/vllm-e2e.lock so they never
+# overlap with other vLLM runs on the same machine. Exits non-zero if any step fails; every step
+# runs regardless, so one run reports all failures.
+#
+#   bash tests/run.sh            # everything (about 15-20 min on a 2-core machine)
+#   SKIP_SETUP=1 bash tests/run.sh   # reuse the existing .venv as is
+#   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+SUITES=${SUITES:-"lint fast nixl vllm"}
+LOCK=${VLLM_E2E_LOCK:-/tmp/vllm-e2e.lock}
+failures=()
+
+log() { printf '\n=== %s [%s]\n' "$*" "$(date -u +%H:%M:%S)"; }
+
+setup_venv() {
+    if [[ ! -x "$VENV/bin/python" ]]; then
+        log "creating $VENV"
+        python3 -m venv "$VENV" || return 1
+    fi
+    log "installing the project with extras cpu, dev, bench"
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu,dev,bench]" || return 1
+    # These break beside torch 2.13+cpu; some dependency may drag them in.
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1
+    return 0
+}
+
+step() {  # step NAME COMMAND...: run, record a failure by name
+    local name=$1
+    shift
+    log "$name: $*"
+    "$@"
+    local rc=$?
+    if [[ $rc -ne 0 ]]; then
+        echo "--- $name failed (exit $rc)"
+        failures+=("$name")
+    fi
+    return 0
+}
+
+pytest_suite() {  # pytest_suite MARKEXPR [extra args]: exit 5 (nothing collected) is success
+    local expr=$1
+    shift
+    "$VENV/bin/python" -m pytest -q -m "$expr" -p no:cacheprovider "$@"
+    local rc=$?
+    if [[ $rc -eq 5 ]]; then
+        echo "(no tests selected by -m \"$expr\")"
+        return 0
+    fi
+    return $rc
+}
+
+with_lock() {  # with_lock COMMAND...: hold the shared vLLM lock (when flock exists) meanwhile
+    if ! command -v flock >/dev/null 2>&1; then
+        "$@"
+        return
+    fi
+    local rc
+    exec 9>>"$LOCK"
+    flock 9
+    "$@"
+    rc=$?
+    flock -u 9
+    exec 9>&-
+    return $rc
+}
+
+if [[ -z "${SKIP_SETUP:-}" ]]; then
+    if ! setup_venv; then
+        echo "setup of $VENV failed" >&2
+        exit 2
+    fi
+fi
+
+for suite in $SUITES; do
+    case $suite in
+        lint)
+            step "ruff check" "$VENV/bin/ruff" check .
+            step "ruff format" "$VENV/bin/ruff" format --check .
+            step "mypy" "$VENV/bin/mypy"
+            ;;
+        fast)
+            step "fast suite" pytest_suite "not vllm and not nixl and not docker"
+            ;;
+        nixl)
+            step "nixl suite" pytest_suite "nixl and not vllm and not docker"
+            ;;
+        vllm)
+            step "vllm suite" with_lock pytest_suite "vllm and not docker" --durations=15
+            ;;
+        *)
+            echo "unknown suite $suite (expected: lint fast nixl vllm)" >&2
+            failures+=("$suite")
+            ;;
+    esac
+done
+
+if [[ ${#failures[@]} -gt 0 ]]; then
+    log "FAILED: ${failures[*]}"
+    exit 1
+fi
+log "all passed: $SUITES"
