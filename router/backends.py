@@ -22,6 +22,7 @@ class BackendState:
     healthy: bool = True
     in_flight: int = 0
     discovered_identity: PushIdentity | None = None
+    discovered_at: float | None = None  # time.monotonic() of the last successful probe
     last_error: str | None = field(default=None)
 
     @property

@@ -97,6 +97,11 @@ class HealthConfig(_Frozen):
     unhealthy_interval: float = Field(
         default=1.0, gt=0, description="seconds between checks while any backend is unhealthy"
     )
+    discovery_interval: float = Field(
+        default=30.0,
+        gt=0,
+        description="seconds between identity probes of a healthy prefill instance (push mode)",
+    )
     discovery_prompt: str = Field(default="ping", min_length=1)
 
 

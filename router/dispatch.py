@@ -43,6 +43,7 @@ from router.rewrite import (
     identity_from_kv,
     merge_usage,
     prefill_body,
+    prefill_usage,
 )
 from router.upstream import open_sse, post_json
 from router.validation import ClientRequest
@@ -162,6 +163,7 @@ class Dispatch:
         if answered.engine_id != self._sent_identity.engine_id:
             if self.prefill.config.identity is None:
                 self.prefill.discovered_identity = answered
+                self.prefill.discovered_at = time.monotonic()
                 self.ctx.metrics.discoveries.labels(self.prefill.label).inc()
             raise UpstreamProtocolError(
                 "prefill",
@@ -258,7 +260,7 @@ class Dispatch:
             answer = await asyncio.wait_for(asyncio.shield(self._p_task), max(left, 0.0))
         except (RouterError, TimeoutError):
             return None
-        return answer.get("usage")
+        return prefill_usage(answer)
 
     async def _client_event(self, payload: str) -> bytes:
         if '"usage"' in payload:

@@ -6,9 +6,12 @@ start, then ``run()`` as a background task until shutdown. Each probe is bounded
 
 Discovery (push mode, prefill instances without a configured identity): a 1-token prefill probe
 with ``do_remote_decode: true`` makes vLLM answer with ``kv_transfer_params`` carrying its engine
-id, side-channel host/port, tp and pp size. This runs on every check, so a P restarted with a new
-engine id is re-learned. Cost: P keeps the probe's few KV blocks until its lease expires, since no
-decode ever fetches them.
+id, side-channel host/port, tp and pp size. It runs with the health check at start, whenever a P
+(re)joins after failing a check (a restarted vLLM is down for a while, so its new engine id is
+learned as it comes back), and at least every ``health.discovery_interval`` (set it <= ``interval``
+to probe on every check). Probes are rationed because each one costs P: it keeps the probe's KV
+block until its lease expires (no D ever fetches it) and keeps P's engine loop stepping meanwhile.
+Between probes the dispatch also learns a changed engine id from any P leg's answer.
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ class HealthMonitor:
         )
         if resp.status_code != 200:
             raise ValueError(f"/health answered {resp.status_code}")
-        if self.settings.mode == "push" and backend.needs_discovery:
+        if self.settings.mode == "push" and backend.needs_discovery and self._probe_due(backend):
             identity = await self.probe_identity(backend)
+            backend.discovered_at = time.monotonic()
             if identity != backend.discovered_identity:
                 log.info(
                     "prefill %s identity: %s (was %s)",
@@ -75,6 +79,12 @@ class HealthMonitor:
                 )
                 backend.discovered_identity = identity
                 self.metrics.discoveries.labels(backend.label).inc()
+
+    def _probe_due(self, backend: BackendState) -> bool:
+        if not backend.healthy or backend.discovered_at is None:
+            return True
+        elapsed = time.monotonic() - backend.discovered_at
+        return elapsed >= self.settings.health.discovery_interval
 
     async def check(self, backend: BackendState) -> bool:
         """One bounded health check (and discovery); updates ``backend.healthy``."""

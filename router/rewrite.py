@@ -87,6 +87,20 @@ def identity_from_kv(kv: dict[str, Any]) -> PushIdentity:
         raise ValueError(f"incomplete kv_transfer_params from prefill: {exc}") from exc
 
 
+def prefill_usage(answer: dict[str, Any]) -> Any:
+    """P's usage; without ``prompt_tokens_details`` (vLLM reports them only when started with
+    ``--enable-prompt-tokens-details``) its cached count is taken from the
+    ``remote_prefill_cached_tokens`` of P's ``kv_transfer_params`` where present."""
+    usage = answer.get("usage")
+    kv = answer.get("kv_transfer_params")
+    if not isinstance(usage, dict) or not isinstance(kv, dict):
+        return usage
+    cached = kv.get("remote_prefill_cached_tokens")
+    if isinstance(usage.get("prompt_tokens_details"), dict) or not isinstance(cached, int):
+        return usage
+    return {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 def merge_usage(decode_usage: Any, prefill_usage: Any) -> Any:
     """Usage for the client: prompt and cached tokens from P, completion tokens from D.
 

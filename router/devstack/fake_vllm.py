@@ -120,14 +120,22 @@ class FakeVllmState:
         transfer_mode: str = "push",
         fabric: KvFabric | None = None,
         kv_connector: bool = True,
+        prompt_tokens_details: bool = True,
     ) -> None:
         self.model = model
         self.fabric = fabric
         self.kv_connector = kv_connector  # False: like vLLM started without --kv-transfer-config
+        # False: like vLLM started without --enable-prompt-tokens-details
+        self.prompt_tokens_details = prompt_tokens_details
         self.behavior = behavior or FakeBehavior()
         self.identity = identity or PushIdentity()
         self.transfer_mode = transfer_mode
-        self._initial = (transfer_mode, kv_connector, identity_copy(self.identity))
+        self._initial = (
+            transfer_mode,
+            kv_connector,
+            prompt_tokens_details,
+            identity_copy(self.identity),
+        )
         self._lock = threading.Lock()
         self.requests: list[RecordedRequest] = []
         self.in_flight = 0
@@ -139,7 +147,9 @@ class FakeVllmState:
         """Forget records and counters; install ``behavior`` (default: a fresh one); restore the
         constructed transfer mode, connector flag and identity."""
         with self._lock:
-            self.transfer_mode, self.kv_connector, identity = self._initial
+            self.transfer_mode, self.kv_connector, self.prompt_tokens_details, identity = (
+                self._initial
+            )
             self.identity = identity_copy(identity)
             self.requests.clear()
             self.cancelled = 0
@@ -262,12 +272,14 @@ class _Generation:
         return min(self.state.behavior.prompt_cached_tokens, self.prompt_tokens)
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens()},
         }
+        if self.state.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens()}
+        return usage
 
     def kv_out(self) -> dict[str, Any] | None:
         if not self.is_prefill or not self.state.kv_connector:
@@ -286,6 +298,7 @@ class _Generation:
             "pp_size": ident.pp_size,
             "remote_num_tokens": self.prompt_tokens,
             "transfer_mode": self.state.transfer_mode,
+            "remote_prefill_cached_tokens": self.cached_tokens(),
         }
 
     def full_response(self) -> dict[str, Any]:

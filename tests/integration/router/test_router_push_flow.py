@@ -174,7 +174,7 @@ def test_two_prefills_each_pair_with_the_right_identity(fake: dict[str, FakeVllm
 
 def test_periodic_check_rediscovers_a_restarted_prefill(fake: dict[str, FakeVllmServer]) -> None:
     p, d = fake["p0"], fake["d0"]
-    settings = make_settings([p.url], [d.url], health={"interval": 0.1})
+    settings = make_settings([p.url], [d.url], health={"interval": 0.1, "discovery_interval": 0.1})
     req = {"model": MODEL, "prompt": "go", "max_tokens": 1}
     with running_router(settings) as router:
         assert httpx.post(f"{router.url}/v1/completions", json=req, timeout=10).is_success
@@ -213,3 +213,39 @@ def test_changed_engine_id_seen_on_prefill_answer_fails_fast(
     assert second.status_code == 200
     last = d.state.generation_requests()[-1]
     assert last.body["kv_transfer_params"]["remote_engine_id"] == "engine-p0-new"
+
+
+def test_cached_tokens_from_prefill_kv_params_without_usage_details(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    """vLLM without --enable-prompt-tokens-details: P's cached count comes from its kv params."""
+    p, d = fake["p0"], fake["d0"]
+    for server in (p, d):
+        server.state.prompt_tokens_details = False
+    p.state.behavior.prompt_cached_tokens = 2
+    with running_router(make_settings([p.url], [d.url], identities=_static(p))) as router:
+        resp = httpx.post(
+            f"{router.url}/v1/completions",
+            json={"model": MODEL, "prompt": "a b c d", "max_tokens": 2},
+            timeout=10,
+        )
+    assert resp.status_code == 200
+    assert resp.json()["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+
+
+def test_discovery_probes_are_rationed(fake: dict[str, FakeVllmServer]) -> None:
+    """Health checks every 0.05 s, probes at most every discovery_interval (here: once)."""
+    p, d = fake["p0"], fake["d0"]
+    settings = make_settings([p.url], [d.url], health={"interval": 0.05, "discovery_interval": 60})
+    with running_router(settings) as router:
+        time.sleep(0.5)
+        assert httpx.get(f"{router.url}/ready").status_code == 200
+    probes = [r for r in p.state.generation_requests() if r.body["prompt"] == "ping"]
+    assert len(probes) == 1
+    assert probes[0].body["kv_transfer_params"]["do_remote_decode"] is True
+    assert probes[0].body["max_tokens"] == 1

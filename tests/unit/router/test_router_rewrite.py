@@ -18,6 +18,7 @@ from router.rewrite import (
     identity_from_kv,
     merge_usage,
     prefill_body,
+    prefill_usage,
     strip_client_fields,
 )
 from router.validation import parse_client_request
@@ -150,3 +151,16 @@ def test_upstream_4xx_is_passed_through_and_5xx_becomes_502() -> None:
     server_err = UpstreamHTTPError("prefill", "p0", 500, "boom")
     assert server_err.status == 502 and server_err.retryable
     assert "prefill instance p0" in server_err.message
+
+
+def test_prefill_usage_falls_back_to_kv_cached_tokens() -> None:
+    usage = {"prompt_tokens": 200, "completion_tokens": 1, "total_tokens": 201}
+    kv = {"remote_engine_id": "e", "remote_prefill_cached_tokens": 128}
+    assert prefill_usage({"usage": usage, "kv_transfer_params": kv}) == {
+        **usage,
+        "prompt_tokens_details": {"cached_tokens": 128},
+    }
+    with_details = {**usage, "prompt_tokens_details": {"cached_tokens": 0}}
+    answer = {"usage": with_details, "kv_transfer_params": kv}
+    assert prefill_usage(answer) == with_details
+    assert prefill_usage({"usage": usage, "kv_transfer_params": None}) == usage
