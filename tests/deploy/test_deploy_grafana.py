@@ -1,0 +1,109 @@
+"""deploy/grafana: the dashboard is valid JSON whose queries use metrics that really exist.
+
+Router metric names come from the router itself (a :class:`RouterMetrics` on a fresh registry, with
+the sample suffixes Prometheus exposes: ``_total``, ``_bucket``, ...). vLLM metric names are looked
+up in the installed vLLM's source (found without importing vLLM, which takes seconds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deploy_support import DASHBOARD
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from router.metrics import RouterMetrics
+
+# PromQL pieces that are not metric names: label matchers, ranges, `by (...)` groupings.
+_NOT_NAMES = re.compile(r"\{[^}]*\}|\[[^\]]*\]|\b(?:by|without)\s*\([^)]*\)")
+# An identifier not followed by "(" (that would be a function call).
+_IDENT = re.compile(r"(?<![\w:.])([a-zA-Z_:][\w:]*)\b(?!\s*\()")
+_PROMQL_WORDS = {"by", "without", "and", "or", "unless", "on", "ignoring", "offset"}
+_SUFFIXES = {Counter: ("_total",), Gauge: ("",), Histogram: ("_bucket", "_sum", "_count")}
+
+
+def _dashboard() -> dict[str, Any]:
+    data = json.loads(DASHBOARD.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _exprs() -> list[str]:
+    return [t["expr"] for p in _dashboard()["panels"] for t in p.get("targets", [])]
+
+
+def _metric_names(expr: str) -> set[str]:
+    return {m for m in _IDENT.findall(_NOT_NAMES.sub(" ", expr)) if m not in _PROMQL_WORDS}
+
+
+def _router_sample_names() -> set[str]:
+    """Every sample name the router's /metrics can expose."""
+    metrics = RouterMetrics(CollectorRegistry())
+    names: set[str] = set()
+    for value in vars(metrics).values():
+        for kind, suffixes in _SUFFIXES.items():
+            if isinstance(value, kind):
+                names.update(value._name + s for s in suffixes)
+    return names
+
+
+def _vllm_source_names() -> set[str]:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vLLM is not installed (pip install -e '.[cpu]')")
+    names: set[str] = set()
+    for path in Path(spec.origin).parent.rglob("*.py"):
+        names.update(re.findall(r"[\"'](vllm:[a-z_]+)[\"']", path.read_text(errors="replace")))
+    return names
+
+
+def test_dashboard_is_a_grafana_dashboard() -> None:
+    dash = _dashboard()
+    assert dash["uid"] and dash["title"]
+    panels = dash["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in panels:
+        if panel["type"] != "row":
+            assert panel["targets"], f"panel {panel['title']!r} has no query"
+            assert panel["datasource"]["uid"] == "${datasource}"
+    assert dash["templating"]["list"][0]["name"] == "datasource"
+
+
+def test_parser_finds_metric_names() -> None:
+    """Control for the checks below: names are extracted, functions and labels are not."""
+    expr = 'histogram_quantile(0.95, sum by (le, backend) (rate(a_b_bucket{outcome!="ok"}[5m])))'
+    assert _metric_names(expr) == {"a_b_bucket"}
+    assert _metric_names("sum by (role) (x:y)") == {"x:y"}
+
+
+def test_router_metrics_exist_in_the_router() -> None:
+    exported = _router_sample_names()
+    used = {n for e in _exprs() for n in _metric_names(e) if n.startswith("disagg_router_")}
+    assert used, "the dashboard shows router metrics"
+    assert used <= exported, f"not exported by router/metrics.py: {sorted(used - exported)}"
+    # Every router metric family is on the dashboard.
+    families = {n.removesuffix(s) for n in exported for s in ("_total", "_bucket") if n.endswith(s)}
+    families |= {n for n in exported if not n.endswith(("_sum", "_count", "_total", "_bucket"))}
+    shown = {n.removesuffix("_total").removesuffix("_bucket").removesuffix("_count") for n in used}
+    assert families <= shown, f"router metrics missing from the dashboard: {families - shown}"
+
+
+def test_vllm_metrics_exist_in_vllm() -> None:
+    known = _vllm_source_names()
+    used = {n for e in _exprs() for n in _metric_names(e) if n.startswith("vllm:")}
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:num_requests_running"} <= used
+    base = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used}
+    assert base <= known, f"not defined in vLLM: {sorted(base - known)}"
+
+
+def test_every_query_names_a_known_prefix() -> None:
+    for expr in _exprs():
+        names = _metric_names(expr)
+        assert names, f"no metric in {expr!r}"
+        assert all(n.startswith(("disagg_router_", "vllm:")) for n in names), expr

