@@ -160,17 +160,25 @@ class Dispatch:
             answered = identity_from_kv(kv)
         except ValueError as exc:
             raise UpstreamProtocolError("prefill", self.prefill.label, str(exc)) from exc
-        if answered.engine_id != self._sent_identity.engine_id:
-            if self.prefill.config.identity is None:
-                self.prefill.discovered_identity = answered
-                self.prefill.discovered_at = time.monotonic()
-                self.ctx.metrics.discoveries.labels(self.prefill.label).inc()
+        sent = self._sent_identity.engine_id
+        if answered.engine_id == sent:
+            return
+        if self.prefill.config.identity is not None:
             raise UpstreamProtocolError(
                 "prefill",
                 self.prefill.label,
-                f"engine id changed from {self._sent_identity.engine_id} to "
-                f"{answered.engine_id}; the decode leg was paired with the old one",
+                f"configured engine_id {sent} does not match the instance's "
+                f"{answered.engine_id}; fix the router config",
             )
+        self.prefill.discovered_identity = answered
+        self.prefill.discovered_at = time.monotonic()
+        self.ctx.metrics.discoveries.labels(self.prefill.label).inc()
+        raise UpstreamProtocolError(
+            "prefill",
+            self.prefill.label,
+            f"engine id changed from {sent} to {answered.engine_id}; "
+            "the decode leg was paired with the old one",
+        )
 
     async def _decode_leg(self) -> None:
         """D leg: puts SSE payloads (or the one JSON answer), then ``_END`` or an error."""

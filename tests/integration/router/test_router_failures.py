@@ -249,3 +249,14 @@ def test_client_disconnect_before_first_token_cancels_both(fake: dict[str, FakeV
             assert errors
             assert p.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
             assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+
+
+def test_misconfigured_static_identity_is_reported(fake: dict[str, FakeVllmServer]) -> None:
+    p, d = fake["p0"], fake["d0"]
+    identities = {p.url: {"engine_id": "not-p0", "host": "127.0.0.1", "port": 5600}}
+    settings = make_settings([p.url], [d.url], identities=identities)
+    with running_router(settings) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=30)
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+    assert resp.status_code == 502
+    assert "configured engine_id not-p0" in resp.json()["error"]["message"]
