@@ -112,6 +112,16 @@ class PushConsumer:
             pending.cancelling = True
         self._pool.submit(self._send_cancel, d_request_id, pending, "aborted by D")
 
+    def cancel_key(self, transfer_key: str, host: str, port: int) -> None:
+        """Tell P that ``transfer_key`` will never be registered (best effort, non-blocking)."""
+        self._pool.submit(self._send_key_cancel, transfer_key, host, port)
+
+    def _send_key_cancel(self, transfer_key: str, host: str, port: int) -> None:
+        try:
+            self._ask(host, port, encode_request("cancel", {"transfer_key": transfer_key}))
+        except (SideChannelError, ProtocolError) as exc:
+            logger.info("cancel of unregistered %s not delivered: %s", transfer_key, exc)
+
     def take_results(self) -> tuple[set[str], set[str]]:
         """``(finished, failed)`` since the last call; ``failed`` is a subset of ``finished``."""
         with self._lock:

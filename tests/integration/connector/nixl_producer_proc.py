@@ -12,11 +12,11 @@ import json
 import sys
 
 import numpy as np
+from nixl_layouts import make_regions
 
 from connector.config import ConnectorConfig
 from connector.nixl_backend import NixlEndpoint
 from connector.producer import PushProducer
-from nixl_layouts import make_regions
 
 
 def main() -> None:

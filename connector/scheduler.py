@@ -1,0 +1,181 @@
+"""Scheduler side of the connector (runs in vLLM's scheduler; no NIXL, no sockets).
+
+Who calls it: the facade, from vLLM's scheduler hooks. It only decides and records; all I/O
+happens on the worker side, which receives the decisions through
+:class:`~connector.metadata.PushConnectorMetadata`.
+
+D (``do_remote_prefill``): reports the prompt tokens beyond D's own prefix-cache hit as loaded
+asynchronously, registers the newly allocated blocks once, and on abort while waiting asks the
+worker to cancel (vLLM itself holds the blocks until the worker reports the request).
+P (``do_remote_decode``): on a successful finish keeps the blocks (returns ``True``) and hands
+them to the worker's writer; on abort/error tells the worker so D learns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.request import Request, RequestStatus
+
+from connector.metadata import PushConnectorMetadata
+from connector.specs import KeyCancel, RecvSpec, SendAbort, SendSpec, transfer_key
+
+logger = logging.getLogger(__name__)
+
+_REQUIRED_REMOTE = ("remote_engine_id", "remote_host", "remote_port")
+
+
+class PushScheduler:
+    """Per-engine scheduler state; see the module docstring."""
+
+    def __init__(self, engine_id: str, host: str, port: int, block_size: int) -> None:
+        self.engine_id = engine_id
+        self.host = host
+        self.port = port
+        self.block_size = block_size
+        self._handled: set[str] = set()  # D requests already answered (never register twice)
+        self._waiting: set[str] = set()  # D requests registered, not yet reported by the worker
+        self._sending: set[str] = set()  # P requests whose blocks the worker still holds
+        self._meta = PushConnectorMetadata()
+
+    # ---- D ---------------------------------------------------------------------------------
+    def _remote(self, request: Request) -> dict[str, Any] | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        missing = [k for k in _REQUIRED_REMOTE if params.get(k) in (None, "")]
+        if missing:
+            logger.error(
+                "request %s: kv_transfer_params lack %s; prefilling locally",
+                request.request_id,
+                ", ".join(missing),
+            )
+            return None
+        return dict(params)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens P will push: the prompt beyond D's local hit (async), else ``(0, False)``."""
+        if request.request_id in self._handled or self._remote(request) is None:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> None:
+        """Register the blocks allocated for the pushed tokens (first call only)."""
+        params = self._remote(request)
+        if params is None or request.request_id in self._handled:
+            return
+        self._handled.add(request.request_id)
+        key = transfer_key(params, request.request_id)
+        host, port = str(params["remote_host"]), int(params["remote_port"])
+        if num_external_tokens <= 0:
+            # Full local hit: nothing to receive; let P free its blocks now.
+            self._meta.key_cancels.append(KeyCancel(key, host, port))
+            return
+        all_ids = blocks.get_block_ids()[0]
+        new_ids = blocks.get_unhashed_block_ids_all_groups()[0]
+        first_block = len(all_ids) - len(new_ids)
+        self._waiting.add(request.request_id)
+        self._meta.registrations.append(
+            RecvSpec(
+                d_request_id=request.request_id,
+                transfer_key=key,
+                p_engine_id=str(params["remote_engine_id"]),
+                host=host,
+                port=port,
+                block_ids=tuple(new_ids),
+                first_block=first_block,
+            )
+        )
+        logger.debug(
+            "request %s: registering %d blocks (from block %d) for %s",
+            request.request_id,
+            len(new_ids),
+            first_block,
+            key,
+        )
+
+    # ---- both --------------------------------------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once per finished request before vLLM frees its blocks."""
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        if rid in self._handled or params.get("do_remote_prefill"):
+            return self._d_finished(request, params)
+        if params.get("do_remote_decode"):
+            return self._p_finished(request, params, block_ids)
+        return False, None
+
+    def _d_finished(self, request: Request, params: dict[str, Any]) -> tuple[bool, None]:
+        rid = request.request_id
+        was_handled = rid in self._handled
+        self._handled.discard(rid)
+        if rid in self._waiting:
+            # Aborted while waiting: vLLM keeps the blocks until the worker reports rid.
+            self._meta.cancels.append(rid)
+        elif not was_handled and self._remote(request) is not None:
+            # Finished before any block was allocated: let P free its prefill now.
+            self._meta.key_cancels.append(
+                KeyCancel(
+                    transfer_key(params, rid),
+                    str(params["remote_host"]),
+                    int(params["remote_port"]),
+                )
+            )
+        return False, None
+
+    def _p_finished(
+        self, request: Request, params: dict[str, Any], block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        key = transfer_key(params, rid)
+        ok = request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        )
+        if not ok or not block_ids:
+            reason = f"prefill ended with status {request.status.name}"
+            self._meta.failed_prefills.append(SendAbort(key, reason))
+            return False, None
+        self._sending.add(rid)
+        self._meta.finished_prefills.append(SendSpec(rid, key, tuple(block_ids)))
+        out: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_block_ids": list(block_ids),
+            "remote_num_tokens": request.num_computed_tokens,
+            "tp_size": 1,
+            "pp_size": 1,
+            "transfer_mode": "push",
+        }
+        if params.get("transfer_id"):
+            out["transfer_id"] = params["transfer_id"]
+        return True, out
+
+    # ---- step plumbing -------------------------------------------------------------------
+    def build_connector_meta(self) -> PushConnectorMetadata:
+        meta, self._meta = self._meta, PushConnectorMetadata()
+        return meta
+
+    def update_connector_output(
+        self, finished_sending: set[str] | None, finished_recving: set[str] | None
+    ) -> None:
+        self._sending.difference_update(finished_sending or ())
+        self._waiting.difference_update(finished_recving or ())
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping while P holds blocks for D or work has not reached the worker."""
+        m = self._meta
+        queued = m.registrations or m.cancels or m.key_cancels or m.finished_prefills
+        return bool(self._sending or queued or m.failed_prefills)

@@ -1,0 +1,67 @@
+"""Plain work items passed from the scheduler side to the worker side (no vLLM, no NIXL)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def base_request_id(request_id: str) -> str:
+    """Strip the ``-<8 hex>`` suffix vLLM's input processor appends to every request id."""
+    return _RANDOM_SUFFIX.sub("", request_id)
+
+
+def transfer_key(params: Mapping[str, Any], request_id: str) -> str:
+    """The id P and D match a transfer on.
+
+    ``transfer_id`` (router-chosen, sent on both legs) wins. Without it each side uses the base
+    of its *own* engine request id (the ``-<8 hex>`` suffix stripped), which agrees when both legs
+    carry the same ``X-Request-Id`` on the same endpoint, as with vLLM's own push connector.
+    """
+    tid = params.get("transfer_id")
+    if tid:
+        return f"t:{tid}"
+    return f"r:{base_request_id(request_id)}"
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """D: register ``block_ids`` (group 0) of ``d_request_id`` with the P at ``host:port``."""
+
+    d_request_id: str
+    transfer_key: str
+    p_engine_id: str
+    host: str
+    port: int
+    block_ids: tuple[int, ...]
+    first_block: int
+
+
+@dataclass(frozen=True)
+class KeyCancel:
+    """D: tell the P at ``host:port`` that ``transfer_key`` will never be registered."""
+
+    transfer_key: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """P: the prefill of ``transfer_key`` finished; ``block_ids`` (group 0) stay pinned."""
+
+    p_request_id: str
+    transfer_key: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SendAbort:
+    """P: the prefill of ``transfer_key`` failed or was aborted; tell D."""
+
+    transfer_key: str
+    reason: str
