@@ -300,8 +300,14 @@ class Dispatch:
                 return
             if isinstance(item, str):
                 yield await self._client_event(item)
+            left = deadline - time.monotonic()
             try:
-                item = await asyncio.wait_for(self._queue.get(), deadline - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError
+                try:
+                    item = self._queue.get_nowait()  # fast path: no timer task when data is ready
+                except asyncio.QueueEmpty:
+                    item = await asyncio.wait_for(self._queue.get(), left)
             except TimeoutError:
                 limit = self.ctx.settings.timeouts.total
                 item = UpstreamTimeout("decode", self.decode.label, f"total {limit:g}s exceeded")

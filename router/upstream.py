@@ -119,14 +119,19 @@ async def open_sse(
 async def _sse_payloads(
     resp: httpx.Response, leg: str, backend: BackendState
 ) -> AsyncIterator[str]:
+    done = False
     try:
         async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
+            if done or not line.startswith("data:"):
+                continue  # after [DONE]: read on to the end so the connection can be reused
             payload = line[5:].strip()
             if payload == SSE_DONE:
-                return
+                done = True
+                continue
             yield payload
     except httpx.HTTPError as exc:
+        if done:
+            return
         raise _translate(exc, leg, backend) from exc
-    raise UpstreamUnavailable(leg, backend.label, "stream ended before [DONE]")
+    if not done:
+        raise UpstreamUnavailable(leg, backend.label, "stream ended before [DONE]")

@@ -80,6 +80,7 @@ class RecordedRequest:
     received_at: float
     finished_at: float | None = None
     outcome: str = "in_flight"  # ok | cancelled | error | dropped | in_flight
+    client_port: int | None = None  # the caller's TCP port: equal ports = a reused connection
 
 
 def identity_copy(identity: PushIdentity) -> PushIdentity:

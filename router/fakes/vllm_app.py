@@ -209,6 +209,7 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
             headers={k.lower(): v for k, v in request.headers.items()},
             body=body,
             received_at=time.monotonic(),
+            client_port=request.client.port if request.client else None,
         )
         state.record(rec)
         if not isinstance(body, dict):

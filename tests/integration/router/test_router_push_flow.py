@@ -249,3 +249,18 @@ def test_discovery_probes_are_rationed(fake: dict[str, FakeVllmServer]) -> None:
     assert len(probes) == 1
     assert probes[0].body["kv_transfer_params"]["do_remote_decode"] is True
     assert probes[0].body["max_tokens"] == 1
+
+
+def test_upstream_connections_are_reused(fake: dict[str, FakeVllmServer]) -> None:
+    """Sequential requests reuse keep-alive connections to P and D (streams are read to EOF)."""
+    p, d = fake["p0"], fake["d0"]
+    with running_router(make_settings([p.url], [d.url], identities=_static(p))) as router:
+        for stream in (True, False, True, True, False, True):
+            resp = httpx.post(
+                f"{router.url}/v1/completions",
+                json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": stream},
+                timeout=10,
+            )
+            assert resp.status_code == 200
+    assert len({r.client_port for r in d.state.generation_requests()}) == 1
+    assert len({r.client_port for r in p.state.generation_requests()}) == 1
