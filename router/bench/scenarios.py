@@ -118,9 +118,19 @@ async def sweep_target(
                     "metrics": metrics,
                     "errors": [r.error for r in result.records if not r.success][:5],
                 }
+                records = [
+                    {
+                        "ttft": r.ttft,
+                        "latency": r.latency,
+                        "output_tokens": r.output_tokens,
+                        "start": r.start_time,
+                        "success": r.success,
+                    }
+                    for r in result.records
+                ]
                 write_json(
                     out_dir / "runs" / f"{name}.json",
-                    {**row, "started_at": started, "sweep": asdict(spec)},
+                    {**row, "started_at": started, "sweep": asdict(spec), "records": records},
                 )
                 rows.append(row)
     return rows
@@ -196,6 +206,25 @@ def run_scenarios(
         "rows": rows,
         "errors": errors,
         "timings": timings,
+    }
+
+
+def merge_previous(data: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Keep ``previous`` rows and errors of stacks this run did not touch (``--merge``)."""
+    if not previous:
+        return data
+    ran = set(data["stacks"])
+    kept_rows = [r for r in previous.get("rows", []) if r["stack"] not in ran]
+    kept_errors = {k: v for k, v in previous.get("errors", {}).items() if k not in ran}
+    stacks = [s for s in STACKS if s in ran or s in set(previous.get("stacks", []))]
+    timings = {**previous.get("timings", {}), **data["timings"]}
+    return {
+        **data,
+        "stacks": stacks,
+        "rows": kept_rows + data["rows"],
+        "errors": {**kept_errors, **data["errors"]},
+        "timings": timings,
+        "previous_commands": [*previous.get("previous_commands", []), previous.get("command")],
     }
 
 

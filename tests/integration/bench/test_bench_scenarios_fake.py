@@ -72,3 +72,26 @@ def test_failed_stack_start_is_recorded(tmp_path: Path) -> None:
     assert set(data["errors"]) == {"ours", "aggregated"}
     assert "no vLLM here" in data["errors"]["ours"]
     assert data["rows"] == []
+
+
+def test_merge_keeps_untouched_stacks() -> None:
+    from router.bench.scenarios import merge_previous
+
+    previous = {
+        "stacks": ["pull", "aggregated"],
+        "rows": [{"stack": "pull", "x": 1}, {"stack": "aggregated", "x": 2}],
+        "errors": {"aggregated": "old failure"},
+        "timings": {"a": 1.0},
+        "command": "first",
+    }
+    new = {
+        "stacks": ["aggregated"],
+        "rows": [{"stack": "aggregated", "x": 3}],
+        "errors": {},
+        "timings": {"b": 2.0},
+    }
+    merged = merge_previous(new, previous)
+    assert merged["rows"] == [{"stack": "pull", "x": 1}, {"stack": "aggregated", "x": 3}]
+    assert merged["errors"] == {}
+    assert merged["stacks"] == ["pull", "aggregated"]
+    assert merged["previous_commands"] == ["first"]

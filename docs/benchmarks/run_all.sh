@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Reproduce everything under docs/benchmarks/ on one machine (holds the vLLM lock throughout so
+# no other vLLM run overlaps, and so the router-overhead and transfer numbers see a quiet machine).
+#   bash docs/benchmarks/run_all.sh            # full run (~30 min)
+#   SMOKE=1 bash docs/benchmarks/run_all.sh    # tiny sweep into /tmp/bench-smoke (~5 min)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=docs/benchmarks
+SWEEP=(--input-lens 512,2048,8192 --rates 0.5,1,2,4 --output-len 64)
+OVERHEAD=(--rates 25,50,100 --seconds-per-rate 8 --saturation-requests 1000)
+TRANSFER=(--iterations 50 --rounds 3)
+if [[ "${SMOKE:-0}" == 1 ]]; then
+  OUT=/tmp/bench-smoke
+  SWEEP=(--input-lens 512 --rates 1 --min-requests 3 --max-requests 3 --output-len 16)
+  OVERHEAD=(--rates 20 --seconds-per-rate 2 --saturation-requests 100)
+  TRANSFER=(--iterations 10 --rounds 1)
+fi
+mkdir -p "$OUT"
+exec flock /tmp/vllm-e2e.lock bash -c '
+  set -euo pipefail
+  OUT=$0; shift
+  .venv/bin/disagg-router bench overhead '"${OVERHEAD[*]}"' \
+      --result-file "$OUT/overhead.json" --markdown-file "$OUT/overhead.md"
+  .venv/bin/disagg-router bench transfer '"${TRANSFER[*]}"' --result-file "$OUT/transfer.json"
+  .venv/bin/disagg-router bench scenarios '"${SWEEP[*]}"' --out-dir "$OUT" || true
+' "$OUT"
