@@ -1,0 +1,64 @@
+"""Descriptor arithmetic, KV-tensor layout discovery and config parsing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from connector.config import ConfigError, ConnectorConfig
+from connector.facade import resolve_config
+from connector.layout import descriptor_ids, descriptors, physical_blocks, transfer_bytes
+from connector.protocol import LayoutSpec, RegionSpec
+from connector.worker import LayoutError, layout_from_kv_caches
+
+
+def test_descriptors_are_region_major_and_ids_match_blocks() -> None:
+    layout = LayoutSpec(regions=(RegionSpec(1000, 100, 64, 4), RegionSpec(5000, 100, 64, 4)))
+    descs = descriptors(layout)
+    assert descs[0] == (1000, 64, 0) and descs[3] == (1300, 64, 0) and descs[4] == (5000, 64, 0)
+    ids = descriptor_ids(layout, [3, 1])
+    assert [descs[i][0] for i in ids] == [1300, 1100, 5300, 5100]
+    assert transfer_bytes(layout, 2) == 2 * 2 * 64
+    with pytest.raises(ValueError, match="outside region"):
+        descriptor_ids(layout, [4])
+
+
+def test_physical_blocks_per_logical_expand_in_order() -> None:
+    layout = LayoutSpec(regions=(RegionSpec(0, 10, 10, 8),), blocks_per_logical=2)
+    assert physical_blocks(layout, [3, 0]) == [6, 7, 0, 1]
+
+
+def test_layout_from_cpu_kv_cache_shape() -> None:
+    # CPU attention: [num_blocks, num_kv_heads, block_size, 2 * head_size] per layer.
+    caches = {f"layer.{i}": torch.zeros(6, 2, 128, 64, dtype=torch.bfloat16) for i in (1, 0)}
+    layout = layout_from_kv_caches(caches, num_blocks=6)
+    assert len(layout.regions) == 2
+    assert layout.regions[0].addr == caches["layer.0"].data_ptr()  # ordered by layer name
+    assert layout.regions[0].block_bytes == 2 * 128 * 64 * 2
+    assert layout.regions[0].block_stride == layout.regions[0].block_bytes
+    assert layout.blocks_per_logical == 1
+
+
+def test_layout_from_kv_first_shape_and_kernel_blocks() -> None:
+    t = torch.zeros(2, 8, 16, 4, 8)  # [K/V, physical blocks, block, heads, head]
+    layout = layout_from_kv_caches({"l": t}, num_blocks=4)
+    assert len(layout.regions) == 2 and layout.blocks_per_logical == 2
+    assert layout.regions[1].addr - layout.regions[0].addr == 8 * 16 * 4 * 8 * 4
+
+
+def test_layout_rejects_non_contiguous_block_interior() -> None:
+    t = torch.zeros(6, 8, 4).transpose(1, 2)
+    with pytest.raises(LayoutError, match="not contiguous"):
+        layout_from_kv_caches({"l": t}, num_blocks=6)
+
+
+def test_config_parses_and_names_bad_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ConnectorConfig.from_extra_config({"transfer_timeout_s": "2.5", "other": 1})
+    assert cfg.transfer_timeout_s == 2.5 and cfg.lease_s == 30.0
+    with pytest.raises(ConfigError, match="transfer_timeout_s"):
+        ConnectorConfig.from_extra_config({"transfer_timeout_s": -1})
+    with pytest.raises(ConfigError, match="side_channel_port"):
+        ConnectorConfig.from_extra_config({"side_channel_port": "abc"})
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "18299")
+    assert resolve_config({}).side_channel_port == 18299
+    assert resolve_config({"side_channel_port": 7}).side_channel_port == 7

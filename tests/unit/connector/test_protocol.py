@@ -1,0 +1,90 @@
+"""Wire protocol v1: round trips, version checks, malformed input (pure Python)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from connector.protocol import (
+    PROTOCOL_VERSION,
+    LayoutSpec,
+    Notification,
+    ProtocolError,
+    RegionSpec,
+    Registration,
+    Reply,
+    decode_notification,
+    decode_reply,
+    decode_request,
+    encode_notification,
+    encode_registration,
+    encode_reply,
+    encode_request,
+    registration_from_body,
+)
+
+LAYOUT = LayoutSpec(regions=(RegionSpec(4096, 256, 256, 10), RegionSpec(8192, 256, 256, 10)))
+
+
+def _registration() -> Registration:
+    return Registration(
+        transfer_key="t:abc",
+        d_request_id="cmpl-abc-0-deadbeef",
+        p_engine_id="p0",
+        d_agent_name="d-agent",
+        d_agent_metadata=b"\x00\x01binary\xff",
+        d_layout=LAYOUT,
+        block_ids=((5, 3, 9),),
+        first_block=2,
+        budget_s=12.5,
+    )
+
+
+def test_registration_round_trip() -> None:
+    kind, body = decode_request(encode_registration(_registration()))
+    assert kind == "register"
+    assert registration_from_body(body) == _registration()
+
+
+def test_unknown_version_is_rejected_naming_both_versions() -> None:
+    raw = json.loads(encode_request("ping", {}))
+    raw["v"] = 99
+    with pytest.raises(ProtocolError, match=r"version 99 .*speaks 1"):
+        decode_request(json.dumps(raw).encode())
+    with pytest.raises(ProtocolError, match="version None"):
+        decode_reply(b'{"status": "accepted"}')
+
+
+def test_malformed_messages_raise_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="not JSON"):
+        decode_request(b"\xff\xfe")
+    with pytest.raises(ProtocolError, match="bad registration"):
+        registration_from_body({"v": PROTOCOL_VERSION, "transfer_key": "k"})
+    with pytest.raises(ProtocolError, match="unknown reply status"):
+        decode_reply(json.dumps({"v": PROTOCOL_VERSION, "status": "maybe"}).encode())
+    with pytest.raises(ProtocolError, match="missing message type"):
+        decode_request(json.dumps({"v": PROTOCOL_VERSION}).encode())
+
+
+def test_reply_and_notification_round_trip() -> None:
+    assert decode_reply(encode_reply(Reply("in_flight", "x"))) == Reply("in_flight", "x")
+    note = Notification("failed", "r:cmpl-1-0", "cmpl-1-0-abcdef12", "prefill aborted")
+    assert decode_notification(encode_notification(note)) == note
+
+
+def test_foreign_notifications_are_not_ours() -> None:
+    with pytest.raises(ProtocolError, match="not a connector notification"):
+        decode_notification(b"cmpl-1:1")  # vLLM's own completion notif format
+    bad = b"DPC1:" + json.dumps({"v": PROTOCOL_VERSION, "kind": "later"}).encode()
+    with pytest.raises(ProtocolError, match="unknown notification kind"):
+        decode_notification(bad)
+
+
+def test_layout_compatibility_names_the_difference() -> None:
+    other = LayoutSpec(regions=(RegionSpec(0, 256, 256, 99), RegionSpec(0, 512, 256, 99)))
+    assert LAYOUT.compatible_with(other) is None  # strides and counts may differ
+    assert "region count" in str(LAYOUT.compatible_with(LayoutSpec(regions=LAYOUT.regions[:1])))
+    bigger = LayoutSpec(regions=(RegionSpec(0, 512, 512, 9), RegionSpec(0, 512, 512, 9)))
+    assert "block bytes differ" in str(LAYOUT.compatible_with(bigger))
+    assert LayoutSpec.from_json(LAYOUT.to_json()) == LAYOUT

@@ -1,0 +1,156 @@
+"""Scheduler side with vLLM's real ``Request``, ``KVCacheBlocks`` and ``KVCacheBlock`` objects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.request import Request, RequestStatus
+
+from connector.scheduler import PushScheduler
+from connector.specs import KeyCancel, RecvSpec, SendAbort, SendSpec, base_request_id
+
+P_IDENTITY = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "p0",
+    "remote_host": "127.0.0.1",
+    "remote_port": 18250,
+    "tp_size": 1,
+    "pp_size": 1,
+    "remote_request_id": "cmpl-x-0",
+}
+
+
+def make_request(rid: str, n_tokens: int, params: dict[str, Any] | None) -> Request:
+    extra = {"kv_transfer_params": dict(params)} if params is not None else None
+    sp = SamplingParams(max_tokens=8, extra_args=extra)
+    return Request(rid, list(range(n_tokens)), sp, None)
+
+
+def blocks(cached: list[int], new: list[int]) -> KVCacheBlocks:
+    out = []
+    for b in cached:
+        blk = KVCacheBlock(b)
+        blk._block_hash = b"h%d" % b  # a prefix-cache hit has a hash
+        out.append(blk)
+    out += [KVCacheBlock(b) for b in new]
+    return KVCacheBlocks((out,))
+
+
+def sched() -> PushScheduler:
+    return PushScheduler("d0", "127.0.0.1", 18251, 128)
+
+
+def test_d_reports_prompt_beyond_local_hit_as_async_and_registers_new_blocks() -> None:
+    s = sched()
+    req = make_request("cmpl-abc-0-0123abcd", 300, P_IDENTITY | {"transfer_id": "abc"})
+    assert s.get_num_new_matched_tokens(req, 0) == (300, True)
+    assert s.get_num_new_matched_tokens(req, 128) == (172, True)  # D's own prefix hit
+    s.update_state_after_alloc(req, blocks([7], [3, 9]), 172)
+    meta = s.build_connector_meta()
+    assert meta.registrations == [
+        RecvSpec("cmpl-abc-0-0123abcd", "t:abc", "p0", "127.0.0.1", 18250, (3, 9), 1)
+    ]
+    # Registered once: a second allocation call or a re-query does nothing.
+    s.update_state_after_alloc(req, blocks([7], [3, 9, 11]), 0)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.build_connector_meta().registrations == []
+    assert not s.has_pending_push_work()
+
+
+def test_d_key_defaults_to_base_of_own_request_id() -> None:
+    s = sched()
+    req = make_request("cmpl-abc-0-0123abcd", 10, P_IDENTITY)
+    s.update_state_after_alloc(req, blocks([], [1]), 10)
+    assert s.build_connector_meta().registrations[0].transfer_key == "r:cmpl-abc-0"
+    assert base_request_id("cmpl-abc-0-0123ABCD") == "cmpl-abc-0"
+    assert base_request_id("no-suffix") == "no-suffix"
+
+
+def test_d_without_p_identity_prefills_locally() -> None:
+    s = sched()
+    params = {k: v for k, v in P_IDENTITY.items() if k != "remote_host"}
+    req = make_request("r-1", 50, params)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(make_request("r-2", 50, None), 0) == (0, False)
+
+
+def test_d_full_local_hit_releases_p_at_once() -> None:
+    s = sched()
+    req = make_request("cmpl-z-0-0123abcd", 256, P_IDENTITY | {"transfer_id": "z"})
+    assert s.get_num_new_matched_tokens(req, 256) == (0, False)
+    s.update_state_after_alloc(req, blocks([1, 2], []), 0)
+    meta = s.build_connector_meta()
+    assert meta.registrations == []
+    assert meta.key_cancels == [KeyCancel("t:z", "127.0.0.1", 18250)]
+
+
+def test_d_abort_while_waiting_asks_worker_to_cancel() -> None:
+    s = sched()
+    req = make_request("cmpl-a-0-0123abcd", 200, P_IDENTITY)
+    s.update_state_after_alloc(req, blocks([], [4, 5]), 200)
+    s.build_connector_meta()
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(req, [4, 5]) == (False, None)  # vLLM holds the blocks itself
+    assert s.build_connector_meta().cancels == ["cmpl-a-0-0123abcd"]
+
+
+def test_d_finished_after_receive_needs_no_cancel() -> None:
+    s = sched()
+    req = make_request("cmpl-b-0-0123abcd", 200, P_IDENTITY)
+    s.update_state_after_alloc(req, blocks([], [4, 5]), 200)
+    s.build_connector_meta()
+    s.update_connector_output(None, {"cmpl-b-0-0123abcd"})
+    req.status = RequestStatus.FINISHED_STOPPED
+    assert s.request_finished(req, [4, 5]) == (False, None)
+    meta = s.build_connector_meta()
+    assert meta.cancels == [] and meta.key_cancels == []
+
+
+def test_d_abort_before_allocation_releases_p() -> None:
+    s = sched()
+    req = make_request("cmpl-c-0-0123abcd", 200, P_IDENTITY | {"transfer_id": "c"})
+    req.status = RequestStatus.FINISHED_ABORTED
+    s.request_finished(req, [])
+    assert s.build_connector_meta().key_cancels == [KeyCancel("t:c", "127.0.0.1", 18250)]
+
+
+def test_p_keeps_blocks_and_returns_its_identity() -> None:
+    s = PushScheduler("p0", "127.0.0.1", 18250, 128)
+    req = make_request("cmpl-q-0-0123abcd", 300, {"do_remote_decode": True, "transfer_id": "q"})
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = s.request_finished(req, [1, 2, 3])
+    assert delay is True and params is not None
+    assert params["remote_engine_id"] == "p0" and params["remote_port"] == 18250
+    assert params["remote_request_id"] == "cmpl-q-0-0123abcd" and params["transfer_id"] == "q"
+    assert params["do_remote_prefill"] is True
+    assert s.has_pending_push_work()
+    assert s.build_connector_meta().finished_prefills == [
+        SendSpec("cmpl-q-0-0123abcd", "t:q", (1, 2, 3))
+    ]
+    assert s.has_pending_push_work()  # until the worker reports the blocks sent
+    s.update_connector_output({"cmpl-q-0-0123abcd"}, None)
+    assert not s.has_pending_push_work()
+
+
+def test_p_abort_tells_d_and_frees_at_once() -> None:
+    s = PushScheduler("p0", "127.0.0.1", 18250, 128)
+    req = make_request("cmpl-r-0-0123abcd", 300, {"do_remote_decode": True})
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(req, [1, 2, 3]) == (False, None)
+    meta = s.build_connector_meta()
+    assert meta.failed_prefills == [
+        SendAbort("r:cmpl-r-0", "prefill ended with status FINISHED_ABORTED")
+    ]
+    assert meta.finished_prefills == []
+
+
+def test_plain_request_is_untouched() -> None:
+    s = sched()
+    req = make_request("plain", 10, None)
+    req.status = RequestStatus.FINISHED_STOPPED
+    assert s.request_finished(req, [1]) == (False, None)
+    assert not s.has_pending_push_work()
