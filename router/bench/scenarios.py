@@ -57,7 +57,7 @@ class SweepSpec:
     num_warmups: int = 2
     burstiness: float = 1.0
     seed: int = 0
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 120.0
 
     def num_requests(self, rate: float) -> int:
         return max(self.min_requests, min(self.max_requests, round(rate * self.seconds_per_point)))
@@ -87,7 +87,12 @@ async def sweep_target(
                 seed=_stack_seed(spec.seed, stack, 0, 0.0),
             )
         )
-        await run_load(client, target, warm, LoadSpec(max_concurrency=1, show_progress=False))
+        warmed = await run_load(
+            client, target, warm, LoadSpec(max_concurrency=1, show_progress=False)
+        )
+        failed = [r.error for r in warmed.records if not r.success]
+        if failed:
+            raise RuntimeError(f"warm-up failed, stack skipped: {failed[0][:500]}")
         for input_len in spec.input_lens:
             for rate in spec.rates:
                 n = spec.num_requests(rate)
