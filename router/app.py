@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -40,6 +41,7 @@ from router.pools import Pool
 from router.validation import parse_client_request
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -159,6 +161,11 @@ def create_app(
         err.status = exc.status_code
         err.error_type = "invalid_request_error"
         return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error", exc_info=exc)
+        return _error_response(RouterError("internal router error; see the router log"))
 
     def record(endpoint: str, outcome: str) -> None:
         metrics.requests.labels(settings.mode, endpoint, outcome).inc()
