@@ -1,0 +1,91 @@
+"""The app with an injected httpx transport (no upstream servers): leg routing, error mapping."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from router.app import create_app
+from router.config import settings_from_mapping
+from router.devstack.fake_vllm import UvicornThread
+
+P, D = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
+KV = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "eng",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+    "pp_size": 1,
+    "remote_request_id": "cmpl-x-0-12345678",
+    "remote_block_ids": [[1]],
+}
+
+
+def _settings(mode: str) -> Any:
+    return settings_from_mapping(
+        {
+            "models": ["m"],
+            "mode": mode,
+            "prefill": {"instances": [{"url": P}]},
+            "decode": {"instances": [{"url": D}]},
+        }
+    )
+
+
+def _answer(text: str, kv: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "id": "cmpl-x",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        "kv_transfer_params": kv,
+    }
+
+
+def test_pull_mode_through_a_mock_transport() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        body = json.loads(request.content)
+        seen.append((f"{request.url.scheme}://{request.url.host}:{request.url.port}", body))
+        if body["kv_transfer_params"].get("do_remote_decode"):
+            return httpx.Response(200, json=_answer("a", KV))
+        return httpx.Response(200, json=_answer(" decoded", None))
+
+    app = create_app(_settings("pull"), transport=httpx.MockTransport(handler))
+    with UvicornThread(app) as server:
+        resp = httpx.post(
+            f"{server.url}/v1/completions", json={"model": "m", "prompt": "x y z"}, timeout=10
+        )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == " decoded"
+    assert [url for url, _ in seen] == [P, D]
+    assert seen[1][1]["kv_transfer_params"] == {
+        **KV,
+        "transfer_id": seen[0][1]["kv_transfer_params"]["transfer_id"],
+    }
+
+
+def test_connect_error_is_503_and_takes_the_backend_out() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.port == 9102:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json=_answer("a", KV))
+
+    app = create_app(_settings("pull"), transport=httpx.MockTransport(handler))
+    with UvicornThread(app) as server:
+        resp = httpx.post(
+            f"{server.url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10
+        )
+        ready = httpx.get(f"{server.url}/ready")
+    assert resp.status_code == 503
+    assert "decode instance" in resp.json()["error"]["message"]
+    assert ready.status_code == 503
+    assert ready.json()["decode"] == []
