@@ -47,6 +47,8 @@ class _Pending:
     deadline: float
     cancelling: bool = False
     accepted: bool = False
+    aborted: bool = False
+    """vLLM already finished the request (abort): report it, but not as a failed load."""
 
 
 class PushConsumer:
@@ -107,7 +109,10 @@ class PushConsumer:
         """D aborted the request: release its blocks once no WRITE can still land."""
         with self._lock:
             pending = self._pending.get(d_request_id)
-            if pending is None or pending.cancelling:
+            if pending is None:
+                return
+            pending.aborted = True
+            if pending.cancelling:  # a cancel is already under way (timeout)
                 return
             pending.cancelling = True
         self._pool.submit(self._send_cancel, d_request_id, pending, "aborted by D")
@@ -151,7 +156,7 @@ class PushConsumer:
             if pending is None:
                 return
             self._finished.add(d_request_id)
-            if not ok:
+            if not ok and not pending.aborted:
                 self._failed.add(d_request_id)
             nbytes = transfer_bytes(self._ep.layout, pending.num_blocks) if ok else 0
             self._records.append(
@@ -168,7 +173,7 @@ class PushConsumer:
             )
         if ok:
             logger.debug("transfer %s for %s received", pending.key, d_request_id)
-        elif pending.cancelling and reason.startswith("aborted"):
+        elif pending.aborted:
             logger.info("transfer %s for %s released after abort", pending.key, d_request_id)
         else:
             logger.warning("transfer %s for %s failed: %s", pending.key, d_request_id, reason)
@@ -238,16 +243,23 @@ class PushConsumer:
                 self._complete(note.d_request_id, ok=False, reason=f"P failed: {note.reason}")
 
     def _expire(self, now: float) -> None:
-        hard = self._cfg.max_inflight_s
+        hard = self._cfg.transfer_timeout_s + self._cfg.max_inflight_s
+        to_cancel: list[tuple[str, _Pending]] = []
+        to_fail: list[tuple[str, _Pending]] = []
         with self._lock:
-            expired = [(rid, p) for rid, p in self._pending.items() if now >= p.deadline]
-        for rid, pending in expired:
-            if now >= pending.sent_at + self._cfg.transfer_timeout_s + hard:
-                logger.error("transfer %s for %s: hard bound passed, releasing", pending.key, rid)
-                self._complete(rid, ok=False, reason="timed out (hard bound)")
-            elif not pending.cancelling:
-                pending.cancelling = True
-                self._pool.submit(self._send_cancel, rid, pending, "timed out waiting for P")
+            for rid, pending in self._pending.items():
+                if now < pending.deadline:
+                    continue
+                if now >= pending.sent_at + hard:
+                    to_fail.append((rid, pending))
+                elif not pending.cancelling:
+                    pending.cancelling = True
+                    to_cancel.append((rid, pending))
+        for rid, pending in to_fail:
+            logger.error("transfer %s for %s: hard bound passed, releasing", pending.key, rid)
+            self._complete(rid, ok=False, reason="timed out (hard bound)")
+        for rid, pending in to_cancel:
+            self._pool.submit(self._send_cancel, rid, pending, "timed out waiting for P")
 
     def _ping_producers(self) -> None:
         with self._lock:
