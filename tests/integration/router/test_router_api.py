@@ -14,9 +14,10 @@ from router.devstack.fake_vllm import FakeVllmServer, UvicornThread
 KEY = "sk-test-key"
 
 
-@pytest.fixture
-def router(fake: dict[str, FakeVllmServer]) -> Iterator[UvicornThread]:
-    settings = make_settings([fake["p0"].url], [fake["d0"].url], api_keys=[KEY])
+@pytest.fixture(scope="module")
+def router(fakes: dict[str, FakeVllmServer]) -> Iterator[UvicornThread]:
+    """One router for the module (its tests only add requests, they never steer the fakes)."""
+    settings = make_settings([fakes["p0"].url], [fakes["d0"].url], api_keys=[KEY])
     with running_router(settings) as server:
         yield server
 
@@ -72,7 +73,8 @@ def test_malformed_input_gets_4xx_naming_the_field(
     status: int,
     param: str | None,
 ) -> None:
-    before = len(fake["p0"].state.generation_requests())
+    p_before = len(fake["p0"].state.generation_requests())
+    d_before = len(fake["d0"].state.generation_requests())
     resp = httpx.post(
         router.url + path,
         content=body,
@@ -84,8 +86,8 @@ def test_malformed_input_gets_4xx_naming_the_field(
     assert err["param"] == param
     assert err["type"] == "invalid_request_error"
     assert err["message"]
-    assert len(fake["p0"].state.generation_requests()) == before
-    assert fake["d0"].state.generation_requests() == []
+    assert len(fake["p0"].state.generation_requests()) == p_before
+    assert len(fake["d0"].state.generation_requests()) == d_before
 
 
 def test_api_key_required_on_v1_only(router: UvicornThread) -> None:
@@ -119,12 +121,13 @@ def test_models_ready_and_unknown_routes(router: UvicornThread) -> None:
     assert wrong_method.status_code == 405
 
 
-def test_metrics_count_requests_and_latencies(router: UvicornThread) -> None:
+def test_metrics_count_requests_and_latencies(fake: dict[str, FakeVllmServer]) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}
-    assert httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH).is_success
-    bad = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL}, headers=AUTH)
-    assert bad.status_code == 400
-    text = httpx.get(f"{router.url}/metrics").text
+    with running_router(make_settings([fake["p0"].url], [fake["d0"].url])) as router:
+        assert httpx.post(f"{router.url}/v1/completions", json=body).is_success
+        bad = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL})
+        assert bad.status_code == 400
+        text = httpx.get(f"{router.url}/metrics").text
     assert (
         'disagg_router_requests_total{endpoint="completions",mode="push",outcome="ok"} 1.0' in text
     )
