@@ -120,7 +120,8 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
     ratio = (transfer or {}).get("connector_over_bare_throughput")
     summary["connector_over_bare_nixl_throughput"] = ratio
     notes["connector_over_bare_nixl_throughput"] = (
-        "median-WRITE throughput, connector NixlEndpoint / bare NIXL, same bytes and descriptors"
+        "median-transfer throughput, connector path (PushProducer -> PushConsumer) / "
+        "bare NIXL WRITE + notification, same bytes and descriptors"
         if ratio is not None
         else "no transfer results (transfer.json missing or one kind failed)"
     )

@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 from router.bench.results import write_json
-from router.bench.transfer import Kind, TransferSpec, run_transfer
-
-KINDS: tuple[Kind, ...] = ("bare", "connector")
+from router.bench.transfer import ALL_KINDS, AnyKind, TransferSpec, run_transfer
 
 
 def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +20,7 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=defaults.iterations)
     parser.add_argument("--warmups", type=int, default=defaults.warmups)
     parser.add_argument("--rounds", type=int, default=defaults.rounds)
-    parser.add_argument("--kinds", default="bare,connector", help="subset of bare,connector")
+    parser.add_argument("--kinds", default=",".join(ALL_KINDS), help=f"subset of {ALL_KINDS}")
     parser.add_argument("--result-file", type=Path)
 
 
@@ -37,9 +35,9 @@ def transfer_command(args: argparse.Namespace) -> int:
         rounds=args.rounds,
     )
     names = [k for k in args.kinds.split(",") if k]
-    kinds: tuple[Kind, ...] = tuple(k for k in KINDS if k in names)
-    if not kinds or any(k not in KINDS for k in names):
-        print("error: --kinds must be a subset of bare,connector", file=sys.stderr)
+    kinds: tuple[AnyKind, ...] = tuple(k for k in ALL_KINDS if k in names)
+    if not kinds or any(k not in ALL_KINDS for k in names):
+        print(f"error: --kinds must be a subset of {ALL_KINDS}", file=sys.stderr)
         return 2
     try:
         data = run_transfer(spec, kinds)

@@ -21,10 +21,18 @@ def test_both_kinds_complete_and_notify() -> None:
         rounds=1,
     )
     data = run_transfer(spec)
-    assert [r["kind"] for r in data["rounds"]] == ["bare", "connector"]
-    for row in data["rounds"]:
+    assert [r["kind"] for r in data["rounds"]] == [
+        "bare",
+        "connector",
+        "bare-notify",
+        "connector-path",
+    ]
+    for row in data["rounds"][:2]:
         # Every WRITE's notification reached the target process.
         assert row["notifications_received"] == row["notifications_expected"] == 4
         assert row["throughput_gbps"] > 0
+    for row in data["rounds"]:
+        assert row["median_throughput_gbps"] > 0
     assert data["bytes_per_write"] == 2 * 8 * 1024
-    assert data["connector_over_bare_throughput"] is not None
+    assert data["connector_over_bare_throughput"] == data["path_connector_over_bare_throughput"]
+    assert data["endpoint_connector_over_bare_throughput"] is not None
