@@ -172,6 +172,7 @@ def create_app(
 
     async def generate(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
+        accepted = time.monotonic()
         rt = _runtime(request)
         try:
             _authorize(request, settings.api_keys)
@@ -182,7 +183,7 @@ def create_app(
             record(endpoint, outcome_label(exc))
             return _error_response(exc)
         if req.stream:
-            metrics.ttft.labels(settings.mode).observe(time.monotonic() - dispatch.started)
+            metrics.ttft.labels(settings.mode).observe(time.monotonic() - accepted)
             return _DispatchStream(dispatch, lambda d: record(endpoint, d.outcome))
         try:
             answer = await _unless_disconnected(request, dispatch.json_response())
