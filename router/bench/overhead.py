@@ -45,12 +45,16 @@ class OverheadSpec:
     seed: int = 0
 
 
-def _python() -> str:
-    return sys.executable
-
-
 def _fake(name: str, port: int, logs: Path, engine_id: str | None = None) -> ManagedProcess:
-    argv = [_python(), "-m", "router.devstack.fake_vllm", "--port", str(port), "--model", MODEL]
+    argv = [
+        sys.executable,
+        "-m",
+        "router.devstack.fake_vllm",
+        "--port",
+        str(port),
+        "--model",
+        MODEL,
+    ]
     if engine_id:
         argv += ["--engine-id", engine_id]
     return ManagedProcess(name, argv, f"http://127.0.0.1:{port}/health", logs / f"{name}.log")
