@@ -124,7 +124,7 @@ def test_cpu_profile_pins_p_and_d_to_separate_cores_and_makes_the_model() -> Non
     for svc in (p, d):
         assert svc["depends_on"]["model-init"] == {"condition": "service_completed_successfully"}
         assert command_flag(svc["command"], "--load-format") == "dummy"
-        assert svc["command"][2] == "/models/tiny"
+        assert command_flag(svc["command"], "--model") == "/models/tiny"
     assert "make_tiny_model(Path('/models/tiny'))" in services["model-init"]["command"][0]
 
 
