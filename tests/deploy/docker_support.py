@@ -33,7 +33,7 @@ def _ancestors() -> set[int]:
     return pids
 
 
-def _flock_holders(path: Path) -> set[int]:
+def flock_holders(path: Path) -> set[int]:
     """Pids holding a flock on ``path`` according to /proc/locks."""
     inode = os.stat(path).st_ino
     holders: set[int] = set()
@@ -47,13 +47,13 @@ def _flock_holders(path: Path) -> set[int]:
 
 
 @contextmanager
-def e2e_lock() -> Iterator[None]:
-    """Hold the shared e2e lock (blocking) unless an ancestor process already holds it."""
-    E2E_LOCK.touch(exist_ok=True)
-    if _flock_holders(E2E_LOCK) & _ancestors():
+def e2e_lock(path: Path = E2E_LOCK) -> Iterator[None]:
+    """Hold the shared e2e lock (blocking) unless this process or an ancestor already holds it."""
+    path.touch(exist_ok=True)
+    if flock_holders(path) & _ancestors():
         yield
         return
-    with E2E_LOCK.open("a") as handle:
+    with path.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
