@@ -12,7 +12,9 @@ COPY router /src/disagg-router/router
 COPY connector /src/disagg-router/connector
 # --no-deps: vLLM already brings everything the connector imports, and its pinned stack must stay
 # untouched. `python3 -m pip` is whichever Python the base image serves vLLM with.
-RUN python3 -m pip install --no-cache-dir --no-deps /src/disagg-router \
+# PIP_BREAK_SYSTEM_PACKAGES: bases whose Python is marked externally managed (PEP 668) still take
+# our one package; older pips ignore the variable.
+RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps /src/disagg-router \
     && python3 -c "import connector; print(connector.CONNECTOR_CLASS_NAME)" \
     && rm -rf /src/disagg-router
 
