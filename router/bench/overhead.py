@@ -41,6 +41,7 @@ class OverheadSpec:
     output_len: int = 16
     saturation_concurrency: int = 32
     saturation_requests: int = 1000
+    saturation_seconds: float = 10.0
     routers: tuple[str, ...] = ("ours", "vllm-router")
     seed: int = 0
 
@@ -77,6 +78,7 @@ def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
 async def measure(targets: dict[str, Target], spec: OverheadSpec) -> dict[str, Any]:
     """Offer the fixed-rate loads and the saturation loop to every target (interleaved)."""
     out: dict[str, Any] = {"fixed_rate": [], "saturation": {}}
+    saturated: set[str] = set()
     async with make_client() as client:
         warm = make_token_prompts(SyntheticSpec(20, spec.input_len, spec.output_len, seed=99))
         for target in targets.values():
@@ -88,17 +90,29 @@ async def measure(targets: dict[str, Target], spec: OverheadSpec) -> dict[str, A
             )
             row: dict[str, Any] = {"rate": rate, "num_requests": n, "targets": {}}
             for name, target in targets.items():
+                if name in saturated:  # it could not keep up with a lower rate: skip
+                    continue
                 print(f"overhead: {name} at {rate:g} req/s ({n} requests)", file=sys.stderr)
                 load = LoadSpec(request_rate=rate, seed=spec.seed, show_progress=False)
                 result = await run_load(client, target, requests, load)
                 row["targets"][name] = _summary(metrics_to_dict(result.metrics))
+                if result.metrics.request_throughput < 0.5 * rate:
+                    saturated.add(name)
             out["fixed_rate"].append(row)
-        requests = make_token_prompts(
-            SyntheticSpec(spec.saturation_requests, spec.input_len, spec.output_len, seed=1)
-        )
         for name, target in targets.items():
             print(f"overhead: {name} saturation", file=sys.stderr)
             load = LoadSpec(max_concurrency=spec.saturation_concurrency, show_progress=False)
+            # A short probe sizes the closed loop to about saturation_seconds of work, capped
+            # by saturation_requests, so a slow target cannot stall the whole benchmark.
+            probe_n = max(2 * spec.saturation_concurrency, 20)
+            probe = make_token_prompts(
+                SyntheticSpec(probe_n, spec.input_len, spec.output_len, seed=2)
+            )
+            probe_rate = (await run_load(client, target, probe, load)).metrics.request_throughput
+            n = min(
+                spec.saturation_requests, max(probe_n, int(probe_rate * spec.saturation_seconds))
+            )
+            requests = make_token_prompts(SyntheticSpec(n, spec.input_len, spec.output_len, seed=1))
             result = await run_load(client, target, requests, load)
             out["saturation"][name] = _summary(metrics_to_dict(result.metrics))
     return out
@@ -108,7 +122,9 @@ def derive(raw: dict[str, Any]) -> dict[str, Any]:
     """Added latency (ms) and ratios of each router against ``direct`` from the same run."""
     added: dict[str, list[dict[str, float | None]]] = {}
     for row in raw["fixed_rate"]:
-        base = row["targets"]["direct"]
+        base = row["targets"].get("direct")
+        if base is None:
+            continue
         for name, m in row["targets"].items():
             if name == "direct":
                 continue
