@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConnectorConfig
 from connector.metadata import PushConnectorMetadata
@@ -61,6 +62,8 @@ def resolve_config(extra: dict[str, Any]) -> ConnectorConfig:
 
 class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """Push-mode NIXL KV connector (D registers blocks, P WRITEs them). See the README."""
+
+    _cache_hit_source = CacheHitSource.P2P  # D's pushed tokens come from another instance
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -199,6 +202,11 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
     ) -> PushPromMetrics:
         return PushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM >= 0.33: no. NIXL holds registrations of the KV memory that sleep would remap."""
+        return False
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run the connector's scheduler-side and import/API unit tests against vLLM 0.33.0.
+#
+# vLLM 0.33.0 ships only a CUDA wheel; it imports on CPU torch 2.13 when installed --no-deps into
+# a separate venv together with its requirements minus torch and the GPU-only packages.
+#   bash tests/unit/connector/run_vllm033.sh            # venv in $V033 (default /tmp/v33venv)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../../.."
+ROOT=$(pwd)
+V033=${V033:-/tmp/v33venv}
+GPU_ONLY='^(torch|torchaudio|torchvision|torchcodec|PyNvVideoCodec|flashinfer|apache-tvm|tilelang|nvidia|nvtx|fastsafetensors|instanttensor|quack|tokenspeed|humming)'
+if [[ ! -x "$V033/bin/python" ]] || ! "$V033/bin/python" -c 'import vllm' 2>/dev/null; then
+    python3 -m venv "$V033"
+    work=$(mktemp -d)
+    "$V033/bin/pip" download -q vllm==0.33.0 --no-deps -d "$work"
+    wheel=$(ls "$work"/vllm-0.33.0-*.whl)
+    unzip -p "$wheel" 'vllm-0.33.0.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' \
+        | grep -v 'extra ==' | grep -v 'platform_machine == "s390x"$' | grep -Ev "$GPU_ONLY" \
+        > "$work/reqs.txt"
+    # torch 2.13 CPU (the project's), pytest, then vLLM itself without its (GPU) pins.
+    "$V033/bin/pip" install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
+        || "$V033/bin/pip" install -q torch==2.13.0
+    "$V033/bin/pip" install -q -r "$work/reqs.txt" pytest pytest-asyncio "llguidance<1.8.0,>=1.7.0" \
+        "xgrammar==0.2.8"
+    "$V033/bin/pip" install -q --no-deps "$wheel"
+fi
+"$V033/bin/python" -c 'import vllm; assert vllm.__version__.startswith("0.33"), vllm.__version__'
+PYTHONPATH="$ROOT" "$V033/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/unit/connector/test_scheduler.py tests/unit/connector/test_facade_api.py \
+    tests/unit/connector/test_protocol.py tests/unit/connector/test_producer.py
