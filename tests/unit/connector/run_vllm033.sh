@@ -18,8 +18,8 @@ if [[ ! -x "$V033/bin/python" ]] || ! "$V033/bin/python" -c 'import vllm' 2>/dev
         | grep -v 'extra ==' | grep -v 'platform_machine == "s390x"$' | grep -Ev "$GPU_ONLY" \
         > "$work/reqs.txt"
     # torch 2.13 CPU (the project's), pytest, then vLLM itself without its (GPU) pins.
-    "$V033/bin/pip" install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
-        || "$V033/bin/pip" install -q torch==2.13.0
+    # (PIP_FIND_LINKS on these machines holds the CPU build of torch 2.13.)
+    "$V033/bin/pip" install -q "torch==2.13.0+cpu" || "$V033/bin/pip" install -q "torch==2.13.0"
     "$V033/bin/pip" install -q -r "$work/reqs.txt" pytest pytest-asyncio "llguidance<1.8.0,>=1.7.0" \
         "xgrammar==0.2.8"
     "$V033/bin/pip" install -q --no-deps "$wheel"
