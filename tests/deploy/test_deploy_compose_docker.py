@@ -82,7 +82,7 @@ def _wait_ready(client: httpx.Client, project: ComposeProject, url: str) -> None
                 return
         except httpx.HTTPError:
             pass
-        exited = project.run("ps", "--services", "--filter", "status=exited", timeout=60)
+        exited = project.run("ps", "--services", "--filter", "status=stopped", timeout=60)
         if {"prefill", "decode", "router"} & set(exited.split()):
             pytest.fail(f"a service exited: {exited.split()}")
         time.sleep(3)
