@@ -35,11 +35,12 @@ from router.bench.routers import our_router, vllm_router
 STACKS: tuple[str, ...] = ("ours", "vllm-push", "pull", "vllm-router", "aggregated")
 
 # instance group -> (connector kind, topology, stacks served by that group)
+# (run in this order: the headline ratios need ours, pull and aggregated first)
 GROUPS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "ours": ("ours", "1p1d", ("ours",)),
-    "vllm-push": ("vllm-push", "1p1d", ("vllm-push",)),
     "vllm-pull": ("vllm-pull", "1p1d", ("pull", "vllm-router")),
     "aggregated": ("vllm-push", "aggregated", ("aggregated",)),
+    "vllm-push": ("vllm-push", "1p1d", ("vllm-push",)),
 }
 
 
@@ -173,8 +174,12 @@ def run_scenarios(
     out_dir: Path,
     work_dir: Path,
     start_stack: Callable[[str, str, Path], Any] | None = None,
+    on_progress: Callable[[dict[str, Any]], object] | None = None,
 ) -> dict[str, Any]:
-    """Run every wanted stack (grouped by shared instances); returns rows and per-stack errors."""
+    """Run every wanted stack (grouped by shared instances); returns rows and per-stack errors.
+
+    ``on_progress`` gets the results so far after each group (to save partial results).
+    """
     if start_stack is None:
         start_stack = _start_devstack
     rows: list[dict[str, Any]] = []
@@ -205,12 +210,24 @@ def run_scenarios(
             for name in wanted:
                 errors.setdefault(name, f"{type(exc).__name__}: {exc}"[:2000])
         timings[f"{group}_total_s"] = time.monotonic() - t0
+        if on_progress is not None:
+            on_progress(_result(spec, stacks, rows, errors, timings))
+    return _result(spec, stacks, rows, errors, timings)
+
+
+def _result(
+    spec: SweepSpec,
+    stacks: tuple[str, ...],
+    rows: list[dict[str, Any]],
+    errors: dict[str, str],
+    timings: dict[str, float],
+) -> dict[str, Any]:
     return {
         "sweep": asdict(spec),
         "stacks": list(stacks),
-        "rows": rows,
-        "errors": errors,
-        "timings": timings,
+        "rows": list(rows),
+        "errors": dict(errors),
+        "timings": dict(timings),
     }
 
 

@@ -8,6 +8,7 @@ import shlex
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from router.bench.report import render
 from router.bench.results import write_json
@@ -67,14 +68,20 @@ def scenarios_command(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-scenarios-"))
-    data = run_scenarios(spec, stacks, args.out_dir, work)
-    data["command"] = "disagg-router bench " + shlex.join(sys.argv[2:])
-    data["work_dir"] = str(work)
+    command = "disagg-router bench " + shlex.join(sys.argv[2:])
     previous_path = args.out_dir / "scenarios.json"
-    if args.merge and previous_path.exists():
-        data = merge_previous(data, json.loads(previous_path.read_text()))
-    write_json(args.out_dir / "scenarios.json", data)
-    summary = render(args.out_dir, data["command"])
+    previous = json.loads(previous_path.read_text()) if previous_path.exists() else None
+
+    def save(partial: dict[str, Any]) -> dict[str, Any]:
+        partial = {**partial, "command": command, "work_dir": str(work)}
+        if args.merge:
+            partial = merge_previous(partial, previous)
+        write_json(previous_path, partial)
+        render(args.out_dir, command)
+        return partial
+
+    data = save(run_scenarios(spec, stacks, args.out_dir, work, on_progress=save))
+    summary = render(args.out_dir, command)
     print(json.dumps(summary, indent=2))
     for stack, error in data["errors"].items():
         if stack not in stacks:
