@@ -114,6 +114,7 @@ class Stack:
         decode_policy: str = "round_robin",
         timeouts: Mapping[str, float] | None = None,
         health_interval_s: float = 30.0,
+        discovery_interval_s: float | None = None,
         prefill_names: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """The router config mapping (validate with ``router.config.settings_from_mapping``).
@@ -121,6 +122,8 @@ class Stack:
         ``with_identity`` writes each prefill instance's push identity into the config; without
         it the router must discover the identities from the instances. ``prefill_names`` limits
         the prefill pool to those instances (e.g. a 1P1D router on a 2P1D stack).
+        ``discovery_interval_s`` sets how often the router re-probes a healthy P's identity; each
+        probe keeps a block on P (and P's engine loop busy) for P's KV lease.
         """
         prefill = [i for i in self.prefill if prefill_names is None or i.name in prefill_names]
         if not prefill or not self.decode:
@@ -147,6 +150,8 @@ class Stack:
             },
             "health": {"interval": health_interval_s},
         }
+        if discovery_interval_s is not None:
+            config["health"]["discovery_interval"] = discovery_interval_s
         if timeouts:
             config["timeouts"] = dict(timeouts)
         return config

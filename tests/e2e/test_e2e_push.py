@@ -27,19 +27,35 @@ from router.devstack.stack import Stack, StackOptions
 pytestmark = pytest.mark.vllm
 
 
+# P keeps a finished prefill's blocks for this long waiting for D; vLLM's default (30 s) is shorter
+# than the transfer stalls seen on this machine (docs/notes/vllm-facts.md, "Latency").
+PUSH_OPTIONS = StackOptions(
+    kind="vllm-push", topology="2p1d", connector_extra_config={"kv_lease_duration": 120}
+)
+ROUTER_OPTIONS = {"discovery_interval_s": 600.0}
+
+
 @pytest.fixture(scope="module")
 def stack(e2e_dir: Path) -> Iterator[Stack]:
-    with module_stack(StackOptions(kind="vllm-push", topology="2p1d"), e2e_dir) as started:
+    """The 2P1D stack, each P/D pair warmed up once through a 1P1D router.
+
+    The first transfer between two engines includes the NIXL handshake (and the first large
+    prefill of an instance is slow); keep that out of the cases, which check other prompts.
+    """
+    with module_stack(PUSH_OPTIONS, e2e_dir) as started:
+        for prefill in started.prefill:
+            with running_router(started, prefill_names=[prefill.name], **ROUTER_OPTIONS) as one:
+                prompt = make_prompt(f"warmup-{prefill.name}")
+                router_completion(one.client(), started.model_name, prompt, False)
         yield started
 
 
 @pytest.fixture(scope="module")
 def router(stack: Stack) -> Iterator[RunningRouter]:
-    """A 1P1D push router (p0, d0) with p0's identity from the config; warmed up once."""
-    with running_router(stack, with_identity=True, prefill_names=["p0"]) as running:
-        # The first transfer between two engines includes the NIXL handshake; keep it out of
-        # the cases (its output is still checked by them, on other prompts).
-        router_completion(running.client(), stack.model_name, make_prompt("warmup"), False)
+    """A 1P1D push router (p0, d0) with p0's identity from the config."""
+    with running_router(
+        stack, with_identity=True, prefill_names=["p0"], **ROUTER_OPTIONS
+    ) as running:
         yield running
 
 
@@ -50,7 +66,7 @@ class TestPush1P1D(PDRouterCases):
 def test_push_2p1d_spreads_over_both_prefills_and_pairs_correctly(stack: Stack) -> None:
     prompts = [make_prompt(f"push-2p1d-{i}") for i in range(8)]
     p0, p1 = stack.prefill
-    with running_router(stack, with_identity=False) as router:  # identities discovered
+    with running_router(stack, **ROUTER_OPTIONS) as router:  # identities discovered
         before = {p.name: metrics(p).get("vllm:prompt_tokens_total", 0.0) for p in stack.prefill}
         client = router.client()
         got = [
