@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -44,7 +45,9 @@ def overhead_command(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     try:
+        load_before = os.getloadavg()
         data = run_overhead(spec, args.log_dir)
+        data["loadavg_before_after"] = [load_before, os.getloadavg()]
     except ProcessStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,7 +41,9 @@ def transfer_command(args: argparse.Namespace) -> int:
         print(f"error: --kinds must be a subset of {ALL_KINDS}", file=sys.stderr)
         return 2
     try:
+        load_before = os.getloadavg()
         data = run_transfer(spec, kinds)
+        data["loadavg_before_after"] = [load_before, os.getloadavg()]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
