@@ -97,10 +97,13 @@ class HealthConfig(_Frozen):
     unhealthy_interval: float = Field(
         default=1.0, gt=0, description="seconds between checks while any backend is unhealthy"
     )
-    discovery_interval: float = Field(
-        default=30.0,
+    discovery_interval: float | None = Field(
+        default=300.0,
         gt=0,
-        description="seconds between identity probes of a healthy prefill instance (push mode)",
+        description=(
+            "seconds between identity probes of a healthy prefill instance (push mode); "
+            "null: probe only at start and when an instance (re)joins"
+        ),
     )
     discovery_prompt: str = Field(default="ping", min_length=1)
 

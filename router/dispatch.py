@@ -137,6 +137,12 @@ class Dispatch:
                     ) from exc
             self._check_prefill_answer(data)
             outcome = "ok"
+            log.debug(
+                "dispatch %s: prefill %s answered in %.3fs",
+                self.request_id,
+                self.prefill.label,
+                time.monotonic() - start,
+            )
             return data
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -226,6 +232,15 @@ class Dispatch:
             self._sent_identity = self.prefill.identity
             if self._sent_identity is None:
                 raise NoBackendAvailable(f"prefill {self.prefill.label} has no known identity")
+        log.debug(
+            "dispatch %s: %s %s prefill=%s (engine %s) decode=%s",
+            self.request_id,
+            settings.mode,
+            self.request.path,
+            self.prefill.label,
+            self._sent_identity.engine_id if self._sent_identity else "-",
+            self.decode.label,
+        )
         self._p_task = asyncio.create_task(self._prefill_leg())
         self._d_task = asyncio.create_task(self._decode_leg())
         t = settings.timeouts
@@ -253,6 +268,11 @@ class Dispatch:
                     if isinstance(item, RouterError):
                         raise item
                     self._first = item
+                    log.debug(
+                        "dispatch %s: first token after %.3fs",
+                        self.request_id,
+                        time.monotonic() - self.started,
+                    )
                     return
         finally:
             get.cancel()

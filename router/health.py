@@ -8,9 +8,10 @@ Discovery (push mode, prefill instances without a configured identity): a 1-toke
 with ``do_remote_decode: true`` makes vLLM answer with ``kv_transfer_params`` carrying its engine
 id, side-channel host/port, tp and pp size. It runs with the health check at start, whenever a P
 (re)joins after failing a check (a restarted vLLM is down for a while, so its new engine id is
-learned as it comes back), and at least every ``health.discovery_interval`` (set it <= ``interval``
-to probe on every check). Probes are rationed because each one costs P: it keeps the probe's KV
-block until its lease expires (no D ever fetches it) and keeps P's engine loop stepping meanwhile.
+learned as it comes back), and every ``health.discovery_interval`` (default 300 s; null: never
+periodically; <= ``interval``: on every check). Probes are rationed because each one costs P: it
+keeps the probe's KV block until its lease expires (no D ever fetches it) and keeps P's engine
+loop stepping meanwhile.
 Between probes the dispatch also learns a changed engine id from any P leg's answer.
 """
 
@@ -83,8 +84,8 @@ class HealthMonitor:
     def _probe_due(self, backend: BackendState) -> bool:
         if not backend.healthy or backend.discovered_at is None:
             return True
-        elapsed = time.monotonic() - backend.discovered_at
-        return elapsed >= self.settings.health.discovery_interval
+        interval = self.settings.health.discovery_interval
+        return interval is not None and time.monotonic() - backend.discovered_at >= interval
 
     async def check(self, backend: BackendState) -> bool:
         """One bounded health check (and discovery); updates ``backend.healthy``."""

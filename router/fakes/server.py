@@ -25,10 +25,10 @@ class UvicornThread:
     Use as a context manager or call ``start()``/``stop()``; ``url`` is the base URL.
     """
 
-    def __init__(self, app: Any, lifespan: Literal["on", "off"] = "on") -> None:
+    def __init__(self, app: Any, lifespan: Literal["on", "off"] = "on", port: int = 0) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind(("127.0.0.1", port))
         self.port: int = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
@@ -70,9 +70,10 @@ class UvicornThread:
 class FakeVllmServer(UvicornThread):
     """One fake vLLM instance on a free loopback port; ``state`` steers and records it."""
 
-    def __init__(self, state: FakeVllmState | None = None) -> None:
+    def __init__(self, state: FakeVllmState | None = None, port: int = 0) -> None:
+        """``port`` 0 picks a free one; a fixed port lets a test "restart" an instance."""
         self.state = state or FakeVllmState()
-        super().__init__(create_fake_app(self.state), lifespan="off")
+        super().__init__(create_fake_app(self.state), lifespan="off", port=port)
 
 
 @contextmanager

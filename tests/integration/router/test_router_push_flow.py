@@ -9,7 +9,13 @@ import time
 import httpx
 from router_fixtures import MODEL, make_settings, running_router, sse_payloads, sse_text
 
-from router.devstack.fake_vllm import FakeBehavior, FakeVllmServer, RecordedRequest
+from router.devstack.fake_vllm import (
+    FakeBehavior,
+    FakeVllmServer,
+    FakeVllmState,
+    PushIdentity,
+    RecordedRequest,
+)
 
 HEX_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -264,3 +270,49 @@ def test_upstream_connections_are_reused(fake: dict[str, FakeVllmServer]) -> Non
             assert resp.status_code == 200
     assert len({r.client_port for r in d.state.generation_requests()}) == 1
     assert len({r.client_port for r in p.state.generation_requests()}) == 1
+
+
+def test_restarted_prefill_is_relearned_on_rejoin_without_periodic_probes(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    """discovery_interval null: a P that goes down and comes back with a new engine id is
+    probed again when it rejoins, and D legs name the new id."""
+    d = fake["d0"]
+    fabric = d.state.fabric
+    old = FakeVllmServer(
+        FakeVllmState(identity=PushIdentity(engine_id="before-restart"), fabric=fabric)
+    )
+    old.start()
+    settings = make_settings(
+        [old.url],
+        [d.url],
+        health={"interval": 0.1, "unhealthy_interval": 0.05, "discovery_interval": None},
+    )
+    req = {"model": MODEL, "prompt": "go", "max_tokens": 1}
+    new = None
+    try:
+        with running_router(settings) as router:
+            assert httpx.post(f"{router.url}/v1/completions", json=req, timeout=10).is_success
+            old.stop()
+            _wait_status(f"{router.url}/ready", 503)
+            state = FakeVllmState(identity=PushIdentity(engine_id="after-restart"), fabric=fabric)
+            new = FakeVllmServer(state, port=old.port).start()
+            _wait_status(f"{router.url}/ready", 200)
+            second = httpx.post(f"{router.url}/v1/completions", json=req, timeout=10)
+    finally:
+        if new is not None:
+            new.stop()
+    assert second.status_code == 200, second.text
+    engines = [
+        r.body["kv_transfer_params"]["remote_engine_id"] for r in d.state.generation_requests()
+    ]
+    assert engines == ["before-restart", "after-restart"]
+    probes = [r for r in new.state.generation_requests() if r.body["prompt"] == "ping"]
+    assert len(probes) == 1
+
+
+def _wait_status(url: str, status: int) -> None:
+    deadline = time.monotonic() + 15
+    while httpx.get(url).status_code != status:
+        assert time.monotonic() < deadline, f"{url} never answered {status}"
+        time.sleep(0.02)
