@@ -113,6 +113,13 @@ def assert_same(got: dict[str, Any], ref: dict[str, Any]) -> None:
     assert g_lp == pytest.approx(r_lp, abs=2e-2)
 
 
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
 def kv_usage(instance: StackInstance) -> float:
     return metrics(instance).get("vllm:kv_cache_usage_perc", -1.0)
 
@@ -133,9 +140,12 @@ async def test_output_equals_aggregated(stack: Stack, length: int) -> None:
     prompt = tokens(f"len-{length}-{stack.options.kind}", length)
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         ref = await aggregated(client, stack, prompt)
+        before = metrics(stack.decode[0])
         got = await disagg(client, stack, prompt)
     assert_same(got, ref)
     assert got["usage"]["prompt_tokens"] == length
+    # The whole prompt came from P through the connector (D computed none of it itself).
+    assert delta(before, metrics(stack.decode[0]), EXTERNAL_HITS) == length
 
 
 async def test_prefix_hit_on_d_transfers_only_the_tail(stack: Stack) -> None:
@@ -149,8 +159,8 @@ async def test_prefix_hit_on_d_transfers_only_the_tail(stack: Stack) -> None:
         got = await disagg(client, stack, full)
     after = metrics(d)
     assert_same(got, ref)
-    local_hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
-    assert local_hits == 2 * BLOCK
+    assert delta(before, after, "vllm:prefix_cache_hits_total") == 2 * BLOCK
+    assert delta(before, after, EXTERNAL_HITS) == len(full) - 2 * BLOCK
     if stack.options.kind == "ours":
         # D's connector stats: only the 2 blocks D lacked came over the wire.
         blocks = after.get("disagg_push_transfer_blocks_total", 0.0)
