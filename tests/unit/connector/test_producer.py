@@ -180,3 +180,18 @@ def test_failed_write_is_reported_to_d(env: Any) -> None:
     until(lambda: "p-f" in producer.take_released())
     assert ep.notifs[-1][1].kind == "failed" and "rejected" in ep.notifs[-1][1].reason
     assert not producer.take_records()[0].ok
+
+
+def test_cancel_during_write_says_in_flight_until_the_write_is_done(env: Any) -> None:
+    producer, ep, _ = env
+    states = {"value": "PROC"}
+    ep.state = lambda handle: states["value"]
+    producer.add_finished("w", "p-w", (1,))
+    producer.handle_request(reg("w", (2,)))
+    until(lambda: len(ep.writes) == 1)
+    cancel = encode_request("cancel", {"transfer_key": "w"})
+    assert decode_reply(producer.handle_request(cancel)).status == "in_flight"
+    assert producer.take_released() == set()  # P's blocks stay pinned while the WRITE runs
+    states["value"] = "DONE"
+    until(lambda: "p-w" in producer.take_released())
+    assert decode_reply(producer.handle_request(cancel)).status == "unknown"
