@@ -52,6 +52,15 @@ class PushScheduler:
                 ", ".join(missing),
             )
             return None
+        if int(params.get("tp_size") or 1) != 1 or int(params.get("pp_size") or 1) != 1:
+            logger.error(
+                "request %s: P has tp_size=%s pp_size=%s; only 1/1 is supported; prefilling "
+                "locally",
+                request.request_id,
+                params.get("tp_size"),
+                params.get("pp_size"),
+            )
+            return None
         return dict(params)
 
     def get_num_new_matched_tokens(

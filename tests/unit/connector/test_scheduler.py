@@ -76,6 +76,8 @@ def test_d_without_p_identity_prefills_locally() -> None:
     req = make_request("r-1", 50, params)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.get_num_new_matched_tokens(make_request("r-2", 50, None), 0) == (0, False)
+    tp2 = make_request("r-3", 50, P_IDENTITY | {"tp_size": 2})
+    assert s.get_num_new_matched_tokens(tp2, 0) == (0, False)
 
 
 def test_d_full_local_hit_releases_p_at_once() -> None:
