@@ -340,7 +340,17 @@ class Dispatch:
         return client_response(self._first, await self._prefill_usage())
 
     async def close(self) -> None:
-        """Cancel whatever leg still runs and wait for it to unwind (idempotent)."""
+        """Cancel whatever leg still runs and wait for it to unwind (idempotent).
+
+        After a successful answer the P leg is drained first (its answer can arrive after D's
+        last token in push mode), bounded by what is left of the prefill timeout; reading it to
+        the end also keeps the connection to P reusable.
+        """
+        p_task = self._p_task
+        if self.outcome == "ok" and p_task is not None and not p_task.done():
+            left = self.started + self.ctx.settings.timeouts.prefill - time.monotonic()
+            if left > 0:
+                await asyncio.wait({p_task}, timeout=left)
         tasks = [t for t in (self._d_task, self._p_task) if t is not None]
         for task in tasks:
             if not task.done():

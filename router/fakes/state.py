@@ -33,6 +33,7 @@ class FakeBehavior:
     default_max_tokens: int = 16
     prompt_cached_tokens: int = 0
     kv_wait_timeout_s: float = 5.0
+    answer_delay_s: float = 0.0  # non-stream: delay the HTTP answer after the KV is published
 
 
 @dataclass

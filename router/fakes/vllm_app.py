@@ -253,6 +253,9 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
                 return _error(499, "client disconnected")
         if gen.is_prefill and state.fabric is not None:
             state.fabric.publish(state.identity.engine_id, rid)
+        if await _sleep_or_disconnect(request, b.answer_delay_s):
+            state._leave(rec, "cancelled")
+            return _error(499, "client disconnected")
         state._leave(rec, "ok")
         return JSONResponse(gen.full_response(), headers={"x-request-id": rid})
 

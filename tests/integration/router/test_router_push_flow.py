@@ -269,7 +269,8 @@ def test_upstream_connections_are_reused(fake: dict[str, FakeVllmServer]) -> Non
             )
             assert resp.status_code == 200
     assert len({r.client_port for r in d.state.generation_requests()}) == 1
-    assert len({r.client_port for r in p.state.generation_requests()}) == 1
+    # P's answer may race D's last token (then it is drained after the client's answer).
+    assert len({r.client_port for r in p.state.generation_requests()}) <= 2
 
 
 def test_restarted_prefill_is_relearned_on_rejoin_without_periodic_probes(
@@ -316,3 +317,28 @@ def _wait_status(url: str, status: int) -> None:
     while httpx.get(url).status_code != status:
         assert time.monotonic() < deadline, f"{url} never answered {status}"
         time.sleep(0.02)
+
+
+def test_late_prefill_answer_is_drained_not_cancelled(fake: dict[str, FakeVllmServer]) -> None:
+    """Push: P's KV arrives at D before P's HTTP answer reaches the router; D finishes first.
+    The router still reads P's answer to the end (usage; the connection stays reusable) instead
+    of cancelling it."""
+    p, d = fake["p0"], fake["d0"]
+    p.state.behavior = FakeBehavior(answer_delay_s=0.3, prompt_cached_tokens=1)
+    body = {
+        "model": MODEL,
+        "prompt": "a b c",
+        "max_tokens": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with running_router(make_settings([p.url], [d.url], identities=_static(p))) as router:
+        # Without usage in the stream nothing else waits for P's answer.
+        plain = {k: v for k, v in body.items() if k != "stream_options"}
+        assert httpx.post(f"{router.url}/v1/completions", json=plain, timeout=10).is_success
+        resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
+        assert resp.status_code == 200
+        usage = [json.loads(x) for x in sse_payloads(resp.text) if x != "[DONE]"][-1]
+        assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+    p_legs = p.state.generation_requests()
+    assert [r.outcome for r in p_legs] == ["ok", "ok"]
