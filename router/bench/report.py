@@ -225,6 +225,27 @@ def render(out_dir: Path, command: str) -> dict[str, Any]:
     if rows:
         parts += ["", "## Sweep (ms)", "", markdown_table(rows, stacks)]
         parts += ["", "![TTFT](ttft_vs_rate.png)", "", "![TPOT](tpot_vs_rate.png)"]
+    overhead = _load(out_dir / "overhead.json")
+    if overhead:
+        from router.bench.overhead import format_report
+
+        parts += ["", "## Router overhead (zero-delay fakes; `overhead.json`)", ""]
+        parts.append(format_report(overhead["derived"]))
+        if "loadavg_before_after" in overhead:
+            parts += ["", f"Load average before / after: {overhead['loadavg_before_after']}"]
+    transfer = _load(out_dir / "transfer.json")
+    if transfer and transfer.get("rounds"):
+        parts += ["", "## Transfer (`transfer.json`)", ""]
+        parts.append(
+            f"{transfer['bytes_per_write']} bytes in {transfer['descriptors_per_write']} "
+            "descriptors per WRITE; per round: median ms per transfer (GB/s)."
+        )
+        parts += ["", "| round | kind | median ms | GB/s |", "|---|---|---|---|"]
+        for r in transfer["rounds"]:
+            ms = r.get("median_write_ms", r.get("median_latency_ms", 0.0))
+            parts.append(
+                f"| {r['round']} | {r['kind']} | {ms:.3f} | {r['median_throughput_gbps']:.3f} |"
+            )
     if scen.get("errors"):
         parts += ["", "## Stack errors", ""]
         parts += [f"- `{s}`: {e[:500]}" for s, e in scen["errors"].items()]
