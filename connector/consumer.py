@@ -46,7 +46,6 @@ class _Pending:
     sent_at: float
     deadline: float
     cancelling: bool = False
-    accepted: bool = False
     aborted: bool = False
     """vLLM already finished the request (abort): report it, but not as a failed load."""
 
@@ -191,11 +190,6 @@ class PushConsumer:
             return
         if reply.status != "accepted":
             self._complete(reg.d_request_id, ok=False, reason=f"P refused: {reply.reason}")
-            return
-        with self._lock:
-            pending = self._pending.get(reg.d_request_id)
-            if pending is not None:
-                pending.accepted = True
 
     def _send_cancel(self, d_request_id: str, pending: _Pending, reason: str) -> None:
         payload = encode_request("cancel", {"transfer_key": pending.key})

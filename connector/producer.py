@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from connector.config import ConnectorConfig
 from connector.layout import descriptor_ids, transfer_bytes
@@ -59,7 +59,6 @@ class _Write:
     posted_at: float = 0.0
     num_blocks: int = 0
     num_bytes: int = 0
-    notified: bool = field(default=False)
 
 
 class PushProducer:
@@ -172,6 +171,8 @@ class PushProducer:
         with self._lock:
             if reg.transfer_key in self._failed:
                 return Reply("failed", self._failed[reg.transfer_key][0])
+            if reg.transfer_key in self._cancelled:  # D's cancel overtook its registration
+                return Reply("failed", "transfer was cancelled by D")
             fin = self._finished.pop(reg.transfer_key, None)
             if reg.d_agent_name not in self._known_agents:
                 self._warm[reg.d_agent_name] = reg

@@ -12,7 +12,6 @@ import logging
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -168,7 +167,3 @@ class PushWorker:
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
-
-    @staticmethod
-    def describe(records: list[TransferRecord]) -> list[dict[str, Any]]:
-        return [r.__dict__ for r in records]

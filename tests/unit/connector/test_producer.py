@@ -195,3 +195,14 @@ def test_cancel_during_write_says_in_flight_until_the_write_is_done(env: Any) ->
     states["value"] = "DONE"
     until(lambda: "p-w" in producer.take_released())
     assert decode_reply(producer.handle_request(cancel)).status == "unknown"
+
+
+def test_registration_overtaken_by_its_cancel_never_writes(env: Any) -> None:
+    producer, ep, _ = env
+    producer.add_finished("o", "p-o", (1,))
+    cancel = encode_request("cancel", {"transfer_key": "o"})
+    assert decode_reply(producer.handle_request(cancel)).status == "cancelled"
+    late = decode_reply(producer.handle_request(reg("o", (2,))))
+    assert late.status == "failed" and "cancelled" in late.reason
+    until(lambda: "p-o" in producer.take_released())
+    assert ep.writes == []
