@@ -111,19 +111,27 @@ class RunningRouter:
 @contextmanager
 def running_router(stack: Stack, **config_kwargs: Any) -> Iterator[RunningRouter]:
     """Serve a router for ``stack`` and wait until its ``/ready`` answers 200."""
-    settings = settings_from_mapping(stack.router_config(**config_kwargs))
+    config = stack.router_config(**config_kwargs)
+    # A loaded 2-core machine answers probes slowly; do not flap backends in the suite.
+    config.setdefault("timeouts", {}).setdefault("health", 60.0)
+    settings = settings_from_mapping(config)
     server = UvicornThread(create_app(settings))
     server.start()
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        status = 0
+        last = "no answer"
         while time.monotonic() < deadline:
-            status = httpx.get(server.url + "/ready", timeout=httpx.Timeout(10.0)).status_code
-            if status == 200:
-                break
+            try:
+                status = httpx.get(server.url + "/ready", timeout=httpx.Timeout(10.0)).status_code
+            except httpx.TransportError as exc:
+                last = repr(exc)
+            else:
+                if status == 200:
+                    break
+                last = f"/ready {status}"
             time.sleep(0.5)
         else:
-            raise RuntimeError(f"router not ready after {READY_TIMEOUT_S}s (last /ready {status})")
+            raise RuntimeError(f"router not ready after {READY_TIMEOUT_S}s ({last})")
         yield RunningRouter(stack=stack, settings=settings, server=server)
     finally:
         server.stop()
@@ -162,12 +170,28 @@ def router_chat(client: openai.OpenAI, model: str, prompt: str, stream: bool) ->
     return "".join(parts)
 
 
+def warm_up_instance(instance: StackInstance, model: str) -> float:
+    """One plain long-prompt request straight to the instance; returns its duration.
+
+    A fresh vLLM CPU instance answers its first large prefill very slowly (tens of seconds on a
+    loaded machine); pay that here, outside the router's health and first-token timeouts.
+    """
+    started = time.monotonic()
+    body = {"model": model, "prompt": make_prompt("instance-warmup"), "max_tokens": 2}
+    response = httpx.post(instance.url + "/v1/completions", json=body, timeout=httpx.Timeout(300.0))
+    response.raise_for_status()
+    return time.monotonic() - started
+
+
 @contextmanager
 def module_stack(options: StackOptions, work_dir: Path) -> Iterator[Stack]:
-    """Start a stack for one module and stop it afterwards, printing where its logs are."""
+    """Start a stack for one module, warm every instance up, stop it afterwards."""
     stack = start_stack(options, work_dir)
     print(f"\nstarted {options.kind} {options.topology} stack:\n{stack.describe()}")
     try:
+        for instance in stack.instances:
+            took = warm_up_instance(instance, stack.model_name)
+            print(f"warm-up of {instance.name}: {took:.1f}s")
         yield stack
     finally:
         stack.stop()
