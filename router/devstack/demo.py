@@ -157,7 +157,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     try:
         print(f"[demo] instances ready after {time.perf_counter() - started:.0f}s:")
         print(stack.describe())
-        config = stack.write_router_config(work_dir / "router.yaml")
+        took = stack.warm_up()
+        print("[demo] first prefill per instance (slow on a fresh vLLM CPU instance): ", end="")
+        print(", ".join(f"{name} {secs:.1f}s" for name, secs in took.items()))
+        config = stack.write_router_config(
+            work_dir / "router.yaml", timeouts={"health": 60.0}, discovery_interval_s=300.0
+        )
         port = free_port()
         with _router_process(config, port, work_dir / "logs" / "router.log") as url:
             print(f"[demo] router (push mode) ready at {url}, config {config}")

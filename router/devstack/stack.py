@@ -12,6 +12,7 @@ an aggregated instance on ``aggregated_core`` (default 0).
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+import httpx
 import yaml
 
 from router.devstack.connectors import kv_transfer_config, router_mode
@@ -169,6 +171,23 @@ class Stack:
             f"nixl_port={i.side_channel_port} log={i.server.log_path}"
             for i in self.instances
         )
+
+    def warm_up(self, prompt_tokens: int = 600, timeout_s: float = 300.0) -> dict[str, float]:
+        """Send one plain long-prompt request to every instance; return seconds per instance.
+
+        A fresh vLLM CPU instance answers its first large prefill very slowly (tens of seconds on
+        a loaded machine). Call this before starting a router, so its health checks, identity
+        probes and first-token timeouts never see that.
+        """
+        prompt = " ".join(f"warm{i % 97}" for i in range(prompt_tokens // 2))
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        took: dict[str, float] = {}
+        with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)) as client:
+            for inst in self.instances:
+                started = time.monotonic()
+                client.post(f"{inst.url}/v1/completions", json=body).raise_for_status()
+                took[inst.name] = time.monotonic() - started
+        return took
 
     def stop(self) -> None:
         stop_servers([i.server for i in self.instances])
