@@ -170,28 +170,14 @@ def router_chat(client: openai.OpenAI, model: str, prompt: str, stream: bool) ->
     return "".join(parts)
 
 
-def warm_up_instance(instance: StackInstance, model: str) -> float:
-    """One plain long-prompt request straight to the instance; returns its duration.
-
-    A fresh vLLM CPU instance answers its first large prefill very slowly (tens of seconds on a
-    loaded machine); pay that here, outside the router's health and first-token timeouts.
-    """
-    started = time.monotonic()
-    body = {"model": model, "prompt": make_prompt("instance-warmup"), "max_tokens": 2}
-    response = httpx.post(instance.url + "/v1/completions", json=body, timeout=httpx.Timeout(300.0))
-    response.raise_for_status()
-    return time.monotonic() - started
-
-
 @contextmanager
 def module_stack(options: StackOptions, work_dir: Path) -> Iterator[Stack]:
     """Start a stack for one module, warm every instance up, stop it afterwards."""
     stack = start_stack(options, work_dir)
     print(f"\nstarted {options.kind} {options.topology} stack:\n{stack.describe()}")
     try:
-        for instance in stack.instances:
-            took = warm_up_instance(instance, stack.model_name)
-            print(f"warm-up of {instance.name}: {took:.1f}s")
+        # A fresh instance's first large prefill is very slow; keep it out of router timeouts.
+        print(f"warm-up seconds per instance: {stack.warm_up()}")
         yield stack
     finally:
         stack.stop()
