@@ -185,8 +185,17 @@ class PushConsumer:
         try:
             reply = self._ask(host, port, encode_registration(reg))
         except (SideChannelError, ProtocolError) as exc:
-            # Nothing was registered, so no WRITE can land: fail now.
-            self._complete(reg.d_request_id, ok=False, reason=f"registration not delivered: {exc}")
+            if isinstance(exc.__cause__, ConnectionRefusedError):
+                # Nothing was registered, so no WRITE can land: fail now.
+                self._complete(reg.d_request_id, ok=False, reason=f"P unreachable: {exc}")
+                return
+            # P may have accepted it before the reply got lost: release only through a cancel.
+            with self._lock:
+                pending = self._pending.get(reg.d_request_id)
+                if pending is None or pending.cancelling:
+                    return
+                pending.cancelling = True
+            self._send_cancel(reg.d_request_id, pending, f"registration unconfirmed: {exc}")
             return
         if reply.status != "accepted":
             self._complete(reg.d_request_id, ok=False, reason=f"P refused: {reply.reason}")
