@@ -23,6 +23,7 @@ class BackendState:
     in_flight: int = 0
     discovered_identity: PushIdentity | None = None
     discovered_at: float | None = None  # time.monotonic() of the last successful probe
+    failed_checks: int = 0  # consecutive failed health checks
     last_error: str | None = field(default=None)
 
     @property

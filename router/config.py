@@ -106,6 +106,9 @@ class HealthConfig(_Frozen):
         ),
     )
     discovery_prompt: str = Field(default="ping", min_length=1)
+    failure_threshold: int = Field(
+        default=2, ge=1, description="consecutive timed-out checks that take a backend out"
+    )
 
 
 class RouterSettings(_Frozen):

@@ -25,7 +25,7 @@ import httpx
 
 from router.backends import BackendState
 from router.config import PushIdentity, RouterSettings
-from router.errors import UpstreamError
+from router.errors import UpstreamError, UpstreamTimeout
 from router.ids import new_request_id
 from router.metrics import RouterMetrics
 from router.pools import Pool
@@ -88,18 +88,27 @@ class HealthMonitor:
         return interval is not None and time.monotonic() - backend.discovered_at >= interval
 
     async def check(self, backend: BackendState) -> bool:
-        """One bounded health check (and discovery); updates ``backend.healthy``."""
+        """One bounded health check (and discovery); updates ``backend.healthy``.
+
+        A definite failure (refused, HTTP error, no kv params) takes the backend out at once; a
+        timeout only after ``health.failure_threshold`` consecutive ones, so an instance that is
+        merely slow under load does not flap out of rotation.
+        """
         try:
             await asyncio.wait_for(self._check(backend), self.settings.timeouts.health)
         except (httpx.HTTPError, UpstreamError, ValueError, TimeoutError) as exc:
-            if backend.healthy:
-                log.warning("%s %s unhealthy: %r", backend.role, backend.label, exc)
-            backend.healthy = False
+            backend.failed_checks += 1
             backend.last_error = repr(exc)
+            slow = isinstance(exc, TimeoutError | httpx.TimeoutException | UpstreamTimeout)
+            threshold = self.settings.health.failure_threshold
+            if backend.healthy and (not slow or backend.failed_checks >= threshold):
+                log.warning("%s %s unhealthy: %r", backend.role, backend.label, exc)
+                backend.healthy = False
         else:
             if not backend.healthy:
                 log.info("%s %s healthy again", backend.role, backend.label)
             backend.healthy = True
+            backend.failed_checks = 0
             backend.last_error = None
         self.metrics.healthy.labels(backend.role, backend.label).set(1 if backend.healthy else 0)
         return backend.healthy

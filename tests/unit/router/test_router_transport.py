@@ -6,10 +6,14 @@ import json
 from typing import Any
 
 import httpx
+from prometheus_client import CollectorRegistry
 
 from router.app import create_app
 from router.config import settings_from_mapping
 from router.devstack.fake_vllm import UvicornThread
+from router.health import HealthMonitor
+from router.metrics import RouterMetrics
+from router.pools import Pool
 
 P, D = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
 KV = {
@@ -89,3 +93,41 @@ def test_connect_error_is_503_and_takes_the_backend_out() -> None:
     assert "decode instance" in resp.json()["error"]["message"]
     assert ready.status_code == 503
     assert ready.json()["decode"] == []
+
+
+async def test_slow_health_checks_take_a_backend_out_only_after_the_threshold() -> None:
+    """Timeouts count towards health.failure_threshold; a refused connection is immediate."""
+    mode = {"decode": "ok"}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.port == 9102 and request.url.path == "/health":
+            if mode["decode"] == "refused":
+                raise httpx.ConnectError("refused", request=request)
+            if mode["decode"] == "slow":
+                raise httpx.ReadTimeout("slow", request=request)
+        return httpx.Response(200, json=_answer("a", KV))
+
+    settings = settings_from_mapping(
+        {
+            "models": ["m"],
+            "prefill": {"instances": [{"url": P}]},
+            "decode": {"instances": [{"url": D}]},
+            "health": {"failure_threshold": 3},
+        }
+    )
+    pools = [
+        Pool("prefill", settings.prefill, require_identity=True),
+        Pool("decode", settings.decode, require_identity=False),
+    ]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        monitor = HealthMonitor(settings, client, pools, RouterMetrics(CollectorRegistry()))
+        await monitor.check_all()
+        prefill, decode = pools[0].backends[0], pools[1].backends[0]
+        assert prefill.healthy and prefill.identity is not None
+        assert prefill.identity.engine_id == "eng"
+        mode["decode"] = "slow"
+        assert [await monitor.check(decode) for _ in range(3)] == [True, True, False]
+        mode["decode"] = "ok"
+        assert await monitor.check(decode) is True
+        mode["decode"] = "refused"
+        assert await monitor.check(decode) is False
