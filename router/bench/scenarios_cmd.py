@@ -47,6 +47,11 @@ def add_scenarios_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--from-runs",
+        action="store_true",
+        help="rebuild scenarios.json rows from runs/*.json (after an interrupted sweep)",
+    )
 
 
 def scenarios_command(args: argparse.Namespace) -> int:
@@ -90,10 +95,27 @@ def scenarios_command(args: argparse.Namespace) -> int:
     return 0 if not any(s in data["errors"] for s in stacks) else 1
 
 
+def rows_from_runs(out_dir: Path) -> list[dict[str, Any]]:
+    """The summary rows stored in each per-point file ``runs/*.json``."""
+    keys = ("stack", "input_len", "rate", "num_requests", "metrics", "errors")
+    rows = []
+    for path in sorted((out_dir / "runs").glob("*.json")):
+        data = json.loads(path.read_text())
+        rows.append({k: data[k] for k in keys if k in data})
+    return rows
+
+
 def report_command(args: argparse.Namespace) -> int:
     scen_path = args.out_dir / "scenarios.json"
     command = "(no scenarios.json)"
+    scen: dict[str, Any] = {}
     if scen_path.exists():
-        command = json.loads(scen_path.read_text()).get("command", command)
+        scen = json.loads(scen_path.read_text())
+        command = scen.get("command", command)
+    if args.from_runs:
+        rows = rows_from_runs(args.out_dir)
+        ran = {r["stack"] for r in rows}
+        stacks = [s for s in STACKS if s in ran or s in scen.get("stacks", [])]
+        write_json(scen_path, {**scen, "rows": rows, "stacks": stacks, "rebuilt_from_runs": True})
     print(json.dumps(render(args.out_dir, command), indent=2))
     return 0
