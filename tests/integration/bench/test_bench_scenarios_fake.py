@@ -60,6 +60,9 @@ def test_runner_sweeps_and_reports(tmp_path: Path) -> None:
     run_file = tmp_path / "runs" / "aggregated_in16_r50.json"
     assert json.loads(run_file.read_text())["metrics"]["total_output_tokens"] == 12
     (tmp_path / "scenarios.json").write_text(json.dumps(data))
+    from router.bench.scenarios_cmd import rows_from_runs
+
+    assert rows_from_runs(tmp_path) == json.loads(json.dumps(data["rows"]))
     summary = render(tmp_path, "test")
     assert summary["ttft_push_over_pull_loaded"] is None  # only the aggregated stack ran
 
