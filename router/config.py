@@ -76,7 +76,7 @@ class TimeoutsConfig(_Frozen):
 
     ``connect``: TCP connect to an instance. ``prefill``: the whole P leg. ``first_token``: from
     dispatch until D's first token. ``total``: the whole request, end to end. ``health``: one
-    health/discovery probe.
+    ``/health`` call. ``discovery``: one identity probe (a 1-token prefill).
     """
 
     connect: float = Field(default=5.0, gt=0)
@@ -84,6 +84,7 @@ class TimeoutsConfig(_Frozen):
     first_token: float = Field(default=180.0, gt=0)
     total: float = Field(default=600.0, gt=0)
     health: float = Field(default=10.0, gt=0)
+    discovery: float = Field(default=60.0, gt=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> TimeoutsConfig:

@@ -1,8 +1,10 @@
 """Periodic health checks and prefill identity discovery.
 
 Who calls it: the app lifespan (one :class:`HealthMonitor` per app): ``check_all()`` once at
-start, then ``run()`` as a background task until shutdown. Each probe is bounded by
-``timeouts.health``; a failed probe takes the backend out of rotation, a passing one puts it back.
+start, then ``run()`` as a background task until shutdown. ``/health`` is bounded by
+``timeouts.health``, an identity probe (a real 1-token prefill, slow on a fresh or busy instance)
+by ``timeouts.discovery``; failed checks take the backend out of rotation, a passing one puts it
+back.
 
 Discovery (push mode, prefill instances without a configured identity): a 1-token prefill probe
 with ``do_remote_decode: true`` makes vLLM answer with ``kv_transfer_params`` carrying its engine
@@ -63,13 +65,17 @@ class HealthMonitor:
         return identity_from_kv(kv)
 
     async def _check(self, backend: BackendState) -> None:
-        resp = await self.client.get(
-            backend.url + "/health", headers=leg_headers(backend, new_request_id())
+        t = self.settings.timeouts
+        resp = await asyncio.wait_for(
+            self.client.get(
+                backend.url + "/health", headers=leg_headers(backend, new_request_id())
+            ),
+            t.health,
         )
         if resp.status_code != 200:
             raise ValueError(f"/health answered {resp.status_code}")
         if self.settings.mode == "push" and backend.needs_discovery and self._probe_due(backend):
-            identity = await self.probe_identity(backend)
+            identity = await asyncio.wait_for(self.probe_identity(backend), t.discovery)
             backend.discovered_at = time.monotonic()
             if identity != backend.discovered_identity:
                 log.info(
@@ -95,7 +101,7 @@ class HealthMonitor:
         merely slow under load does not flap out of rotation.
         """
         try:
-            await asyncio.wait_for(self._check(backend), self.settings.timeouts.health)
+            await self._check(backend)
         except (httpx.HTTPError, UpstreamError, ValueError, TimeoutError) as exc:
             backend.failed_checks += 1
             backend.last_error = repr(exc)

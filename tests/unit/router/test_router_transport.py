@@ -29,12 +29,14 @@ KV = {
 
 
 def _settings(mode: str) -> Any:
+    """Health re-checks far apart, so a backend taken out stays out during a test."""
     return settings_from_mapping(
         {
             "models": ["m"],
             "mode": mode,
             "prefill": {"instances": [{"url": P}]},
             "decode": {"instances": [{"url": D}]},
+            "health": {"interval": 3600, "unhealthy_interval": 3600},
         }
     )
 

@@ -1,7 +1,8 @@
 """Our P and D leg bodies are accepted by vLLM 0.32's own request models (no engine started).
 
-Importing vLLM takes several seconds, hence ``slow``. It catches rewrites that vLLM would reject
-with a 400 (e.g. ``stream_options`` on the non-streamed P leg, ``min_tokens`` > 1 token).
+Importing vLLM (torch) takes 7 s on an idle machine and minutes on a loaded one, so this runs with
+the real-vLLM suite (``vllm`` marker), not the fast suite. It catches rewrites that vLLM would
+reject with a 400 (e.g. ``stream_options`` on the non-streamed P leg).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from router.config import PushIdentity
 from router.rewrite import decode_body_pull, decode_body_push, prefill_body
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 IDENT = PushIdentity(engine_id="e", host="127.0.0.1", port=5600)
 CHAT = {
