@@ -231,3 +231,39 @@ async def test_killing_p_fails_d_within_bound_and_frees_blocks(stack: Stack) -> 
         d.url + "/v1/completions", timeout=TIMEOUT, json=_body(tokens("after", 20), 2, None)
     )
     assert plain.status_code == 200
+
+
+async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> None:
+    _ours_only(stack)
+    p, d = stack.prefill[0], stack.decode[0]
+    baseline = wait_kv_usage(d, 0.0, 10.0)
+    rid = uuid.uuid4().hex
+    prompt = tokens("p-abort", 12000)  # long enough that the P leg is still prefilling
+    headers = {"X-Request-Id": rid}
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": rid}
+    p_body = _body(prompt, 1, p_params) | {"stream": True}
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        d_leg = asyncio.ensure_future(
+            client.post(
+                d.url + "/v1/completions",
+                headers=headers,
+                json=_body(prompt, MAX_TOKENS, identity(p, rid)),
+            )
+        )
+        await asyncio.sleep(1.0)  # D registered with P
+        with pytest.raises(httpx.ReadTimeout):  # the client of the P leg gives up mid-prefill
+            async with client.stream(
+                "POST",
+                p.url + "/v1/completions",
+                json=p_body,
+                headers=headers,
+                timeout=httpx.Timeout(0.5, connect=10.0),
+            ) as resp:
+                async for _ in resp.aiter_bytes():
+                    pass
+        t0 = time.monotonic()
+        resp_d = await d_leg
+        took = time.monotonic() - t0
+    assert resp_d.status_code >= 400  # P told D; D reports the load as failed
+    assert took < 5.0  # far below D's 20 s transfer timeout: the fail notification ended it
+    assert wait_kv_usage(d, baseline, 15.0) <= baseline + 1e-9
