@@ -32,6 +32,7 @@ from router.devstack.vllm_server import VllmServerError
 
 DEFAULT_PROMPT = "Explain in one sentence why prefill and decode run on different machines."
 READY_TIMEOUT_S = 120.0
+WARMUP_ATTEMPTS = 3
 REQUEST_TIMEOUT = httpx.Timeout(300.0, connect=5.0)
 
 
@@ -160,14 +161,24 @@ def _run_demo(args: argparse.Namespace) -> int:
         took = stack.warm_up()
         print("[demo] first prefill per instance (slow on a fresh vLLM CPU instance): ", end="")
         print(", ".join(f"{name} {secs:.1f}s" for name, secs in took.items()))
+        # first_token above P's 30 s KV lease: the first transfer of a fresh pair can stall until
+        # the lease ends (docs/notes/vllm-facts.md); that request then fails fast and is retried.
         config = stack.write_router_config(
-            work_dir / "router.yaml", timeouts={"health": 60.0}, discovery_interval_s=300.0
+            work_dir / "router.yaml",
+            timeouts={"health": 60.0, "first_token": 60.0},
+            discovery_interval_s=300.0,
         )
         port = free_port()
         with _router_process(config, port, work_dir / "logs" / "router.log") as url:
             print(f"[demo] router (push mode) ready at {url}, config {config}")
-            warm = stream_chat(url, stack.model_name, "Hello!", 4)
-            print(f"[demo] warm-up request (first transfer, NIXL handshake): {warm.total_s:.2f}s")
+            for attempt in range(1, WARMUP_ATTEMPTS + 1):
+                try:
+                    warm = stream_chat(url, stack.model_name, f"Hello {attempt}!", 4)
+                except DemoError as exc:
+                    print(f"[demo] warm-up request {attempt} failed ({exc}); retrying")
+                    continue
+                print(f"[demo] warm-up request (first P->D transfer): {warm.total_s:.2f}s")
+                break
             answer = stream_chat(url, stack.model_name, args.prompt, args.max_tokens)
         print(f"\n[demo] prompt : {args.prompt}")
         print(f"[demo] answer : {answer.text!r}")

@@ -113,7 +113,9 @@ def running_router(stack: Stack, **config_kwargs: Any) -> Iterator[RunningRouter
     """Serve a router for ``stack`` and wait until its ``/ready`` answers 200."""
     config = stack.router_config(**config_kwargs)
     # A loaded 2-core machine answers probes slowly; do not flap backends in the suite.
-    config.setdefault("timeouts", {}).setdefault("health", 60.0)
+    timeouts = config.setdefault("timeouts", {})
+    timeouts.setdefault("health", 60.0)
+    timeouts.setdefault("first_token", 75.0)  # > P's 30 s lease: a stalled pair fails, not hangs
     settings = settings_from_mapping(config)
     server = UvicornThread(create_app(settings))
     server.start()
