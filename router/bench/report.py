@@ -182,7 +182,9 @@ def plot(rows: Rows, stacks: list[str], metric: str, label: str, path: Path) -> 
                 if r["stack"] == s and r["input_len"] == input_len and r["metrics"]["completed"]
             )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+                color = f"C{stacks.index(s)}"  # one colour per stack across panels
+                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                ax.plot(xs, ys, marker="o", label=s, color=color)
         ax.set_title(f"input {input_len} tokens")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
