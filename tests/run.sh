@@ -6,7 +6,10 @@
 #
 #   bash tests/run.sh            # everything (about 15-20 min on a 2-core machine)
 #   SKIP_SETUP=1 bash tests/run.sh   # reuse the existing .venv as is
-#   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm
+#   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm (default), and the
+#                                    # opt-in upstream (e2e through vLLM's NixlPushConnector),
+#                                    # docker (container test) and vllm033 (connector unit tests
+#                                    # against vLLM 0.33.0 in a side venv)
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,6 +30,13 @@ setup_venv() {
     "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu,dev,bench]" || return 1
     # These break beside torch 2.13+cpu; some dependency may drag them in.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1
+    # kubectl, kubernetes-validate and docker-compose for tests/deploy; once they are installed
+    # those tests must run rather than skip.
+    if VENV="$VENV" bash "$ROOT/deploy/ci/install-tools.sh"; then
+        export DISAGG_DEPLOY_REQUIRE_TOOLS=1
+    else
+        echo "deploy tools could not be installed: the tests/deploy checks that need them skip" >&2
+    fi
     return 0
 }
 
@@ -91,10 +101,24 @@ for suite in $SUITES; do
             step "nixl suite" pytest_suite "nixl and not vllm and not docker"
             ;;
         vllm)
-            step "vllm suite" with_lock pytest_suite "vllm and not docker" --durations=15
+            # One rerun of a failed real-vLLM test: these share 2 cores between P, D, the router
+            # and the client, and a loaded machine can push a transfer past a bound.
+            step "vllm suite" with_lock pytest_suite "vllm and not upstream_push and not docker" \
+                --durations=15 --reruns 1 --reruns-delay 5
+            ;;
+        upstream)
+            step "upstream push suite" with_lock pytest_suite "upstream_push and not docker" \
+                --durations=15 --reruns 1 --reruns-delay 5
+            ;;
+        docker)
+            step "docker tools" bash "$ROOT/deploy/ci/install-tools.sh" --docker
+            step "docker suite" with_lock env DISAGG_DEPLOY_REQUIRE_DOCKER=1 pytest_suite "docker"
+            ;;
+        vllm033)
+            step "vllm 0.33 suite" bash "$ROOT/tests/unit/connector/run_vllm033.sh"
             ;;
         *)
-            echo "unknown suite $suite (expected: lint fast nixl vllm)" >&2
+            echo "unknown suite $suite (expected: lint fast nixl vllm upstream docker vllm033)" >&2
             failures+=("$suite")
             ;;
     esac

@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--connector",
         choices=["vllm-push", "ours"],
-        default="vllm-push",
-        help="push connector on P and D: vLLM's NixlPushConnector or ours (default: vllm-push)",
+        default="ours",
+        help="push connector on P and D: ours (default) or vLLM's NixlPushConnector",
     )
     parser.add_argument(
         "--work-dir",

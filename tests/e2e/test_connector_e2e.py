@@ -39,7 +39,10 @@ TIMEOUT = httpx.Timeout(180.0, connect=10.0)
 OURS_EXTRA = {"transfer_timeout_s": TRANSFER_TIMEOUT_S, "liveness_interval_s": 0.5}
 
 
-@pytest.fixture(scope="module", params=["ours", "vllm-push"])
+@pytest.fixture(
+    scope="module",
+    params=["ours", pytest.param("vllm-push", marks=pytest.mark.upstream_push)],
+)
 def stack(request: pytest.FixtureRequest, e2e_dir: Path) -> Iterator[Stack]:
     kind: str = request.param
     extra = OURS_EXTRA if kind == "ours" else {}

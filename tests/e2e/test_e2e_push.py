@@ -25,7 +25,7 @@ from pd_cases import PDRouterCases
 
 from router.devstack.stack import Stack, StackOptions
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.upstream_push]
 
 
 # The first transfer of a P/D pair can stall until P's 30 s lease ends (docs/notes/vllm-facts.md,
