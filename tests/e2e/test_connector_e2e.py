@@ -208,34 +208,7 @@ async def test_abort_waiting_d_request_leaks_no_blocks(stack: Stack) -> None:
     assert values["vllm:num_requests_waiting"] == 0
 
 
-async def test_killing_p_fails_d_within_bound_and_frees_blocks(stack: Stack) -> None:
-    _ours_only(stack)
-    p, d = stack.prefill[0], stack.decode[0]
-    baseline = wait_kv_usage(d, 0.0, 10.0)
-    rid = uuid.uuid4().hex
-    body = _body(tokens("kill-p", 3 * BLOCK), MAX_TOKENS, identity(p, rid))
-    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        d_leg = asyncio.ensure_future(
-            client.post(d.url + "/v1/completions", json=body, headers={"X-Request-Id": rid})
-        )
-        await asyncio.sleep(2.0)  # D has registered with P and waits for the WRITE
-        assert not d_leg.done()
-        t0 = time.monotonic()
-        assert p.server.pid is not None
-        os.killpg(p.server.pid, signal.SIGKILL)  # P dies without saying anything
-        resp = await d_leg
-        took = time.monotonic() - t0
-    assert resp.status_code >= 400  # the load failed; vLLM reports it as an error
-    p.server.stop(grace_s=0.0)  # reap the killed group
-    assert took < TRANSFER_TIMEOUT_S
-    assert wait_kv_usage(d, baseline, 15.0) <= baseline + 1e-9
-    # D still serves plain requests afterwards.
-    plain = httpx.post(
-        d.url + "/v1/completions", timeout=TIMEOUT, json=_body(tokens("after", 20), 2, None)
-    )
-    assert plain.status_code == 200
-
-
+# Runs before the kill-P test below, which leaves this module's stack without a live P.
 async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> None:
     _ours_only(stack)
     p, d = stack.prefill[0], stack.decode[0]
@@ -270,3 +243,31 @@ async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> No
     assert resp_d.status_code >= 400  # P told D; D reports the load as failed
     assert took < 5.0  # far below D's 20 s transfer timeout: the fail notification ended it
     assert wait_kv_usage(d, baseline, 15.0) <= baseline + 1e-9
+
+
+async def test_killing_p_fails_d_within_bound_and_frees_blocks(stack: Stack) -> None:
+    _ours_only(stack)
+    p, d = stack.prefill[0], stack.decode[0]
+    baseline = wait_kv_usage(d, 0.0, 10.0)
+    rid = uuid.uuid4().hex
+    body = _body(tokens("kill-p", 3 * BLOCK), MAX_TOKENS, identity(p, rid))
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        d_leg = asyncio.ensure_future(
+            client.post(d.url + "/v1/completions", json=body, headers={"X-Request-Id": rid})
+        )
+        await asyncio.sleep(2.0)  # D has registered with P and waits for the WRITE
+        assert not d_leg.done()
+        t0 = time.monotonic()
+        assert p.server.pid is not None
+        os.killpg(p.server.pid, signal.SIGKILL)  # P dies without saying anything
+        resp = await d_leg
+        took = time.monotonic() - t0
+    assert resp.status_code >= 400  # the load failed; vLLM reports it as an error
+    p.server.stop(grace_s=0.0)  # reap the killed group
+    assert took < TRANSFER_TIMEOUT_S
+    assert wait_kv_usage(d, baseline, 15.0) <= baseline + 1e-9
+    # D still serves plain requests afterwards.
+    plain = httpx.post(
+        d.url + "/v1/completions", timeout=TIMEOUT, json=_body(tokens("after", 20), 2, None)
+    )
+    assert plain.status_code == 200
