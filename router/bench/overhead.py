@@ -21,9 +21,10 @@ from typing import Any
 from router.bench.client import Target
 from router.bench.dataset import SyntheticSpec, make_token_prompts
 from router.bench.loadgen import LoadSpec, make_client, run_load
-from router.bench.procs import ManagedProcess, free_port
+from router.bench.procs import ManagedProcess
 from router.bench.results import metrics_to_dict
 from router.bench.routers import our_router, router_config, vllm_router
+from router.devstack.ports import free_ports
 
 MODEL = "fake-model"
 PREFILL_ENGINE_ID = "bench-prefill"
@@ -192,7 +193,7 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
     """Start the processes, measure, stop them; returns raw and derived numbers."""
     logs = log_dir or Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     logs.mkdir(parents=True, exist_ok=True)
-    p_port, d_port, r_port, v_port = (free_port() for _ in range(4))
+    p_port, d_port, r_port, v_port = free_ports(4)
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     with ExitStack() as stack:
         stack.enter_context(_fake("fake-prefill", p_port, logs, PREFILL_ENGINE_ID))

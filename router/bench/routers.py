@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from router.bench.procs import ManagedProcess, free_port
+from router.bench.procs import ManagedProcess
+from router.devstack.ports import free_port
 
 
 def _python() -> str:

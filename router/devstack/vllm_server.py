@@ -4,26 +4,24 @@ Who calls it: e2e fixtures, the demo, benchmarks and :mod:`router.devstack.stack
 the :class:`VllmServer` and must call :meth:`VllmServer.stop` (or use it as a context manager).
 
 Contract:
-- each server runs ``python -m vllm.entrypoints.openai.api_server`` in its own process group, with
-  its OpenMP threads pinned to one CPU core and its NIXL side channel on the given port;
+- each server runs ``python -m vllm.entrypoints.openai.api_server`` as a
+  :class:`~router.devstack.process.ChildProcess` (own process group, parent-death signal, log
+  file), with its OpenMP threads pinned to one CPU core and its NIXL side channel on the given
+  port;
 - :meth:`VllmServer.wait_ready` polls ``/health`` and fails fast, with the log tail, if the process
-  exits; :meth:`VllmServer.stop` sends SIGTERM to the whole group, then SIGKILL, and leaves no
-  orphans;
+  exits; :meth:`VllmServer.stop` sends SIGTERM to the whole group (API server and engine core),
+  then SIGKILL, and leaves no orphans;
 - :func:`start_servers` launches several servers at once (startup takes ~90 s each) and waits for
   all of them; if any fails, all are stopped.
 
-Popen is always called from the caller's thread: the child's parent-death signal fires when the
-thread that forked it exits, so forking from a worker thread would kill the server early.
+:meth:`VllmServer.start` must be called from a long-lived thread (see
+:mod:`router.devstack.process`): the parent-death signal fires when the launching thread exits.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -36,9 +34,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.devstack.ports import LOOPBACK
+from router.devstack.process import ChildProcess, ProcessSpec, read_log_tail
 
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
-_PR_SET_PDEATHSIG = 1
 
 
 class VllmServerError(RuntimeError):
@@ -121,13 +119,6 @@ class VllmServerSpec:
         return env
 
 
-def _set_parent_death_signal() -> None:
-    """Runs in the child before exec: die with SIGTERM when the launching thread exits."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def read_metrics_text(text: str) -> dict[str, float]:
     """Sum Prometheus samples by name over all labels, e.g. ``vllm:num_requests_running``."""
     totals: dict[str, float] = {}
@@ -151,7 +142,7 @@ class VllmServer:
 
     def __init__(self, spec: VllmServerSpec) -> None:
         self.spec = spec
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._child: ChildProcess | None = None
 
     @property
     def url(self) -> str:
@@ -163,41 +154,32 @@ class VllmServer:
 
     @property
     def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        return None if self._child is None else self._child.pid
 
     def start(self) -> None:
         """Launch the process (non-blocking). Call :meth:`wait_ready` next."""
-        if self._proc is not None:
+        if self._child is not None:
             raise VllmServerError(f"{self.spec.name}: already started")
-        self.spec.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.spec.log_file.open("ab") as log:
-            log.write(f"$ {' '.join(self.spec.command())}\n".encode())
-            log.flush()
-            self._proc = subprocess.Popen(
-                self.spec.command(),
-                env=self.spec.environment(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_set_parent_death_signal,
-            )
+        process = ProcessSpec(
+            name=self.spec.name,
+            argv=tuple(self.spec.command()),
+            log_file=self.spec.log_file,
+            env=self.spec.environment(),
+            append_log=True,
+        )
+        self._child = ChildProcess(process).start()
 
     def is_alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._child is not None and self._child.is_alive()
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.spec.log_file.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return read_log_tail(self.spec.log_file, lines)
 
     def check_ready_once(self, client: httpx.Client) -> bool:
         """One health poll; raises :class:`VllmServerError` if the process has exited."""
-        if self._proc is None:
+        if self._child is None:
             raise VllmServerError(f"{self.spec.name}: not started")
-        code = self._proc.poll()
+        code = self._child.poll()
         if code is not None:
             raise VllmServerError(
                 f"{self.spec.name} exited with code {code} during startup; "
@@ -213,23 +195,10 @@ class VllmServer:
         wait_all_ready([self], timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the process group, then SIGKILL after ``grace_s``. Idempotent."""
-        proc = self._proc
-        if proc is None:
-            return
-        pgid = proc.pid  # start_new_session makes the child its own group leader
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-        # Engine-core children may outlive the API server briefly; kill whatever is left.
-        deadline = time.monotonic() + 5.0
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5.0)
+        """SIGTERM the process group (API server and engine core), SIGKILL whatever is left after
+        ``grace_s``. Idempotent."""
+        if self._child is not None:
+            self._child.stop(grace_s)
 
     def metrics(self, timeout_s: float = 5.0) -> dict[str, float]:
         """All samples from ``/metrics``, summed over labels."""
@@ -259,16 +228,6 @@ class VllmServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def wait_all_ready(servers: Sequence[VllmServer], timeout_s: float) -> None:

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.bench.procs import ManagedProcess, free_port
+from router.bench.procs import ManagedProcess
 from router.bench.report import render
 from router.bench.scenarios import SweepSpec, run_scenarios
+from router.devstack.ports import free_port
 
 
 @dataclass

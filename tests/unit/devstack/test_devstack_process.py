@@ -1,0 +1,171 @@
+"""ChildProcess: group stop (grandchildren included), SIGKILL escalation, idempotence, log tail,
+parent-death signal. Real processes (python and sleep), no vLLM; each test takes about a second.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from router.devstack.process import (
+    ChildProcess,
+    ProcessSpec,
+    ProcessStateError,
+    group_alive,
+    read_log_tail,
+)
+
+# A child that forks a ``sleep 60`` grandchild into its own group, prints the grandchild's pid,
+# then waits for it. With "ignore-term" both ignore SIGTERM (SIG_IGN survives exec); with "exit"
+# the child exits at once and leaves the grandchild behind.
+_PARENT = textwrap.dedent(
+    """
+    import signal, subprocess, sys
+    if sys.argv[1] == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    grandchild = subprocess.Popen(["sleep", "60"])
+    print(f"pid-of-grandchild: {grandchild.pid}", flush=True)
+    if sys.argv[1] != "exit":
+        grandchild.wait()
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, which an unreaping init may keep, counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+
+
+def _wait_dead(pid: int, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def _grandchild_pid(child: ChildProcess, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in read_log_tail(child.log_path).splitlines():
+            if line.startswith("pid-of-grandchild: "):
+                return int(line.split()[1])
+        time.sleep(0.05)
+    raise AssertionError(f"no grandchild pid in the log:\n{child.log_tail()}")
+
+
+def _parent(tmp_path: Path, mode: str) -> ChildProcess:
+    spec = ProcessSpec("parent", (sys.executable, "-c", _PARENT, mode), tmp_path / "parent.log")
+    return ChildProcess(spec)
+
+
+def test_stop_kills_the_grandchild_with_sigterm(tmp_path: Path) -> None:
+    with _parent(tmp_path, "wait") as child:
+        grandchild = _grandchild_pid(child)
+        assert child.is_alive() and _alive(grandchild)
+        outcome = child.stop(grace_s=10.0)
+    assert outcome is not None
+    assert outcome.returncode == -signal.SIGTERM
+    assert not outcome.killed, "SIGTERM alone should have emptied the group"
+    assert not child.is_alive()
+    assert _wait_dead(grandchild), "the grandchild outlived stop()"
+    assert child.pid is not None and not group_alive(child.pid)
+
+
+def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path: Path) -> None:
+    with _parent(tmp_path, "ignore-term") as child:
+        grandchild = _grandchild_pid(child)
+        started = time.monotonic()
+        outcome = child.stop(grace_s=0.5)
+    assert outcome is not None
+    assert outcome.killed
+    assert outcome.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 8.0
+    assert _wait_dead(grandchild), "the SIGTERM-ignoring grandchild survived SIGKILL"
+
+
+def test_stop_cleans_up_after_a_child_that_already_exited(tmp_path: Path) -> None:
+    with _parent(tmp_path, "exit") as child:
+        grandchild = _grandchild_pid(child)
+        deadline = time.monotonic() + 5.0
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.poll() == 0
+        assert _alive(grandchild), "the orphaned grandchild should still run before stop()"
+        outcome = child.stop(grace_s=5.0)
+    assert outcome is not None and outcome.returncode == 0
+    assert _wait_dead(grandchild), "stop() left the exited child's grandchild running"
+
+
+def test_stop_is_idempotent_and_start_is_once(tmp_path: Path) -> None:
+    child = _parent(tmp_path, "wait")
+    assert child.stop() is None  # never started: nothing to do
+    with pytest.raises(ProcessStateError, match="not started"):
+        child.poll()
+    with child:
+        with pytest.raises(ProcessStateError, match="already started"):
+            child.start()
+        first = child.stop(grace_s=5.0)
+        assert first is not None
+        again_started = time.monotonic()
+        assert child.stop(grace_s=5.0) == first
+        assert time.monotonic() - again_started < 1.0
+    assert child.stop() == first  # the context exit in between was a no-op too
+
+
+def test_log_holds_the_command_and_the_tail_is_the_last_lines(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "counter.log"
+    log.parent.mkdir()
+    log.write_text("from an earlier run\n")
+    code = "import sys\nfor i in range(200): print(f'line {i}')\n"
+    code += "sys.stdout.flush()\nprint('oops', file=sys.stderr)"
+    argv = (sys.executable, "-c", code)
+    with ChildProcess(ProcessSpec("counter", argv, log)) as child:
+        deadline = time.monotonic() + 10.0
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.poll() == 0
+        assert child.log_tail(3).splitlines() == ["line 198", "line 199", "oops"]
+    text = log.read_text()
+    assert text.startswith(f"$ {sys.executable} -c ")
+    assert "from an earlier run" not in text  # truncated by default
+
+    with ChildProcess(ProcessSpec("again", argv, log, append_log=True)) as child:
+        deadline = time.monotonic() + 10.0
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert log.read_text().count("line 199") == 2
+    assert read_log_tail(tmp_path / "missing.log") == ""
+
+
+def test_child_gets_sigterm_when_its_launcher_dies(tmp_path: Path) -> None:
+    launcher = textwrap.dedent(
+        f"""
+        import os, sys
+        from pathlib import Path
+        from router.devstack.process import ChildProcess, ProcessSpec
+        argv = (sys.executable, "-c", "import time; time.sleep(60)")
+        child = ChildProcess(ProcessSpec("orphan", argv, Path({str(tmp_path / "o.log")!r})))
+        print(child.start().pid, flush=True)
+        os._exit(0)  # die without stopping the child
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", launcher], capture_output=True, text=True, timeout=60, check=True
+    )
+    orphan = int(result.stdout.strip())
+    try:
+        assert _wait_dead(orphan), "the child outlived its launcher"
+    finally:
+        if _alive(orphan):
+            os.killpg(orphan, signal.SIGKILL)
