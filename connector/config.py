@@ -16,6 +16,18 @@ class ConfigError(ValueError):
     """An extra-config field has a bad value; the message names the field."""
 
 
+def _parse_bool(raw: Any) -> bool:
+    """JSON booleans, or the strings true/false/1/0 (case-insensitive)."""
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("true", "1"):
+        return True
+    if text in ("false", "0"):
+        return False
+    raise ValueError("must be true or false")
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Bounds and addresses of one connector instance (P or D)."""
@@ -36,6 +48,9 @@ class ConnectorConfig:
     """P: a registration whose prefill never finishes gets a fail notification after this long."""
     max_inflight_s: float = 20.0
     """Both: a WRITE not complete after this long is treated as failed (handle released)."""
+    nixl_progress_thread: bool = False
+    """Both: start NIXL's UCX progress thread (it busy-polls a core in nixl 1.5.1; see
+    ``connector.nixl_backend``). Off: the connector's own threads drive progress."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -46,8 +61,10 @@ class ConnectorConfig:
                 continue
             raw = extra[field.name]
             try:
-                if field.type in ("float", float):
-                    value: Any = float(raw)
+                if field.type in ("bool", bool):
+                    value: Any = _parse_bool(raw)
+                elif field.type in ("float", float):
+                    value = float(raw)
                     if value <= 0:
                         raise ValueError("must be > 0")
                 elif field.type in ("int", int):

@@ -43,14 +43,27 @@ class NixlEndpoint:
     remote agent name (``prepare_remote`` is idempotent per agent).
     """
 
-    def __init__(self, name: str, layout: LayoutSpec, mem_type: str = "DRAM") -> None:
+    def __init__(
+        self,
+        name: str,
+        layout: LayoutSpec,
+        mem_type: str = "DRAM",
+        *,
+        progress_thread: bool = False,
+    ) -> None:
+        """``progress_thread``: start NIXL's own UCX progress thread. Off by default: nixl 1.5.1's
+        Python API hard-codes that thread's delay to 0, so it polls without sleeping and burns a
+        whole core per agent; our writer and receiver threads already drive UCX progress through
+        ``check_xfer_state`` and ``get_new_notifs`` at their own (bounded) cadence."""
         if _NIXL_IMPORT_ERROR is not None:
             raise NixlUnavailableError(f"NIXL is not importable: {_NIXL_IMPORT_ERROR}")
         self.name = name
         self.layout = layout
         self.mem_type = mem_type
         self.lock = threading.RLock()
-        self._agent: Any = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._agent: Any = nixl_agent(
+            name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        )
         spans = sorted(
             {
                 (r.addr, (r.num_blocks - 1) * r.block_stride + r.block_bytes)
@@ -64,6 +77,7 @@ class NixlEndpoint:
         local = self._agent.get_xfer_descs(descriptors(layout), mem_type)
         self._local_handle: Any = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local)
         self._remote_handles: dict[str, Any] = {}
+        self._unread: list[bytes] = []
 
     def metadata(self) -> bytes:
         """This agent's metadata, for a peer's :meth:`prepare_remote`."""
@@ -127,10 +141,25 @@ class NixlEndpoint:
             self._agent.send_notif(agent_name, message)
 
     def take_notifs(self) -> list[bytes]:
-        """All notifications received since the last call (any peer)."""
+        """All notifications received since the last call (any peer), progress() included."""
         with self.lock:
-            raw: dict[str, list[bytes]] = self._agent.get_new_notifs()
-        return [m for msgs in raw.values() for m in msgs]
+            self._collect_notifs()
+            out, self._unread = self._unread, []
+        return out
+
+    def progress(self) -> None:
+        """Drive UCX progress once, so posted notifications leave and WRITEs advance.
+
+        Without NIXL's progress thread nothing else moves a send that no one polls: the
+        producer calls this on every writer step. Notifications it picks up are kept for the
+        next :meth:`take_notifs` (a ``kv_both`` endpoint serves both sides).
+        """
+        with self.lock:
+            self._collect_notifs()
+
+    def _collect_notifs(self) -> None:
+        raw: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        self._unread.extend(m for msgs in raw.values() for m in msgs)
 
     def forget_peer(self, agent_name: str) -> None:
         with self.lock:

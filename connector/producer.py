@@ -223,6 +223,7 @@ class PushProducer:
         for key, write in ready:
             self._post(key, write, now)
         self._poll_inflight()
+        self._ep.progress()
         self._expire(now)
         with self._lock:
             return bool(self._inflight or self._ready)

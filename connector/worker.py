@@ -105,7 +105,7 @@ class PushWorker:
         """Register the KV memory with NIXL and start the transfer core (once)."""
         layout = layout_from_kv_caches(kv_caches, self.num_blocks)
         name = f"dpc-{self.engine_id}-{uuid.uuid4().hex[:8]}"
-        self.endpoint = NixlEndpoint(name, layout)
+        self.endpoint = NixlEndpoint(name, layout, progress_thread=self.config.nixl_progress_thread)
         if self.is_producer:
             self.producer = PushProducer(self.endpoint, self.engine_id, self.config)
             logger.info(

@@ -25,7 +25,9 @@ class BareNixlEndpoint:
             raise RuntimeError(f"NIXL is not importable: {_IMPORT_ERROR}")
         self.name = name
         self._descs = [(addr + i * desc_bytes, desc_bytes, 0) for i in range(num_descs)]
-        self._agent: Any = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._agent: Any = nixl_agent(
+            name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         self._reg = self._agent.register_memory([(addr, desc_bytes * num_descs, 0, "")], "DRAM")
         local = self._agent.get_xfer_descs(self._descs, "DRAM")
         self._local: Any = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local)

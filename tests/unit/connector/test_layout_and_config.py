@@ -62,3 +62,19 @@ def test_config_parses_and_names_bad_fields(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "18299")
     assert resolve_config({}).side_channel_port == 18299
     assert resolve_config({"side_channel_port": 7}).side_channel_port == 7
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"), [(True, True), (False, False), ("true", True), ("FALSE", False), (1, True)]
+)
+def test_progress_thread_flag_parses(raw: object, want: bool) -> None:
+    assert (
+        ConnectorConfig.from_extra_config({"nixl_progress_thread": raw}).nixl_progress_thread
+        is want
+    )
+
+
+def test_progress_thread_flag_is_off_by_default_and_rejects_junk() -> None:
+    assert ConnectorConfig().nixl_progress_thread is False
+    with pytest.raises(ConfigError, match="nixl_progress_thread"):
+        ConnectorConfig.from_extra_config({"nixl_progress_thread": "maybe"})

@@ -25,13 +25,15 @@ LAYOUT = LayoutSpec(regions=(RegionSpec(0, 64, 64, 32),))
 
 
 class MemoryEndpoint:
-    """Behaves like NixlEndpoint: WRITEs copy between dicts and complete on the next poll."""
+    """Behaves like NixlEndpoint without a progress thread: WRITEs complete on the next poll and
+    a sent notification leaves (lands in ``notifs``) only when ``progress`` runs."""
 
     def __init__(self) -> None:
         self.name = "p-agent"
         self.layout = LAYOUT
         self.writes: list[tuple[str, list[int], list[int], Notification]] = []
         self.notifs: list[tuple[str, Notification]] = []
+        self.unsent: list[tuple[str, Notification]] = []
         self.peers: set[str] = set()
         self.fail_writes = False
 
@@ -55,7 +57,11 @@ class MemoryEndpoint:
         pass
 
     def send_notif(self, agent: str, message: bytes) -> None:
-        self.notifs.append((agent, decode_notification(message)))
+        self.unsent.append((agent, decode_notification(message)))
+
+    def progress(self) -> None:
+        self.notifs.extend(self.unsent)
+        self.unsent.clear()
 
 
 class Clock:
