@@ -36,15 +36,17 @@ class ConnectorConfig:
     """Where P's side channel (registrations, cancels, pings) listens; D connects to the params'."""
     side_channel_port: int = 5600
     """P's side-channel port, advertised as ``remote_port`` in its kv_transfer_params."""
-    transfer_timeout_s: float = 30.0
-    """D: a registered transfer that is neither done nor failed after this long fails."""
+    transfer_timeout_s: float = 120.0
+    """D: a registered transfer that is neither done nor failed after this long fails. It covers a
+    live P whose queue is long (a dead P is caught by the pings within ~1 s), so it is sized like
+    a prefill's worst queueing delay, and kept below the router's first-token timeout (180 s)."""
     connect_timeout_s: float = 2.0
     """D: bound on one side-channel request (connect + reply)."""
     liveness_interval_s: float = 0.5
     """D: how often D pings a P it waits on; two failed pings in a row fail its transfers."""
     lease_s: float = 30.0
     """P: a finished prefill whose D never registers is freed after this long."""
-    registration_ttl_s: float = 30.0
+    registration_ttl_s: float = 120.0
     """P: a registration whose prefill never finishes gets a fail notification after this long."""
     max_inflight_s: float = 20.0
     """Both: a WRITE not complete after this long is treated as failed (handle released)."""

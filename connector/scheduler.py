@@ -19,7 +19,14 @@ from typing import Any
 from vllm.v1.request import Request, RequestStatus
 
 from connector.metadata import PushConnectorMetadata
-from connector.specs import KeyCancel, RecvSpec, SendAbort, SendSpec, transfer_key
+from connector.specs import (
+    IDENTITY_PROBE_KEY,
+    KeyCancel,
+    RecvSpec,
+    SendAbort,
+    SendSpec,
+    transfer_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +160,10 @@ class PushScheduler:
             reason = f"prefill ended with status {request.status.name}"
             self._meta.failed_prefills.append(SendAbort(key, reason))
             return False, None
-        self._sending.add(rid)
-        self._meta.finished_prefills.append(SendSpec(rid, key, tuple(block_ids)))
+        probe = bool(params.get(IDENTITY_PROBE_KEY))
+        if not probe:
+            self._sending.add(rid)
+            self._meta.finished_prefills.append(SendSpec(rid, key, tuple(block_ids)))
         out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -170,6 +179,10 @@ class PushScheduler:
         }
         if params.get("transfer_id"):
             out["transfer_id"] = params["transfer_id"]
+        if probe:
+            # An identity probe (the router's discovery): answer who we are, keep nothing.
+            out["remote_block_ids"] = []
+            return False, out
         return True, out
 
     # ---- step plumbing -------------------------------------------------------------------

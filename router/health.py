@@ -57,6 +57,7 @@ class HealthMonitor:
             {"model": self.settings.models[0], "prompt": self.settings.health.discovery_prompt},
             chat=False,
             transfer_id=rid,
+            probe=True,
         )
         answer = await post_json(self.client, backend, "prefill", "/v1/completions", body, rid)
         kv = answer.get("kv_transfer_params")

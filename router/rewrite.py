@@ -28,8 +28,17 @@ def strip_client_fields(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
 
-def prefill_body(body: dict[str, Any], chat: bool, transfer_id: str) -> dict[str, Any]:
-    """The P leg: same request, 1 token, not streamed, asked to keep KV for a remote decode."""
+IDENTITY_PROBE_KEY = "identity_probe"
+"""Marks a discovery probe in the P leg's ``kv_transfer_params``: our connector then answers its
+identity without pinning blocks for a decode that never comes (vLLM's connectors ignore it and
+keep the blocks for their lease). Same value as ``connector.specs.IDENTITY_PROBE_KEY``."""
+
+
+def prefill_body(
+    body: dict[str, Any], chat: bool, transfer_id: str, *, probe: bool = False
+) -> dict[str, Any]:
+    """The P leg: same request, 1 token, not streamed, asked to keep KV for a remote decode
+    (``probe``: an identity probe, nothing to keep)."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     out["max_tokens"] = 1
     if chat and "max_completion_tokens" in body:
@@ -40,6 +49,8 @@ def prefill_body(body: dict[str, Any], chat: bool, transfer_id: str) -> dict[str
         "do_remote_prefill": False,
         "transfer_id": transfer_id,
     }
+    if probe:
+        out["kv_transfer_params"][IDENTITY_PROBE_KEY] = True
     return out
 
 

@@ -255,6 +255,7 @@ def test_discovery_probes_are_rationed(fake: dict[str, FakeVllmServer]) -> None:
     assert len(probes) == 1
     assert probes[0].body["kv_transfer_params"]["do_remote_decode"] is True
     assert probes[0].body["max_tokens"] == 1
+    assert probes[0].body["kv_transfer_params"]["identity_probe"] is True
 
 
 def test_upstream_connections_are_reused(fake: dict[str, FakeVllmServer]) -> None:

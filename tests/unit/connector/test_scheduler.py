@@ -138,6 +138,34 @@ def test_p_keeps_blocks_and_returns_its_identity() -> None:
     assert not s.has_pending_push_work()
 
 
+def test_identity_probe_answers_identity_and_keeps_no_blocks() -> None:
+    s = PushScheduler("p0", "127.0.0.1", 18250, 128)
+    req = make_request(
+        "cmpl-i-0-0123abcd",
+        1,
+        {"do_remote_decode": True, "transfer_id": "i", "identity_probe": True},
+    )
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = s.request_finished(req, [7])
+    assert delay is False and params is not None  # vLLM frees the block now
+    assert params["remote_engine_id"] == "p0" and params["remote_port"] == 18250
+    assert params["remote_block_ids"] == []
+    assert s.build_connector_meta().finished_prefills == []  # no lease, nothing to send
+    assert not s.has_pending_push_work()
+
+
+def test_probe_key_is_the_one_the_router_sends() -> None:
+    from connector.specs import IDENTITY_PROBE_KEY
+    from router.rewrite import IDENTITY_PROBE_KEY as ROUTER_KEY
+    from router.rewrite import prefill_body
+
+    assert IDENTITY_PROBE_KEY == ROUTER_KEY
+    body = prefill_body({"model": "m", "prompt": "ping"}, chat=False, transfer_id="x", probe=True)
+    assert body["kv_transfer_params"][IDENTITY_PROBE_KEY] is True
+    plain = prefill_body({"model": "m", "prompt": "hi"}, chat=False, transfer_id="y")
+    assert IDENTITY_PROBE_KEY not in plain["kv_transfer_params"]
+
+
 def test_p_abort_tells_d_and_frees_at_once() -> None:
     s = PushScheduler("p0", "127.0.0.1", 18250, 128)
     req = make_request("cmpl-r-0-0123abcd", 300, {"do_remote_decode": True})
