@@ -18,7 +18,7 @@ fi
 mkdir -p "$OUT"
 exec flock /tmp/vllm-e2e.lock bash -c '
   set -euo pipefail
-  OUT=$0; shift
+  OUT=$0
   .venv/bin/disagg-router bench overhead '"${OVERHEAD[*]}"' \
       --result-file "$OUT/overhead.json" --markdown-file "$OUT/overhead.md"
   .venv/bin/disagg-router bench transfer '"${TRANSFER[*]}"' --result-file "$OUT/transfer.json"
