@@ -112,7 +112,10 @@ for suite in $SUITES; do
             ;;
         docker)
             step "docker tools" bash "$ROOT/deploy/ci/install-tools.sh" --docker
-            step "docker suite" with_lock env DISAGG_DEPLOY_REQUIRE_DOCKER=1 pytest_suite "docker"
+            # pytest_suite is a shell function: `env VAR=1 pytest_suite` cannot run it.
+            export DISAGG_DEPLOY_REQUIRE_DOCKER=1
+            step "docker suite" with_lock pytest_suite "docker"
+            unset DISAGG_DEPLOY_REQUIRE_DOCKER
             ;;
         vllm033)
             step "vllm 0.33 suite" bash "$ROOT/tests/unit/connector/run_vllm033.sh"
