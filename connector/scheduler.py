@@ -160,10 +160,6 @@ class PushScheduler:
             reason = f"prefill ended with status {request.status.name}"
             self._meta.failed_prefills.append(SendAbort(key, reason))
             return False, None
-        probe = bool(params.get(IDENTITY_PROBE_KEY))
-        if not probe:
-            self._sending.add(rid)
-            self._meta.finished_prefills.append(SendSpec(rid, key, tuple(block_ids)))
         out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -179,10 +175,12 @@ class PushScheduler:
         }
         if params.get("transfer_id"):
             out["transfer_id"] = params["transfer_id"]
-        if probe:
+        if params.get(IDENTITY_PROBE_KEY):
             # An identity probe (the router's discovery): answer who we are, keep nothing.
             out["remote_block_ids"] = []
             return False, out
+        self._sending.add(rid)
+        self._meta.finished_prefills.append(SendSpec(rid, key, tuple(block_ids)))
         return True, out
 
     # ---- step plumbing -------------------------------------------------------------------
