@@ -1,10 +1,10 @@
 """Child processes of a benchmark (fake backends, routers): start, wait ready, stop.
 
-Who calls it: the overhead benchmark and the scenario runner, from the main thread. Each
-:class:`ManagedProcess` is a :class:`~router.devstack.process.ChildProcess` (own process group,
-parent-death signal, log file) plus an HTTP readiness URL. Stopping it stops the whole group it
-started, grandchildren included, and nothing else. A failed start stops the group and raises
-:class:`ProcessStartError` with the log tail, so it can be diagnosed.
+Who calls it: the overhead benchmark, the scenario runner and the demo (its router), from the
+main thread. Each :class:`ManagedProcess` is a :class:`~router.devstack.process.ChildProcess` (own
+process group, parent-death signal, log file) plus an HTTP readiness URL. Stopping it stops the
+whole group it started, grandchildren included, and nothing else. A failed start stops the group
+and raises :class:`ProcessStartError` with the log tail, so it can be diagnosed.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from types import FrameType
 
 import httpx
 
+from router.bench.procs import ManagedProcess, ProcessStartError
 from router.devstack.ports import LOOPBACK, free_port
 from router.devstack.stack import Stack, StackOptions, start_stack
 from router.devstack.vllm_server import VllmServerError
@@ -77,31 +77,22 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def _router_process(config: Path, port: int, log_file: Path) -> Iterator[str]:
-    """``disagg-router serve`` as a subprocess; yields its URL once ``/ready`` is 200."""
+    """``disagg-router serve`` as a managed subprocess (its own process group, stopped on exit);
+    yields its URL once ``/ready`` is 200."""
     url = f"http://{LOOPBACK}:{port}"
     command = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
     command += ["--host", LOOPBACK, "--port", str(port), "--log-level", "warning"]
-    with log_file.open("ab") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    router = ManagedProcess(
+        "router", command, f"{url}/ready", log_file, ready_timeout_s=READY_TIMEOUT_S
+    )
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise DemoError(f"router exited with {proc.returncode}; see {log_file}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/ready", timeout=httpx.Timeout(5.0)).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise DemoError(f"router not ready after {READY_TIMEOUT_S:.0f}s; see {log_file}")
-            time.sleep(0.5)
+        router.start()
+    except ProcessStartError as exc:
+        raise DemoError(f"router did not start; see {log_file}: {exc}") from exc
+    try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        router.stop()
 
 
 def stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> ChatTiming:
