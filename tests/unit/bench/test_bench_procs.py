@@ -7,56 +7,22 @@ server forks its engine core, or a router its workers); no vLLM.
 from __future__ import annotations
 
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from router.bench.procs import ManagedProcess, ProcessStartError
 from router.devstack.ports import free_port
-
-_STAND_IN = textwrap.dedent(
-    """
-    import http.server, subprocess, sys
-    grandchild = subprocess.Popen(["sleep", "60"])
-    open(sys.argv[2], "w").write(str(grandchild.pid))
-    if sys.argv[3] == "die":
-        print("fatal: stand-in failed on purpose", flush=True)
-        sys.exit(3)
-    if sys.argv[3] == "hang":
-        grandchild.wait()
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-        def log_message(self, *args):
-            pass
-    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-    """
-)
+from router.fakes.stand_in_process import HTTP_STAND_IN, alive, wait_dead
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, which an unreaping init may keep, counts as dead)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
-
-
-def _grandchild_dead(pid_file: Path, timeout_s: float = 5.0) -> bool:
-    pid = int(pid_file.read_text())
-    deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _alive(pid)
+def _grandchild_dead(pid_file: Path) -> bool:
+    return wait_dead(int(pid_file.read_text()))
 
 
 def _stand_in(tmp_path: Path, behaviour: str, ready_timeout_s: float = 30.0) -> ManagedProcess:
     port = free_port()
-    argv = [sys.executable, "-c", _STAND_IN, str(port), str(tmp_path / "gc.pid"), behaviour]
+    argv = [sys.executable, "-c", HTTP_STAND_IN, str(port), str(tmp_path / "gc.pid"), behaviour]
     return ManagedProcess(
         "stand-in",
         argv,
@@ -69,7 +35,7 @@ def _stand_in(tmp_path: Path, behaviour: str, ready_timeout_s: float = 30.0) -> 
 def test_ready_then_stop_kills_the_grandchild(tmp_path: Path) -> None:
     with _stand_in(tmp_path, "serve") as proc:
         assert proc.pid is not None
-        assert _alive(int((tmp_path / "gc.pid").read_text()))
+        assert alive(int((tmp_path / "gc.pid").read_text()))
     assert _grandchild_dead(tmp_path / "gc.pid"), "the grandchild outlived stop()"
     proc.stop()  # idempotent
 

@@ -21,6 +21,7 @@ from router.devstack.process import (
     group_alive,
     read_log_tail,
 )
+from router.fakes.stand_in_process import alive, wait_dead
 
 # A child that forks a ``sleep 60`` grandchild into its own group, prints the grandchild's pid,
 # then waits for it. With "ignore-term" both ignore SIGTERM (SIG_IGN survives exec); with "exit"
@@ -36,22 +37,6 @@ _PARENT = textwrap.dedent(
         grandchild.wait()
     """
 )
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, which an unreaping init may keep, counts as dead)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
-
-
-def _wait_dead(pid: int, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _alive(pid)
 
 
 def _grandchild_pid(child: ChildProcess, timeout_s: float = 10.0) -> int:
@@ -72,13 +57,13 @@ def _parent(tmp_path: Path, mode: str) -> ChildProcess:
 def test_stop_kills_the_grandchild_with_sigterm(tmp_path: Path) -> None:
     with _parent(tmp_path, "wait") as child:
         grandchild = _grandchild_pid(child)
-        assert child.is_alive() and _alive(grandchild)
+        assert child.is_alive() and alive(grandchild)
         outcome = child.stop(grace_s=10.0)
     assert outcome is not None
     assert outcome.returncode == -signal.SIGTERM
     assert not outcome.killed, "SIGTERM alone should have emptied the group"
     assert not child.is_alive()
-    assert _wait_dead(grandchild), "the grandchild outlived stop()"
+    assert wait_dead(grandchild), "the grandchild outlived stop()"
     assert child.pid is not None and not group_alive(child.pid)
 
 
@@ -91,7 +76,7 @@ def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path: Path) -> None:
     assert outcome.killed
     assert outcome.returncode == -signal.SIGKILL
     assert time.monotonic() - started < 8.0
-    assert _wait_dead(grandchild), "the SIGTERM-ignoring grandchild survived SIGKILL"
+    assert wait_dead(grandchild), "the SIGTERM-ignoring grandchild survived SIGKILL"
 
 
 def test_stop_cleans_up_after_a_child_that_already_exited(tmp_path: Path) -> None:
@@ -101,10 +86,10 @@ def test_stop_cleans_up_after_a_child_that_already_exited(tmp_path: Path) -> Non
         while child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert child.poll() == 0
-        assert _alive(grandchild), "the orphaned grandchild should still run before stop()"
+        assert alive(grandchild), "the orphaned grandchild should still run before stop()"
         outcome = child.stop(grace_s=5.0)
     assert outcome is not None and outcome.returncode == 0
-    assert _wait_dead(grandchild), "stop() left the exited child's grandchild running"
+    assert wait_dead(grandchild), "stop() left the exited child's grandchild running"
 
 
 def test_stop_is_idempotent_and_start_is_once(tmp_path: Path) -> None:
@@ -165,7 +150,7 @@ def test_child_gets_sigterm_when_its_launcher_dies(tmp_path: Path) -> None:
     )
     orphan = int(result.stdout.strip())
     try:
-        assert _wait_dead(orphan), "the child outlived its launcher"
+        assert wait_dead(orphan), "the child outlived its launcher"
     finally:
-        if _alive(orphan):
+        if alive(orphan):
             os.killpg(orphan, signal.SIGKILL)

@@ -8,7 +8,6 @@ exercised for real in seconds.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,29 +17,14 @@ import pytest
 from router.devstack.ports import free_port
 from router.devstack.tiny_model import CHAT_TEMPLATE, MODEL_FILES, make_tiny_model
 from router.devstack.vllm_server import VllmServer, VllmServerError, VllmServerSpec, start_servers
-
-_STAND_IN = r"""
-import http.server, os, subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-open(sys.argv[2], "w").write(str(child.pid))
-if sys.argv[3] == "die":
-    print("fatal: stand-in failed on purpose", flush=True)
-    sys.exit(3)
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
+from router.fakes.stand_in_process import HTTP_STAND_IN, alive, wait_dead
 
 
 def _spec(
     tmp_path: Path, name: str, behaviour: str, monkeypatch: pytest.MonkeyPatch
 ) -> VllmServerSpec:
     script = tmp_path / "stand_in.py"
-    script.write_text(_STAND_IN)
+    script.write_text(HTTP_STAND_IN)
 
     def command(self: VllmServerSpec) -> list[str]:
         return [
@@ -61,19 +45,6 @@ def _spec(
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); check its state.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_start_wait_and_stop_kill_the_whole_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -82,13 +53,10 @@ def test_start_wait_and_stop_kill_the_whole_group(
     server = servers[0]
     assert server.is_alive()
     child_pid = int((tmp_path / "s0.child").read_text())
-    assert _alive(child_pid)
+    assert alive(child_pid)
     server.stop(grace_s=5)
     assert not server.is_alive()
-    deadline = time.monotonic() + 5
-    while _alive(child_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(child_pid), "the forked child outlived stop()"
+    assert wait_dead(child_pid), "the forked child outlived stop()"
     server.stop()  # idempotent
 
 
@@ -101,10 +69,7 @@ def test_a_dying_server_fails_fast_with_its_log_tail(
         start_servers([spec], timeout_s=60)
     assert time.monotonic() - started < 30
     child_pid = int((tmp_path / "s1.child").read_text())
-    deadline = time.monotonic() + 5
-    while _alive(child_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(child_pid), "start_servers left the failed server's child running"
+    assert wait_dead(child_pid), "start_servers left the failed server's child running"
 
 
 def test_wait_ready_times_out_with_the_server_named(
