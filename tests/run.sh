@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # The project's test command (README, .ci/run): set up .venv, then lint, type-check and run the
-# fast, real-NIXL, real-vLLM and container suites. Real-vLLM suites run serially under /tmp/vllm-e2e.lock so they never
+# fast, real-NIXL, real-vLLM (ours, pull, vLLM push), container and vLLM-0.33 suites. Real-vLLM
+# suites run serially under /tmp/vllm-e2e.lock so they never
 # overlap with other vLLM runs on the same machine. Exits non-zero if any step fails; every step
 # runs regardless, so one run reports all failures.
 #
 #   bash tests/run.sh            # the default suites (about 30 min on a fresh 2-core machine)
 #   SKIP_SETUP=1 bash tests/run.sh   # reuse the existing .venv as is
-#   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm docker (default), and the
-#                                    # opt-in upstream (e2e through vLLM's NixlPushConnector) and
-#                                    # vllm033 (connector unit tests against vLLM 0.33.0 in a side
-#                                    # venv)
+#   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm upstream docker vllm033
+#                                    # (default: all; upstream = the same e2e cases through vLLM's
+#                                    # NixlPushConnector; vllm033 = connector unit tests against
+#                                    # vLLM 0.33.0 in a side venv, 2.5 min cold)
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 VENV="$ROOT/.venv"
-SUITES=${SUITES:-"lint fast nixl vllm docker"}
+SUITES=${SUITES:-"lint fast nixl vllm upstream docker vllm033"}
 LOCK=${VLLM_E2E_LOCK:-/tmp/vllm-e2e.lock}
 failures=()
 

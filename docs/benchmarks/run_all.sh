@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=docs/benchmarks
-SWEEP=(--input-lens 512,2048,8192 --rates 0.5,1,2,4 --output-len 64)
+SWEEP=(--input-lens 512,2048,8192 --rates 0.5,1,2 --output-len 64 --max-requests 12 --point-time-limit 120)
 OVERHEAD=(--rates 10,20,40 --seconds-per-rate 8 --saturation-requests 1000)
 TRANSFER=(--iterations 50 --rounds 3)
 if [[ "${SMOKE:-0}" == 1 ]]; then

@@ -37,6 +37,9 @@ class LoadSpec:
     seed: int = 0
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     show_progress: bool = True
+    #: Wall-clock cap on the whole run (after warm-ups): requests not finished by then are
+    #: cancelled (their streams closed) and recorded as failures; none are sent after it.
+    time_limit_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -84,15 +87,43 @@ async def run_load(
         return record
 
     loop_start = time.perf_counter()
+    deadline = math.inf if spec.time_limit_s is None else loop_start + spec.time_limit_s
     tasks: list[asyncio.Task[RequestRecord]] = []
     for request, offset in zip(requests, offsets, strict=True):
+        if loop_start + offset >= deadline:
+            break
         delay = loop_start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(request)))
-    records = tuple(await asyncio.gather(*tasks))
+    records = await _gather_until(tasks, requests, deadline, spec.time_limit_s)
     duration = time.perf_counter() - loop_start
     if bar is not None:
         bar.close()
     metrics = compute_metrics(records, max(duration, 1e-9), spec.percentiles)
     return RunResult(records, metrics)
+
+
+async def _gather_until(
+    tasks: list[asyncio.Task[RequestRecord]],
+    requests: Sequence[BenchRequest],
+    deadline: float,
+    time_limit_s: float | None,
+) -> tuple[RequestRecord, ...]:
+    """Records of all requests in order; those unfinished at ``deadline`` (or never sent) fail."""
+    if tasks:
+        timeout = None if math.isinf(deadline) else max(0.0, deadline - time.perf_counter())
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    now = time.perf_counter()
+    error = f"time limit of {time_limit_s or 0:g} s for the run reached"
+    records: list[RequestRecord] = []
+    for i, request in enumerate(requests):
+        if i < len(tasks) and not tasks[i].cancelled():
+            records.append(tasks[i].result())
+        else:
+            records.append(RequestRecord(False, request.prompt_len, 0, now, 0.0, 0.0, (), error))
+    return tuple(records)

@@ -87,6 +87,10 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
         "tpot_push_over_pull_loaded": ("ours", "pull", "mean_tpot_ms", True),
         "ttft_ours_over_vllm_push_loaded": ("ours", "vllm-push", "mean_ttft_ms", True),
         "ttft_push_over_aggregated_light": ("ours", "aggregated", "mean_ttft_ms", False),
+        # extra keys: our push with NIXL's busy-polling progress thread on, as the vLLM
+        # connectors run it (the same handicap as pull), to separate mode from spinner
+        "ttft_push_spin_over_pull_loaded": ("ours-spin", "pull", "mean_ttft_ms", True),
+        "ttft_push_spin_over_push_loaded": ("ours-spin", "ours", "mean_ttft_ms", True),
     }
     for key, (a, b, metric, loaded) in pairs.items():
         if not rows:

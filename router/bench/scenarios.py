@@ -3,6 +3,9 @@
 Who calls it: ``disagg-router bench scenarios`` (wrap it in ``flock /tmp/vllm-e2e.lock``). Stacks:
 
 - ``ours``: our router (push) + our connector, 1P1D;
+- ``ours-spin``: the same with NIXL's progress thread on (``nixl_progress_thread: true``), the
+  busy-polling thread vLLM's connectors always run: separates "push vs pull" from "spinning
+  thread vs none" on a machine with few cores;
 - ``vllm-push``: our router (push) + vLLM's ``NixlPushConnector``, 1P1D;
 - ``pull``: our router (pull) + vLLM's ``NixlConnector``, 1P1D;
 - ``vllm-router``: ``vllm-router --vllm-pd-disaggregation`` in front of the pull instances;
@@ -11,6 +14,9 @@ Who calls it: ``disagg-router bench scenarios`` (wrap it in ``flock /tmp/vllm-e2
 Instances come from :func:`router.devstack.stack.start_stack` (P on core 0, D on core 1, the
 aggregated instance on core 0). One instance group runs at a time; a group that fails to start
 is recorded with its error and the sweep goes on with the next. Every point writes its JSON.
+Each point has a wall-clock cap (``point_time_limit_s``): unfinished requests are cancelled and
+count as failures; a point where no request completed ends that stack's sweep (recorded as its
+error) so one stalled stack cannot eat the whole budget.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from router.bench.client import Target
 from router.bench.dataset import SyntheticSpec, make_token_prompts
 from router.bench.loadgen import LoadSpec, make_client, run_load
@@ -33,16 +41,26 @@ from router.bench.results import metrics_to_dict, write_json
 from router.bench.routers import our_router, vllm_router
 from router.devstack.ports import free_port
 
-STACKS: tuple[str, ...] = ("ours", "vllm-push", "pull", "vllm-router", "aggregated")
 
-# instance group -> (connector kind, topology, stacks served by that group)
-# (run in this order: the headline ratios need ours, pull and aggregated first)
-GROUPS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "ours": ("ours", "1p1d", ("ours",)),
-    "vllm-pull": ("vllm-pull", "1p1d", ("pull", "vllm-router")),
-    "aggregated": ("vllm-push", "aggregated", ("aggregated",)),
-    "vllm-push": ("vllm-push", "1p1d", ("vllm-push",)),
+@dataclass(frozen=True)
+class InstanceGroup:
+    """vLLM instances started together, and the stacks (routers) measured over them."""
+
+    kind: str  # connector kind for router.devstack (ours, vllm-push, vllm-pull)
+    topology: str  # 1p1d or aggregated
+    serves: tuple[str, ...]
+    connector_extra_config: tuple[tuple[str, Any], ...] = ()
+
+
+# Run in this order: the headline ratios need ours, pull and aggregated first.
+GROUPS: dict[str, InstanceGroup] = {
+    "ours": InstanceGroup("ours", "1p1d", ("ours",)),
+    "vllm-pull": InstanceGroup("vllm-pull", "1p1d", ("pull", "vllm-router")),
+    "aggregated": InstanceGroup("vllm-push", "aggregated", ("aggregated",)),
+    "ours-spin": InstanceGroup("ours", "1p1d", ("ours-spin",), (("nixl_progress_thread", True),)),
+    "vllm-push": InstanceGroup("vllm-push", "1p1d", ("vllm-push",)),
 }
+STACKS: tuple[str, ...] = ("ours", "vllm-push", "pull", "vllm-router", "aggregated", "ours-spin")
 
 
 @dataclass(frozen=True)
@@ -50,16 +68,17 @@ class SweepSpec:
     """The sweep each stack gets: every input length at every rate."""
 
     input_lens: tuple[int, ...] = (512, 2048, 8192)
-    rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+    rates: tuple[float, ...] = (0.5, 1.0, 2.0)
     output_len: int = 64
     prefix_len: int = 0
-    seconds_per_point: float = 10.0
+    seconds_per_point: float = 6.0
     min_requests: int = 6
-    max_requests: int = 40
+    max_requests: int = 12
     num_warmups: int = 2
     burstiness: float = 1.0
     seed: int = 0
     request_timeout_s: float = 120.0
+    point_time_limit_s: float = 120.0
 
     def num_requests(self, rate: float) -> int:
         return max(self.min_requests, min(self.max_requests, round(rate * self.seconds_per_point)))
@@ -74,11 +93,23 @@ def _stack_seed(base: int, stack: str, input_len: int, rate: float) -> int:
     return base + zlib.crc32(f"{stack}/{input_len}/{rate:g}".encode())
 
 
+class StackStalled(RuntimeError):
+    """A point of the sweep completed no request within its time limit."""
+
+
 async def sweep_target(
-    stack: str, target: Target, spec: SweepSpec, out_dir: Path, vocab_size: int
-) -> list[dict[str, Any]]:
-    """Run the whole sweep against one target; write one JSON per point; return summary rows."""
-    rows: list[dict[str, Any]] = []
+    stack: str,
+    target: Target,
+    spec: SweepSpec,
+    out_dir: Path,
+    vocab_size: int,
+    rows: list[dict[str, Any]],
+) -> None:
+    """Run the whole sweep against one target; write one JSON per point; append summary rows.
+
+    Raises ``RuntimeError`` when the warm-up fails and :class:`StackStalled` after a point that
+    completed nothing (the rows of the points run so far stay in ``rows``).
+    """
     async with make_client(request_timeout_s=spec.request_timeout_s) as client:
         warm = make_token_prompts(
             SyntheticSpec(
@@ -90,57 +121,79 @@ async def sweep_target(
             )
         )
         warmed = await run_load(
-            client, target, warm, LoadSpec(max_concurrency=1, show_progress=False)
+            client,
+            target,
+            warm,
+            LoadSpec(max_concurrency=1, show_progress=False, time_limit_s=spec.point_time_limit_s),
         )
         failed = [r.error for r in warmed.records if not r.success]
         if failed:
             raise RuntimeError(f"warm-up failed, stack skipped: {failed[0][:500]}")
         for input_len in spec.input_lens:
             for rate in spec.rates:
-                n = spec.num_requests(rate)
-                seed = _stack_seed(spec.seed, stack, input_len, rate)
-                requests = make_token_prompts(
-                    SyntheticSpec(
-                        n,
-                        input_len,
-                        spec.output_len,
-                        spec.prefix_len,
-                        vocab_size=vocab_size,
-                        seed=seed,
-                    )
-                )
-                name = point_name(stack, input_len, rate)
-                print(f"scenarios: {name} ({n} requests)", file=sys.stderr)
-                load = LoadSpec(
-                    request_rate=rate, burstiness=spec.burstiness, seed=seed, show_progress=True
-                )
-                started = time.time()
-                result = await run_load(client, target, requests, load)
-                metrics = metrics_to_dict(result.metrics)
-                row = {
-                    "stack": stack,
-                    "input_len": input_len,
-                    "rate": rate,
-                    "num_requests": n,
-                    "metrics": metrics,
-                    "errors": [r.error for r in result.records if not r.success][:5],
-                }
-                records = [
-                    {
-                        "ttft": r.ttft,
-                        "latency": r.latency,
-                        "output_tokens": r.output_tokens,
-                        "start": r.start_time,
-                        "success": r.success,
-                    }
-                    for r in result.records
-                ]
-                write_json(
-                    out_dir / "runs" / f"{name}.json",
-                    {**row, "started_at": started, "sweep": asdict(spec), "records": records},
+                row = await _run_point(
+                    client, stack, target, spec, out_dir, vocab_size, input_len, rate
                 )
                 rows.append(row)
-    return rows
+                if row["metrics"]["completed"] == 0:
+                    raise StackStalled(
+                        f"{point_name(stack, input_len, rate)} completed no request "
+                        f"({row['errors'][:1]}); later points of this stack skipped"
+                    )
+
+
+async def _run_point(
+    client: httpx.AsyncClient,
+    stack: str,
+    target: Target,
+    spec: SweepSpec,
+    out_dir: Path,
+    vocab_size: int,
+    input_len: int,
+    rate: float,
+) -> dict[str, Any]:
+    """One (input length, rate) point: run it, write ``runs/<point>.json``, return its row."""
+    n = spec.num_requests(rate)
+    seed = _stack_seed(spec.seed, stack, input_len, rate)
+    requests = make_token_prompts(
+        SyntheticSpec(
+            n, input_len, spec.output_len, spec.prefix_len, vocab_size=vocab_size, seed=seed
+        )
+    )
+    name = point_name(stack, input_len, rate)
+    print(f"scenarios: {name} ({n} requests)", file=sys.stderr)
+    load = LoadSpec(
+        request_rate=rate,
+        burstiness=spec.burstiness,
+        seed=seed,
+        show_progress=True,
+        time_limit_s=spec.point_time_limit_s,
+    )
+    started = time.time()
+    result = await run_load(client, target, requests, load)
+    row = {
+        "stack": stack,
+        "input_len": input_len,
+        "rate": rate,
+        "num_requests": n,
+        "metrics": metrics_to_dict(result.metrics),
+        "errors": [r.error for r in result.records if not r.success][:5],
+    }
+    records = [
+        {
+            "ttft": r.ttft,
+            "latency": r.latency,
+            "output_tokens": r.output_tokens,
+            "start": r.start_time,
+            "success": r.success,
+        }
+        for r in result.records
+    ]
+    write_json(
+        out_dir / "runs" / f"{name}.json",
+        {**row, "started_at": started, "sweep": asdict(spec), "records": records},
+    )
+    return row
 
 
 def _targets_for_group(
@@ -153,7 +206,7 @@ def _targets_for_group(
         targets["aggregated"] = Target(stack_obj.aggregated[0].url, model)
         return targets
     p_url, d_url = stack_obj.prefill[0].url, stack_obj.decode[0].url
-    for stack in GROUPS[group][2]:
+    for stack in GROUPS[group].serves:
         if stack not in wanted:
             continue
         port = free_port()
@@ -174,7 +227,7 @@ def run_scenarios(
     stacks: tuple[str, ...],
     out_dir: Path,
     work_dir: Path,
-    start_stack: Callable[[str, str, Path], Any] | None = None,
+    start_stack: Callable[[InstanceGroup, Path], Any] | None = None,
     on_progress: Callable[[dict[str, Any]], object] | None = None,
 ) -> dict[str, Any]:
     """Run every wanted stack (grouped by shared instances); returns rows and per-stack errors.
@@ -186,24 +239,27 @@ def run_scenarios(
     rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
     timings: dict[str, float] = {}
-    for group, (kind, topology, served) in GROUPS.items():
-        wanted = tuple(s for s in served if s in stacks)
+    for group, spec_group in GROUPS.items():
+        wanted = tuple(s for s in spec_group.serves if s in stacks)
         if not wanted:
             continue
         t0 = time.monotonic()
         logs = work_dir / group
         logs.mkdir(parents=True, exist_ok=True)
-        print(f"scenarios: starting {group} ({kind}, {topology})", file=sys.stderr)
+        print(
+            f"scenarios: starting {group} ({spec_group.kind}, {spec_group.topology})",
+            file=sys.stderr,
+        )
         try:
             with ExitStack() as es:
-                stack_obj = start_stack(kind, topology, logs)
+                stack_obj = start_stack(spec_group, logs)
                 es.callback(stack_obj.stop)
                 targets = _targets_for_group(group, stack_obj, wanted, logs, es)
                 timings[f"{group}_startup_s"] = time.monotonic() - t0
                 for name, target in targets.items():
                     t1 = time.monotonic()
                     try:
-                        rows += asyncio.run(sweep_target(name, target, spec, out_dir, 4096))
+                        asyncio.run(sweep_target(name, target, spec, out_dir, 4096, rows))
                     except (OSError, RuntimeError, ValueError) as exc:
                         errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
                     timings[f"{name}_sweep_s"] = time.monotonic() - t1
@@ -251,8 +307,12 @@ def merge_previous(data: dict[str, Any], previous: dict[str, Any] | None) -> dic
     }
 
 
-def _start_devstack(kind: str, topology: str, work_dir: Path) -> Any:
+def _start_devstack(group: InstanceGroup, work_dir: Path) -> Any:
     from router.devstack.stack import StackOptions, start_stack
 
-    options = StackOptions(kind=kind, topology=topology)  # type: ignore[arg-type]
+    options = StackOptions(
+        kind=group.kind,
+        topology=group.topology,  # type: ignore[arg-type]
+        connector_extra_config=dict(group.connector_extra_config),
+    )
     return start_stack(options, work_dir)

@@ -36,6 +36,13 @@ def add_scenarios_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-requests", type=int, default=d.min_requests)
     parser.add_argument("--max-requests", type=int, default=d.max_requests)
     parser.add_argument("--num-warmups", type=int, default=d.num_warmups)
+    parser.add_argument(
+        "--point-time-limit",
+        type=float,
+        default=d.point_time_limit_s,
+        help="seconds per point; unfinished requests then fail, and a point that completed "
+        "nothing ends that stack's sweep",
+    )
     parser.add_argument("--burstiness", type=float, default=d.burstiness)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
@@ -69,6 +76,7 @@ def scenarios_command(args: argparse.Namespace) -> int:
         min_requests=args.min_requests,
         max_requests=args.max_requests,
         num_warmups=args.num_warmups,
+        point_time_limit_s=args.point_time_limit,
         burstiness=args.burstiness,
         seed=args.seed,
     )

@@ -73,6 +73,8 @@ class StackOptions:
     max_model_len: int = 16384
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    in_process_worker: bool = True
+    """Model worker inside the engine-core process (see :mod:`router.devstack.vllm_server`)."""
     extra_args: Sequence[str] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -252,6 +254,7 @@ def build_specs(
             kv_transfer_config=kv_config,
             nixl_side_channel_port=nixl_port if role != "aggregated" else None,
             max_model_len=options.max_model_len,
+            in_process_worker=options.in_process_worker,
             extra_env=options.extra_env,
             extra_args=options.extra_args,
         )

@@ -11,6 +11,11 @@ Contract:
 - :meth:`VllmServer.wait_ready` polls ``/health`` and fails fast, with the log tail, if the process
   exits; :meth:`VllmServer.stop` sends SIGTERM to the whole group (API server and engine core),
   then SIGKILL, and leaves no orphans;
+- the model worker runs inside the engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+  which keeps vLLM's CPU platform on its in-process executor) unless ``in_process_worker`` is
+  off: with one worker the separate worker process only adds a shared-memory queue that both
+  sides busy-poll for 1 s after every message, costly on a 2-core machine, and with vLLM 0.32's
+  ``NixlPushConnector`` that queue deadlocked P here (docs/notes/vllm-facts.md);
 - :func:`start_servers` launches several servers at once (startup takes ~90 s each) and waits for
   all of them; if any fails, all are stopped.
 
@@ -64,6 +69,7 @@ class VllmServerSpec:
     max_model_len: int = 16384
     load_format: str = "auto"
     kv_cache_space_gib: int = 1
+    in_process_worker: bool = True
     extra_env: Mapping[str, str] = field(default_factory=dict)
     extra_args: Sequence[str] = ()
 
@@ -115,6 +121,7 @@ class VllmServerSpec:
         )
         if self.nixl_side_channel_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.nixl_side_channel_port)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process_worker else "1"
         env.update(self.extra_env)
         return env
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from router.bench.procs import ManagedProcess
 from router.bench.report import render
-from router.bench.scenarios import SweepSpec, run_scenarios
+from router.bench.scenarios import GROUPS, InstanceGroup, SweepSpec, run_scenarios
 from router.devstack.ports import free_port
 
 
@@ -24,10 +24,10 @@ class _FakeStack:
 
     model_name = "fake"
 
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, ttft_s: float = 0.01) -> None:
         port = free_port()
         argv = [sys.executable, "-m", "router.bench.scripted_backend", "--port", str(port)]
-        argv += ["--ttft", "0.01", "--itl", "0.001"]
+        argv += ["--ttft", str(ttft_s), "--itl", "0.001"]
         self.proc = ManagedProcess("fake", argv, f"http://127.0.0.1:{port}/health", logs / "f.log")
         self.proc.start()
         self.aggregated = [_Instance(f"http://127.0.0.1:{port}")]
@@ -41,8 +41,8 @@ class _FakeStack:
 def test_runner_sweeps_and_reports(tmp_path: Path) -> None:
     started: list[_FakeStack] = []
 
-    def start(kind: str, topology: str, logs: Path) -> Any:
-        assert topology == "aggregated"
+    def start(group: InstanceGroup, logs: Path) -> Any:
+        assert group.topology == "aggregated"
         started.append(_FakeStack(logs))
         return started[-1]
 
@@ -69,13 +69,49 @@ def test_runner_sweeps_and_reports(tmp_path: Path) -> None:
 
 
 def test_failed_stack_start_is_recorded(tmp_path: Path) -> None:
-    def start(kind: str, topology: str, logs: Path) -> Any:
+    def start(group: InstanceGroup, logs: Path) -> Any:
         raise RuntimeError("no vLLM here")
 
     data = run_scenarios(SweepSpec(), ("ours", "aggregated"), tmp_path, tmp_path / "w", start)
     assert set(data["errors"]) == {"ours", "aggregated"}
     assert "no vLLM here" in data["errors"]["ours"]
     assert data["rows"] == []
+
+
+def test_stalled_point_is_capped_and_ends_that_stack(tmp_path: Path) -> None:
+    """A backend slower than the point's time limit: the point fails fast, later points skip."""
+    slow: list[_FakeStack] = []
+
+    def start(group: InstanceGroup, logs: Path) -> Any:
+        # warm-up passes (its limit is generous), sweep points are capped far below the TTFT
+        slow.append(_FakeStack(logs, ttft_s=1.5))
+        return slow[-1]
+
+    spec = SweepSpec(
+        input_lens=(16, 32),
+        rates=(50.0, 100.0),
+        output_len=4,
+        min_requests=2,
+        max_requests=2,
+        num_warmups=0,
+        point_time_limit_s=0.5,
+    )
+    data = run_scenarios(spec, ("aggregated",), tmp_path, tmp_path / "w", start_stack=start)
+    assert [r["rate"] for r in data["rows"]] == [50.0]  # later points never ran
+    row = data["rows"][0]
+    assert row["metrics"]["completed"] == 0 and row["metrics"]["failed"] == 2
+    assert "time limit of 0.5 s" in row["errors"][0]
+    assert "completed no request" in data["errors"]["aggregated"]
+    assert data["timings"]["aggregated_sweep_s"] < 5.0
+    assert slow and slow[0].stopped
+
+
+def test_spin_group_turns_the_progress_thread_on() -> None:
+    group = GROUPS["ours-spin"]
+    assert group.kind == "ours" and dict(group.connector_extra_config) == {
+        "nixl_progress_thread": True
+    }
+    assert dict(GROUPS["ours"].connector_extra_config) == {}
 
 
 def test_merge_keeps_untouched_stacks() -> None:

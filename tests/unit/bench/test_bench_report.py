@@ -34,6 +34,7 @@ ROWS = [
     _row("ours", 2048, 8.0, 900.0, 30.0),
     _row("pull", 2048, 8.0, 5000.0, 50.0, failed=2),  # not clean: not a headline point
     _row("aggregated", 2048, 1.0, 160.0, 9.0),
+    _row("ours-spin", 2048, 4.0, 800.0, 25.0),
 ]
 
 
@@ -53,6 +54,8 @@ def test_render_writes_summary_table_and_plots(tmp_path: Path) -> None:
     assert summary["tpot_push_over_pull_loaded"] == pytest.approx(0.5)
     assert summary["ttft_push_over_aggregated_light"] == pytest.approx(200 / 160)
     assert summary["ttft_ours_over_vllm_push_loaded"] is None
+    assert summary["ttft_push_spin_over_pull_loaded"] == pytest.approx(0.5)
+    assert summary["ttft_push_spin_over_push_loaded"] == pytest.approx(2.0)
     assert summary["router_added_ms_p50"] is None
     assert summary["connector_over_bare_nixl_throughput"] == pytest.approx(0.9)
     assert summary["machine"]["cores"] >= 1

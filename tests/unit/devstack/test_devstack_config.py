@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -89,7 +90,10 @@ def test_spec_command_and_environment(tmp_path: Path) -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert env["VLLM_LOGGING_LEVEL"] == "DEBUG"
     assert env["PATH"] == "/bin"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # worker inside the engine core
     assert spec.url == "http://127.0.0.1:18123"
+    separate = dataclasses.replace(spec, in_process_worker=False)
+    assert separate.environment({})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_read_metrics_text_sums_labels_and_keeps_names() -> None:
