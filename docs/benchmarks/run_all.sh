@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce everything under docs/benchmarks/ on one machine (holds the vLLM lock throughout so
 # no other vLLM run overlaps, and so the router-overhead and transfer numbers see a quiet machine).
-#   bash docs/benchmarks/run_all.sh            # full run (~30 min)
+#   bash docs/benchmarks/run_all.sh            # full run (23 min on the 2-core machine)
 #   SMOKE=1 bash docs/benchmarks/run_all.sh    # tiny sweep into /tmp/bench-smoke (~5 min)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
