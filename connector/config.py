@@ -50,6 +50,13 @@ class ConnectorConfig:
     """P: a registration whose prefill never finishes gets a fail notification after this long."""
     max_inflight_s: float = 20.0
     """Both: a WRITE not complete after this long is treated as failed (handle released)."""
+    writer_poll_s: float = 0.0002
+    """P: how often the writer thread polls WRITEs in flight (and drives UCX progress) while it
+    has any; it sleeps on an event otherwise. Shorter: lower latency, more of P's core."""
+    receiver_poll_s: float = 0.0005
+    """D: how often the receiver thread drains NIXL notifications while transfers are pending
+    (every 50 ms when none are). Shorter: D learns of a WRITE sooner, more of D's core (measured
+    while one transfer waits: 1.5 % of a core at 2 ms, 3.6 % at 0.5 ms, 7 % at 0.2 ms)."""
     nixl_progress_thread: bool = False
     """Both: start NIXL's UCX progress thread (it busy-polls a core in nixl 1.5.1; see
     ``connector.nixl_backend``). Off: the connector's own threads drive progress."""

@@ -231,7 +231,7 @@ class PushConsumer:
                 self._ping_producers()
             with self._lock:
                 idle = not self._pending
-            self._stop.wait(0.05 if idle else 0.002)
+            self._stop.wait(0.05 if idle else self._cfg.receiver_poll_s)
 
     def _drain_notifications(self) -> None:
         for raw in self._ep.take_notifs():

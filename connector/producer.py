@@ -202,7 +202,7 @@ class PushProducer:
     def _run(self) -> None:
         while not self._stop.is_set():
             busy = self._step()
-            self._wake.wait(timeout=0.001 if busy else 0.05)
+            self._wake.wait(timeout=self._cfg.writer_poll_s if busy else 0.05)
             self._wake.clear()
 
     def _step(self) -> bool:

@@ -78,3 +78,11 @@ def test_progress_thread_flag_is_off_by_default_and_rejects_junk() -> None:
     assert ConnectorConfig().nixl_progress_thread is False
     with pytest.raises(ConfigError, match="nixl_progress_thread"):
         ConnectorConfig.from_extra_config({"nixl_progress_thread": "maybe"})
+
+
+def test_poll_cadences_parse_and_reject_non_positive() -> None:
+    cfg = ConnectorConfig.from_extra_config({"writer_poll_s": "0.001", "receiver_poll_s": 0.004})
+    assert (cfg.writer_poll_s, cfg.receiver_poll_s) == (0.001, 0.004)
+    assert ConnectorConfig().receiver_poll_s < 0.002  # D learns of a WRITE within ~0.5 ms
+    with pytest.raises(ConfigError, match="receiver_poll_s"):
+        ConnectorConfig.from_extra_config({"receiver_poll_s": 0})
