@@ -21,9 +21,9 @@ from typing import Any
 from router.bench.client import Target
 from router.bench.dataset import SyntheticSpec, make_token_prompts
 from router.bench.loadgen import LoadSpec, make_client, run_load
-from router.bench.procs import ManagedProcess
 from router.bench.results import metrics_to_dict
 from router.bench.routers import our_router, router_config, vllm_router
+from router.devstack.managed_process import ManagedProcess
 from router.devstack.ports import free_ports
 
 MODEL = "fake-model"

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from router.bench.overhead import OverheadSpec, format_report, run_overhead
-from router.bench.procs import ProcessStartError
 from router.bench.results import write_json
+from router.devstack.managed_process import ProcessStartError
 
 ROUTERS = ("ours", "vllm-router")
 

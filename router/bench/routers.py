@@ -1,7 +1,7 @@
 """Launchers for the routers under test: ours (``disagg-router serve``) and ``vllm-router``.
 
 Who calls it: the overhead benchmark and the scenario runner. Each returns an unstarted
-:class:`~router.bench.procs.ManagedProcess`; the caller starts and stops it.
+:class:`~router.devstack.managed_process.ManagedProcess`; the caller starts and stops it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from router.bench.procs import ManagedProcess
+from router.devstack.managed_process import ManagedProcess
 from router.devstack.ports import free_port
 
 

@@ -36,9 +36,9 @@ import httpx
 from router.bench.client import Target
 from router.bench.dataset import SyntheticSpec, make_token_prompts
 from router.bench.loadgen import LoadSpec, make_client, run_load
-from router.bench.procs import ManagedProcess, ProcessStartError
 from router.bench.results import metrics_to_dict, write_json
 from router.bench.routers import our_router, vllm_router
+from router.devstack.managed_process import ManagedProcess, ProcessStartError
 from router.devstack.ports import free_port
 
 

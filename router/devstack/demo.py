@@ -25,7 +25,7 @@ from types import FrameType
 
 import httpx
 
-from router.bench.procs import ManagedProcess, ProcessStartError
+from router.devstack.managed_process import ManagedProcess, ProcessStartError
 from router.devstack.ports import LOOPBACK, free_port
 from router.devstack.stack import Stack, StackOptions, start_stack
 from router.devstack.vllm_server import VllmServerError

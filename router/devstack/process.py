@@ -1,10 +1,10 @@
 """A managed child process: its own process group, a log file, a parent-death signal, a clean stop.
 
 Who calls it: :class:`router.devstack.vllm_server.VllmServer` (vLLM API servers, whose engine
-core runs as a grandchild) and :class:`router.bench.procs.ManagedProcess` (fake backends and
-routers of the benchmarks). The caller owns the :class:`ChildProcess`: it calls
-:meth:`ChildProcess.start` once, and must call :meth:`ChildProcess.stop` (or use it as a context
-manager) on every path, error paths included.
+core runs as a grandchild) and :class:`router.devstack.managed_process.ManagedProcess` (fake
+backends and routers of the benchmarks and the demo). The caller owns the
+:class:`ChildProcess`: it calls :meth:`ChildProcess.start` once, and must call
+:meth:`ChildProcess.stop` (or use it as a context manager) on every path, error paths included.
 
 Contract:
 - the child starts in a new session, so it leads its own process group and everything it forks

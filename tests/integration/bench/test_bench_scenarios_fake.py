@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.bench.procs import ManagedProcess
 from router.bench.report import render
 from router.bench.scenarios import GROUPS, InstanceGroup, SweepSpec, run_scenarios
+from router.devstack.managed_process import ManagedProcess
 from router.devstack.ports import free_port
 
 

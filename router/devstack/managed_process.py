@@ -1,4 +1,4 @@
-"""Child processes of a benchmark (fake backends, routers): start, wait ready, stop.
+"""Child processes with an HTTP readiness URL (fake backends, routers): start, wait ready, stop.
 
 Who calls it: the overhead benchmark, the scenario runner and the demo (its router), from the
 main thread. Each :class:`ManagedProcess` is a :class:`~router.devstack.process.ChildProcess` (own

@@ -1,4 +1,4 @@
-"""The benchmark's ManagedProcess: ready on HTTP 200, and every way out stops its whole group.
+"""ManagedProcess: ready on HTTP 200, and every way out stops its whole group.
 
 The stand-in is a real loopback HTTP server that forks a ``sleep 60`` grandchild (as vLLM's API
 server forks its engine core, or a router its workers); no vLLM.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router.bench.procs import ManagedProcess, ProcessStartError
+from router.devstack.managed_process import ManagedProcess, ProcessStartError
 from router.devstack.ports import free_port
 from router.fakes.stand_in_process import HTTP_STAND_IN, alive, wait_dead
 
