@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 
 import httpx
 
@@ -23,8 +22,11 @@ class ProcessStartError(RuntimeError):
     """A child process exited or never became ready; the message holds its log tail."""
 
 
-class ManagedProcess:
-    """A child process with a readiness URL; started once, use as a context manager."""
+class ManagedProcess(ChildProcess):
+    """A :class:`ChildProcess` that is started only once its readiness URL answers 200.
+
+    Use as a context manager (or call :meth:`start`, then :meth:`~ChildProcess.stop`).
+    """
 
     def __init__(
         self,
@@ -35,58 +37,32 @@ class ManagedProcess:
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = 60.0,
     ) -> None:
-        self._child = ChildProcess(
+        super().__init__(
             ProcessSpec(name, tuple(argv), log_path, env=None if env is None else dict(env))
         )
         self._ready_url = ready_url
         self._ready_timeout_s = ready_timeout_s
 
-    @property
-    def name(self) -> str:
-        return self._child.name
-
-    @property
-    def log_path(self) -> Path:
-        return self._child.log_path
-
-    @property
-    def pid(self) -> int | None:
-        return self._child.pid
-
     def start(self) -> ManagedProcess:
         """Launch and block until ``ready_url`` answers 200; on failure stop and raise."""
-        self._child.start()
+        super().start()
         deadline = time.monotonic() + self._ready_timeout_s
         with httpx.Client(timeout=httpx.Timeout(2.0)) as client:
             while time.monotonic() < deadline:
-                code = self._child.poll()
+                code = self.poll()
                 if code is not None:
-                    self._child.stop()
-                    raise ProcessStartError(
-                        f"{self.name} exited with {code}:\n{self._child.log_tail()}"
-                    )
+                    self.stop()
+                    raise ProcessStartError(f"{self.name} exited with {code}:\n{self.log_tail()}")
                 try:
                     if client.get(self._ready_url).status_code == 200:
                         return self
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.2)
-        self._child.stop()
+        self.stop()
         raise ProcessStartError(
-            f"{self.name} not ready after {self._ready_timeout_s}s:\n{self._child.log_tail()}"
+            f"{self.name} not ready after {self._ready_timeout_s}s:\n{self.log_tail()}"
         )
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace_s``. Idempotent."""
-        self._child.stop(grace_s)
 
     def __enter__(self) -> ManagedProcess:
         return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
