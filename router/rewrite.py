@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from connector.specs import IDENTITY_PROBE_KEY
 from router.config import PushIdentity
 
 # Fields that make no sense, or are rejected by vLLM, on a 1-token non-streamed prefill.
@@ -28,17 +29,14 @@ def strip_client_fields(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
 
-IDENTITY_PROBE_KEY = "identity_probe"
-"""Marks a discovery probe in the P leg's ``kv_transfer_params``: our connector then answers its
-identity without pinning blocks for a decode that never comes (vLLM's connectors ignore it and
-keep the blocks for their lease). Same value as ``connector.specs.IDENTITY_PROBE_KEY``."""
-
-
 def prefill_body(
     body: dict[str, Any], chat: bool, transfer_id: str, *, probe: bool = False
 ) -> dict[str, Any]:
-    """The P leg: same request, 1 token, not streamed, asked to keep KV for a remote decode
-    (``probe``: an identity probe, nothing to keep)."""
+    """The P leg: same request, 1 token, not streamed, asked to keep KV for a remote decode.
+
+    ``probe``: a discovery probe, marked with ``IDENTITY_PROBE_KEY`` (from ``connector.specs``,
+    vLLM-free): our connector answers its identity without pinning blocks; vLLM's connectors
+    ignore the key and keep the blocks for their lease."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     out["max_tokens"] = 1
     if chat and "max_completion_tokens" in body:
