@@ -1,36 +1,17 @@
-"""``disagg-router`` console script: ``serve``, ``check-config``, ``demo`` and ``bench``.
+"""``disagg-router`` console script: ``serve`` and ``check-config``.
 
-``demo`` and ``bench`` are owned by other modules (``router.devstack.demo``, ``router.bench.cli``),
-imported lazily so the router itself never depends on them; each exposes
-``add_arguments(parser)`` and ``run(args) -> int``. A missing module gives a clear message and
-exit status 2, never a traceback.
+The development tools (``disagg-demo``, ``disagg-bench``) are console scripts of the separate
+``disagg-router-devtools`` distribution (``devtools/``); the server knows nothing of them.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 
 from router.errors import ConfigError
-
-_PLUGINS = {
-    "demo": ("router.devstack.demo", "run the 1P1D demo on real vLLM CPU instances"),
-    "bench": ("router.bench.cli", "benchmarks (load generator, router overhead, ...)"),
-}
-
-
-def _load_plugin(name: str) -> ModuleType | None:
-    module_name = _PLUGINS[name][0]
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
-            return None
-        raise
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
@@ -74,8 +55,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(plugin_command: str | None = None) -> argparse.ArgumentParser:
-    """The full parser; only ``plugin_command``'s module (if any) is imported."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``disagg-router`` argument parser."""
     parser = argparse.ArgumentParser(
         prog="disagg-router", description="Disaggregated prefill/decode router for vLLM"
     )
@@ -90,36 +71,16 @@ def build_parser(plugin_command: str | None = None) -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")
 
-    for name, (_, help_text) in _PLUGINS.items():
-        plugin_parser = sub.add_parser(name, help=help_text, add_help=False)
-        plugin = _load_plugin(name) if name == plugin_command else None
-        if plugin is not None:
-            plugin_parser.add_argument("-h", "--help", action="help")
-            plugin.add_arguments(plugin_parser)
-        else:
-            plugin_parser.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``disagg-router`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    plugin_command = argv[0] if argv and argv[0] in _PLUGINS else None
-    args = build_parser(plugin_command).parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _cmd_serve(args)
-    if args.command == "check-config":
-        return _cmd_check_config(args)
-    plugin = _load_plugin(args.command)
-    if plugin is None:
-        module_name = _PLUGINS[args.command][0]
-        print(
-            f"disagg-router {args.command}: {module_name} is not available in this checkout",
-            file=sys.stderr,
-        )
-        return 2
-    result: int = plugin.run(args)
-    return result
+    return _cmd_check_config(args)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ setup_venv() {
         log "creating $VENV"
         python3 -m venv "$VENV" || return 1
     fi
-    log "installing the project with extras cpu, dev, bench"
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu,dev,bench]" || return 1
+    log "installing the router (extras cpu, dev) and the devtools (extras cpu, bench)"
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu,dev]" -e "$ROOT/devtools[cpu,bench]" || return 1
     # These break beside torch 2.13+cpu; some dependency may drag them in.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1
     # kubectl, kubernetes-validate and docker-compose for tests/deploy; once they are installed
@@ -102,14 +102,12 @@ for suite in $SUITES; do
             step "nixl suite" pytest_suite "nixl and not vllm and not docker"
             ;;
         vllm)
-            # One rerun of a failed real-vLLM test: these share 2 cores between P, D, the router
-            # and the client, and a loaded machine can push a transfer past a bound.
             step "vllm suite" with_lock pytest_suite "vllm and not upstream_push and not docker" \
-                --durations=15 --reruns 1 --reruns-delay 5
+                --durations=15
             ;;
         upstream)
             step "upstream push suite" with_lock pytest_suite "upstream_push and not docker" \
-                --durations=15 --reruns 1 --reruns-delay 5
+                --durations=15
             ;;
         docker)
             step "docker tools" bash "$ROOT/deploy/ci/install-tools.sh" --docker

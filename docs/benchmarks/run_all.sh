@@ -19,8 +19,8 @@ mkdir -p "$OUT"
 exec flock /tmp/vllm-e2e.lock bash -c '
   set -euo pipefail
   OUT=$0
-  .venv/bin/disagg-router bench overhead '"${OVERHEAD[*]}"' \
+  .venv/bin/disagg-bench overhead '"${OVERHEAD[*]}"' \
       --result-file "$OUT/overhead.json" --markdown-file "$OUT/overhead.md"
-  .venv/bin/disagg-router bench transfer '"${TRANSFER[*]}"' --result-file "$OUT/transfer.json"
-  .venv/bin/disagg-router bench scenarios '"${SWEEP[*]}"' --out-dir "$OUT" || true
+  .venv/bin/disagg-bench transfer '"${TRANSFER[*]}"' --result-file "$OUT/transfer.json"
+  .venv/bin/disagg-bench scenarios '"${SWEEP[*]}"' --out-dir "$OUT" || true
 ' "$OUT"

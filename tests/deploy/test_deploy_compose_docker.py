@@ -26,8 +26,8 @@ import pytest
 from deploy_support import COMPOSE_FILE, DEPLOY
 from docker_support import ComposeProject, e2e_lock
 
-from router.devstack.ports import free_port
-from router.devstack.vllm_server import read_metrics_text
+from devstack.ports import free_port
+from devstack.vllm_server import read_metrics_text
 
 pytestmark = [pytest.mark.docker, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 import openai
 
+from devstack.fake_vllm import UvicornThread
+from devstack.stack import Stack, StackInstance, StackOptions, start_stack
+from devstack.vllm_server import read_metrics_text
 from router.app import create_app
 from router.config import RouterSettings, settings_from_mapping
-from router.devstack.fake_vllm import UvicornThread
-from router.devstack.stack import Stack, StackInstance, StackOptions, start_stack
-from router.devstack.vllm_server import read_metrics_text
 
 MAX_TOKENS = 24
 READY_TIMEOUT_S = 120.0

@@ -28,7 +28,7 @@ import httpx
 import pytest
 from e2e_support import metrics, module_stack
 
-from router.devstack.stack import Stack, StackInstance, StackOptions
+from devstack.stack import Stack, StackInstance, StackOptions
 
 pytestmark = [pytest.mark.vllm]
 

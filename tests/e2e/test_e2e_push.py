@@ -22,7 +22,7 @@ from e2e_support import (
 )
 from pd_cases import PDRouterCases
 
-from router.devstack.stack import Stack, StackOptions
+from devstack.stack import Stack, StackOptions
 
 pytestmark = [pytest.mark.vllm, pytest.mark.upstream_push]
 

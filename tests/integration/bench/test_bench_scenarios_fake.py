@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.bench.report import render
-from router.bench.scenarios import GROUPS, InstanceGroup, SweepSpec, run_scenarios
-from router.devstack.managed_process import ManagedProcess
-from router.devstack.ports import free_port
+from bench.report import render
+from bench.scenarios import GROUPS, InstanceGroup, SweepSpec, run_scenarios
+from devstack.managed_process import ManagedProcess
+from devstack.ports import free_port
 
 
 @dataclass
@@ -26,7 +26,7 @@ class _FakeStack:
 
     def __init__(self, logs: Path, ttft_s: float = 0.01) -> None:
         port = free_port()
-        argv = [sys.executable, "-m", "router.bench.scripted_backend", "--port", str(port)]
+        argv = [sys.executable, "-m", "bench.scripted_backend", "--port", str(port)]
         argv += ["--ttft", str(ttft_s), "--itl", "0.001"]
         self.proc = ManagedProcess("fake", argv, f"http://127.0.0.1:{port}/health", logs / "f.log")
         self.proc.start()
@@ -61,7 +61,7 @@ def test_runner_sweeps_and_reports(tmp_path: Path) -> None:
     run_file = tmp_path / "runs" / "aggregated_in16_r50.json"
     assert json.loads(run_file.read_text())["metrics"]["total_output_tokens"] == 12
     (tmp_path / "scenarios.json").write_text(json.dumps(data))
-    from router.bench.scenarios_cmd import rows_from_runs
+    from bench.scenarios_cmd import rows_from_runs
 
     assert rows_from_runs(tmp_path) == json.loads(json.dumps(data["rows"]))
     summary = render(tmp_path, "test")
@@ -115,7 +115,7 @@ def test_spin_group_turns_the_progress_thread_on() -> None:
 
 
 def test_merge_keeps_untouched_stacks() -> None:
-    from router.bench.scenarios import merge_previous
+    from bench.scenarios import merge_previous
 
     previous = {
         "stacks": ["pull", "aggregated"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.bench.transfer import TransferSpec, run_transfer
+from bench.transfer import TransferSpec, run_transfer
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from router_fixtures import MODEL
 
-from router.devstack.fake_vllm import FakeVllmServer, FakeVllmState, KvFabric, PushIdentity
+from devstack.fake_vllm import FakeVllmServer, FakeVllmState, KvFabric, PushIdentity
 
 
 @pytest.fixture(scope="module")

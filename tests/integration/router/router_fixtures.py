@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from devstack.fake_vllm import UvicornThread
 from router.app import create_app
 from router.config import RouterSettings, settings_from_mapping
-from router.devstack.fake_vllm import UvicornThread
 
 MODEL = "fake-model"
 

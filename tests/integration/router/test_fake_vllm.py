@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from router.devstack.fake_vllm import FakeBehavior, FakeVllmState, PushIdentity, fake_vllm
+from devstack.fake_vllm import FakeBehavior, FakeVllmState, PushIdentity, fake_vllm
 
 
 def _sse_payloads(text: str) -> list[str]:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from router_fixtures import MODEL, make_settings, running_router
 
-from router.devstack.fake_vllm import FakeVllmServer, UvicornThread
+from devstack.fake_vllm import FakeVllmServer, UvicornThread
 
 KEY = "sk-test-key"
 

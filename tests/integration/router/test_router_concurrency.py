@@ -7,7 +7,7 @@ import asyncio
 import httpx
 from router_fixtures import MODEL, make_settings, running_router, sse_text
 
-from router.devstack.fake_vllm import FakeBehavior, FakeVllmServer
+from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 
 
 async def test_concurrent_streams_over_two_by_two(fake: dict[str, FakeVllmServer]) -> None:

@@ -9,8 +9,8 @@ import time
 import httpx
 from router_fixtures import MODEL, make_settings, running_router, sse_payloads
 
-from router.devstack.fake_vllm import FakeBehavior, FakeVllmServer
-from router.devstack.ports import free_port
+from devstack.fake_vllm import FakeBehavior, FakeVllmServer
+from devstack.ports import free_port
 
 STREAM = {"model": MODEL, "prompt": "a b c", "max_tokens": 4, "stream": True}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 from router_fixtures import MODEL, make_settings, running_router, sse_payloads, sse_text
 
-from router.devstack.fake_vllm import FakeBehavior, FakeVllmServer
+from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 
 
 def test_pull_runs_prefill_then_decode_with_its_kv_params(

@@ -9,7 +9,7 @@ import time
 import httpx
 from router_fixtures import MODEL, make_settings, running_router, sse_payloads, sse_text
 
-from router.devstack.fake_vllm import (
+from devstack.fake_vllm import (
     FakeBehavior,
     FakeVllmServer,
     FakeVllmState,

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from router.bench.arrivals import arrival_offsets
+from bench.arrivals import arrival_offsets
 
 
 def _gaps(offsets: list[float]) -> list[float]:

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from router.bench.client import Target, send_request
-from router.bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
-from router.bench.loadgen import LoadSpec, make_client, run_load
-from router.bench.metrics import compute_metrics
-from router.bench.scripted_backend import (
+from bench.client import Target, send_request
+from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
+from bench.loadgen import LoadSpec, make_client, run_load
+from bench.metrics import compute_metrics
+from bench.scripted_backend import (
     BackendLog,
     TokenScript,
     bind_loopback,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from router.bench.dataset import SyntheticSpec, make_text_prompts, make_token_prompts
+from bench.dataset import SyntheticSpec, make_text_prompts, make_token_prompts
 
 
 def test_token_prompts_lengths_and_shared_prefix() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.bench.metrics import RequestRecord, compute_metrics, percentile
+from bench.metrics import RequestRecord, compute_metrics, percentile
 
 
 def test_percentile_matches_linear_interpolation() -> None:

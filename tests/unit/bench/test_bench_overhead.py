@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.bench.overhead import FAKE_PREFILL_IDENTITY as IDENTITY
-from router.bench.overhead import derive, format_report
-from router.bench.routers import router_config
+from bench.overhead import FAKE_PREFILL_IDENTITY as IDENTITY
+from bench.overhead import derive, format_report
+from bench.routers import router_config
 from router.config import settings_from_mapping
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.bench.report import headline_point, markdown_table, render
+from bench.report import headline_point, markdown_table, render
 
 
 def _row(
@@ -49,7 +49,7 @@ def test_render_writes_summary_table_and_plots(tmp_path: Path) -> None:
         json.dumps({"rows": ROWS, "stacks": ["ours", "pull", "aggregated"], "errors": {}})
     )
     (tmp_path / "transfer.json").write_text(json.dumps({"connector_over_bare_throughput": 0.9}))
-    summary = render(tmp_path, "disagg-router bench scenarios")
+    summary = render(tmp_path, "disagg-bench scenarios")
     assert summary["ttft_push_over_pull_loaded"] == pytest.approx(0.25)
     assert summary["tpot_push_over_pull_loaded"] == pytest.approx(0.5)
     assert summary["ttft_push_over_aggregated_light"] == pytest.approx(200 / 160)

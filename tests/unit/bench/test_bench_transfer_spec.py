@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.bench.transfer import TransferSpec
+from bench.transfer import TransferSpec
 
 
 def test_bytes_and_descriptors_per_write() -> None:

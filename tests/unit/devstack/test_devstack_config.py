@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from devstack.connectors import kv_transfer_config, router_mode
+from devstack.ports import free_ports
+from devstack.stack import Stack, StackInstance, StackOptions, build_specs
+from devstack.vllm_server import VllmServer, VllmServerSpec, read_metrics_text
 from router.config import settings_from_mapping
-from router.devstack.connectors import kv_transfer_config, router_mode
-from router.devstack.ports import free_ports
-from router.devstack.stack import Stack, StackInstance, StackOptions, build_specs
-from router.devstack.vllm_server import VllmServer, VllmServerSpec, read_metrics_text
 
 
 def test_kv_transfer_config_for_vllm_connectors() -> None:

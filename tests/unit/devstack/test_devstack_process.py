@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from router.devstack.process import (
+from devstack.fakes.stand_in_process import alive, wait_dead
+from devstack.process import (
     ChildProcess,
     ProcessSpec,
     ProcessStateError,
     group_alive,
     read_log_tail,
 )
-from router.fakes.stand_in_process import alive, wait_dead
 
 # A child that forks a ``sleep 60`` grandchild into its own group, prints the grandchild's pid,
 # then waits for it. With "ignore-term" both ignore SIGTERM (SIG_IGN survives exec); with "exit"
@@ -138,7 +138,7 @@ def test_child_gets_sigterm_when_its_launcher_dies(tmp_path: Path) -> None:
         f"""
         import os, sys
         from pathlib import Path
-        from router.devstack.process import ChildProcess, ProcessSpec
+        from devstack.process import ChildProcess, ProcessSpec
         argv = (sys.executable, "-c", "import time; time.sleep(60)")
         child = ChildProcess(ProcessSpec("orphan", argv, Path({str(tmp_path / "o.log")!r})))
         print(child.start().pid, flush=True)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from router.devstack.ports import free_port
-from router.devstack.tiny_model import CHAT_TEMPLATE, MODEL_FILES, make_tiny_model
-from router.devstack.vllm_server import VllmServer, VllmServerError, VllmServerSpec, start_servers
-from router.fakes.stand_in_process import HTTP_STAND_IN, alive, wait_dead
+from devstack.fakes.stand_in_process import HTTP_STAND_IN, alive, wait_dead
+from devstack.ports import free_port
+from devstack.tiny_model import CHAT_TEMPLATE, MODEL_FILES, make_tiny_model
+from devstack.vllm_server import VllmServer, VllmServerError, VllmServerSpec, start_servers
 
 
 def _spec(

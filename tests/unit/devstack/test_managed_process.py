@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from router.devstack.managed_process import ManagedProcess, ProcessStartError
-from router.devstack.ports import free_port
-from router.fakes.stand_in_process import HTTP_STAND_IN, alive, wait_dead
+from devstack.fakes.stand_in_process import HTTP_STAND_IN, alive, wait_dead
+from devstack.managed_process import ManagedProcess, ProcessStartError
+from devstack.ports import free_port
 
 
 def _grandchild_dead(pid_file: Path) -> bool:

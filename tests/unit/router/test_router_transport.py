@@ -8,9 +8,9 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
+from devstack.fake_vllm import UvicornThread
 from router.app import create_app
 from router.config import settings_from_mapping
-from router.devstack.fake_vllm import UvicornThread
 from router.health import HealthMonitor
 from router.metrics import RouterMetrics
 from router.pools import Pool

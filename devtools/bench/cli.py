@@ -1,0 +1,64 @@
+"""``disagg-bench ...``: the benchmark subcommands.
+
+Who calls it: the ``disagg-bench`` console script (:func:`main`) of the devtools distribution;
+``python -m bench.cli`` is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from bench.overhead_cmd import add_overhead_arguments, overhead_command
+from bench.run_cmd import add_run_arguments, run_command
+from bench.scenarios_cmd import (
+    add_report_arguments,
+    add_scenarios_arguments,
+    report_command,
+    scenarios_command,
+)
+from bench.transfer_cmd import add_transfer_arguments, transfer_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``run``/``overhead``/``transfer``/``scenarios`` subcommands to ``parser``."""
+    sub = parser.add_subparsers(dest="bench_command", required=True)
+    add_run_arguments(sub.add_parser("run", help="one load-generator run"))
+    add_overhead_arguments(
+        sub.add_parser("overhead", help="router vs direct latency and max rate on zero-delay fakes")
+    )
+    add_transfer_arguments(
+        sub.add_parser("transfer", help="connector WRITE path vs bare NIXL WRITE, two processes")
+    )
+    add_scenarios_arguments(
+        sub.add_parser("scenarios", help="sweep every stack on real vLLM CPU instances + report")
+    )
+    add_report_arguments(
+        sub.add_parser("report", help="re-render table, plots and summary.json from JSON")
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch a parsed ``bench`` namespace; returns the process exit code."""
+    command = args.bench_command
+    if command == "run":
+        return run_command(args)
+    if command == "overhead":
+        return overhead_command(args)
+    if command == "transfer":
+        return transfer_command(args)
+    if command == "scenarios":
+        return scenarios_command(args)
+    if command == "report":
+        return report_command(args)
+    raise ValueError(f"unknown bench command: {command}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disagg-bench", description="disagg-router benchmarks")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""One streamed OpenAI request, timed like ``vllm bench serve``.
+
+Who calls it: :mod:`bench.loadgen`, once per request, with the run's single long-lived
+``httpx.AsyncClient``. It never raises for a failed request: transport errors, non-200 statuses,
+error events and streams without a token all come back as ``RequestRecord(success=False)``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+from bench.dataset import BenchRequest
+from bench.metrics import RequestRecord
+
+Endpoint = Literal["completions", "chat"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to send requests."""
+
+    base_url: str
+    model: str
+    endpoint: Endpoint = "completions"
+    extra_body: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self.endpoint == "completions" else "/v1/chat/completions"
+
+
+def build_payload(target: Target, request: BenchRequest) -> dict[str, Any]:
+    """The JSON body for ``request``: streamed, usage included, exact output length."""
+    body: dict[str, Any] = {
+        "model": target.model,
+        "max_tokens": request.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if target.endpoint == "completions":
+        body["prompt"] = (
+            list(request.prompt) if isinstance(request.prompt, tuple) else request.prompt
+        )
+    else:
+        if not isinstance(request.prompt, str):
+            raise ValueError("endpoint: chat needs text prompts (use --prompt-format text)")
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    body.update(dict(target.extra_body))
+    return body
+
+
+def _has_choice(event: dict[str, Any]) -> bool:
+    choices = event.get("choices")
+    return isinstance(choices, list) and len(choices) > 0
+
+
+async def send_request(
+    client: httpx.AsyncClient, target: Target, request: BenchRequest
+) -> RequestRecord:
+    """Send ``request`` and time its stream. Closes the stream on every path."""
+    payload = build_payload(target, request)
+    start = time.perf_counter()
+    ttft = 0.0
+    last = start
+    itl: list[float] = []
+    chunks = 0
+    usage_tokens: int | None = None
+    prompt_len = request.prompt_len
+
+    def failed(error: str) -> RequestRecord:
+        return RequestRecord(False, prompt_len, 0, start, ttft, last - start, tuple(itl), error)
+
+    try:
+        async with client.stream("POST", target.base_url + target.path, json=payload) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", "replace")[:500]
+                return failed(f"HTTP {resp.status_code}: {body}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    return failed(f"error event: {json.dumps(event['error'])[:500]}")
+                if _has_choice(event):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        ttft = now - start
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    chunks += 1
+                usage = event.get("usage")
+                if isinstance(usage, dict):
+                    if isinstance(usage.get("completion_tokens"), int):
+                        usage_tokens = usage["completion_tokens"]
+                    if isinstance(usage.get("prompt_tokens"), int):
+                        prompt_len = usage["prompt_tokens"]
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        return failed(f"{type(exc).__name__}: {exc}")
+    if chunks == 0:
+        return failed("stream ended without a token")
+    output_tokens = usage_tokens if usage_tokens is not None else chunks
+    return RequestRecord(True, prompt_len, output_tokens, start, ttft, last - start, tuple(itl))

@@ -1,0 +1,210 @@
+"""Router overhead: our router and vLLM-router (P/D mode) vs direct-to-backend, on zero-delay fakes.
+
+Who calls it: ``disagg-bench overhead``. It starts, as separate processes, a fake prefill and
+a fake decode instance (``devstack.fake_vllm``, zero delays), our router in push mode over
+them, and ``vllm-router --vllm-pd-disaggregation`` over the same fakes. Then, in one process and
+interleaved per rate so drift hits all targets alike, it offers the same Poisson load to each
+target at fixed rates, and finally a closed loop at a fixed concurrency to find the request rate
+each one sustains. Everything is reported against the direct baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.client import Target
+from bench.dataset import SyntheticSpec, make_token_prompts
+from bench.loadgen import LoadSpec, make_client, run_load
+from bench.results import metrics_to_dict
+from bench.routers import our_router, router_config, vllm_router
+from devstack.managed_process import ManagedProcess
+from devstack.ports import free_ports
+
+MODEL = "fake-model"
+PREFILL_ENGINE_ID = "bench-prefill"
+# What the fake prefill reports about itself; nothing listens on that port.
+FAKE_PREFILL_IDENTITY = {"engine_id": PREFILL_ENGINE_ID, "host": "127.0.0.1", "port": 5600}
+
+
+@dataclass(frozen=True)
+class OverheadSpec:
+    """Load shape of the overhead benchmark."""
+
+    rates: tuple[float, ...] = (25.0, 50.0, 100.0)
+    seconds_per_rate: float = 8.0
+    input_len: int = 128
+    output_len: int = 16
+    saturation_concurrency: int = 32
+    saturation_requests: int = 1000
+    saturation_seconds: float = 10.0
+    routers: tuple[str, ...] = ("ours", "vllm-router")
+    seed: int = 0
+
+
+def _fake(name: str, port: int, logs: Path, engine_id: str | None = None) -> ManagedProcess:
+    argv = [
+        sys.executable,
+        "-m",
+        "devstack.fake_vllm",
+        "--port",
+        str(port),
+        "--model",
+        MODEL,
+    ]
+    if engine_id:
+        argv += ["--engine-id", engine_id]
+    return ManagedProcess(name, argv, f"http://127.0.0.1:{port}/health", logs / f"{name}.log")
+
+
+def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "completed",
+        "failed",
+        "request_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_e2el_ms",
+        "p99_e2el_ms",
+        "median_itl_ms",
+    )
+    return {k: metrics[k] for k in keys}
+
+
+async def measure(targets: dict[str, Target], spec: OverheadSpec) -> dict[str, Any]:
+    """Offer the fixed-rate loads and the saturation loop to every target (interleaved)."""
+    out: dict[str, Any] = {"fixed_rate": [], "saturation": {}}
+    saturated: set[str] = set()
+    async with make_client() as client:
+        warm = make_token_prompts(SyntheticSpec(20, spec.input_len, spec.output_len, seed=99))
+        for target in targets.values():
+            await run_load(client, target, warm, LoadSpec(max_concurrency=4, show_progress=False))
+        for rate in spec.rates:
+            n = max(int(rate * spec.seconds_per_rate), 10)
+            requests = make_token_prompts(
+                SyntheticSpec(n, spec.input_len, spec.output_len, seed=spec.seed)
+            )
+            row: dict[str, Any] = {"rate": rate, "num_requests": n, "targets": {}}
+            for name, target in targets.items():
+                if name in saturated:  # it could not keep up with a lower rate: skip
+                    continue
+                print(f"overhead: {name} at {rate:g} req/s ({n} requests)", file=sys.stderr)
+                load = LoadSpec(request_rate=rate, seed=spec.seed, show_progress=False)
+                result = await run_load(client, target, requests, load)
+                row["targets"][name] = _summary(metrics_to_dict(result.metrics))
+                if result.metrics.request_throughput < 0.5 * rate:
+                    saturated.add(name)
+            out["fixed_rate"].append(row)
+        for name, target in targets.items():
+            print(f"overhead: {name} saturation", file=sys.stderr)
+            load = LoadSpec(max_concurrency=spec.saturation_concurrency, show_progress=False)
+            # A short probe sizes the closed loop to about saturation_seconds of work, capped
+            # by saturation_requests, so a slow target cannot stall the whole benchmark.
+            probe_n = max(2 * spec.saturation_concurrency, 20)
+            probe = make_token_prompts(
+                SyntheticSpec(probe_n, spec.input_len, spec.output_len, seed=2)
+            )
+            probe_rate = (await run_load(client, target, probe, load)).metrics.request_throughput
+            n = min(
+                spec.saturation_requests, max(probe_n, int(probe_rate * spec.saturation_seconds))
+            )
+            requests = make_token_prompts(SyntheticSpec(n, spec.input_len, spec.output_len, seed=1))
+            result = await run_load(client, target, requests, load)
+            out["saturation"][name] = _summary(metrics_to_dict(result.metrics))
+    return out
+
+
+def derive(raw: dict[str, Any]) -> dict[str, Any]:
+    """Added latency (ms) and ratios of each router against ``direct`` from the same run."""
+    added: dict[str, list[dict[str, float | None]]] = {}
+    for row in raw["fixed_rate"]:
+        base = row["targets"].get("direct")
+        if base is None:
+            continue
+        for name, m in row["targets"].items():
+            if name == "direct":
+                continue
+            added.setdefault(name, []).append(
+                {
+                    "rate": row["rate"],
+                    "added_ttft_ms_p50": m["median_ttft_ms"] - base["median_ttft_ms"],
+                    "added_ttft_ms_p99": m["p99_ttft_ms"] - base["p99_ttft_ms"],
+                    "added_e2el_ms_p50": m["median_e2el_ms"] - base["median_e2el_ms"],
+                    "added_e2el_ms_p99": m["p99_e2el_ms"] - base["p99_e2el_ms"],
+                    "e2el_p50_ratio": _ratio(m["median_e2el_ms"], base["median_e2el_ms"]),
+                    "e2el_p99_ratio": _ratio(m["p99_e2el_ms"], base["p99_e2el_ms"]),
+                }
+            )
+    sat = raw["saturation"]
+    base_rate = sat["direct"]["request_throughput"]
+    saturation = {
+        name: {
+            "max_request_rate": m["request_throughput"],
+            "ratio_to_direct": _ratio(m["request_throughput"], base_rate),
+            "failed": m["failed"],
+        }
+        for name, m in sat.items()
+    }
+    return {"added": added, "saturation": saturation}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def format_report(derived: dict[str, Any]) -> str:
+    """Markdown tables of the derived numbers."""
+    lines = [
+        "| router | rate (req/s) | added TTFT p50 / p99 (ms) | added E2EL p50 / p99 (ms) "
+        "| E2EL p50 / p99 vs direct |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rows in derived["added"].items():
+        for r in rows:
+            lines.append(
+                f"| {name} | {r['rate']:g} | {r['added_ttft_ms_p50']:.2f} / "
+                f"{r['added_ttft_ms_p99']:.2f} | {r['added_e2el_ms_p50']:.2f} / "
+                f"{r['added_e2el_ms_p99']:.2f} | {_fmt(r['e2el_p50_ratio'])} / "
+                f"{_fmt(r['e2el_p99_ratio'])} |"
+            )
+    lines += [
+        "",
+        "| target | sustained req/s (closed loop) | vs direct | failed |",
+        "|---|---|---|---|",
+    ]
+    for name, s in derived["saturation"].items():
+        lines.append(
+            f"| {name} | {s['max_request_rate']:.1f} | {_fmt(s['ratio_to_direct'])} "
+            f"| {s['failed']} |"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, Any]:
+    """Start the processes, measure, stop them; returns raw and derived numbers."""
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    p_port, d_port, r_port, v_port = free_ports(4)
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    with ExitStack() as stack:
+        stack.enter_context(_fake("fake-prefill", p_port, logs, PREFILL_ENGINE_ID))
+        stack.enter_context(_fake("fake-decode", d_port, logs))
+        targets = {"direct": Target(d_url, MODEL)}
+        if "ours" in spec.routers:
+            config = router_config(MODEL, p_url, d_url, identity=FAKE_PREFILL_IDENTITY)
+            stack.enter_context(our_router(config, r_port, logs))
+            targets["ours"] = Target(f"http://127.0.0.1:{r_port}", MODEL)
+        if "vllm-router" in spec.routers:
+            stack.enter_context(vllm_router(p_url, d_url, v_port, logs))
+            targets["vllm-router"] = Target(f"http://127.0.0.1:{v_port}", MODEL)
+        raw = asyncio.run(measure(targets, spec))
+    return {"spec": spec.__dict__, "logs": str(logs), "raw": raw, "derived": derive(raw)}

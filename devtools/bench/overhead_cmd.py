@@ -1,0 +1,61 @@
+"""``disagg-bench overhead``: flags, run, JSON + markdown output."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from bench.overhead import OverheadSpec, format_report, run_overhead
+from bench.results import write_json
+from devstack.managed_process import ProcessStartError
+
+ROUTERS = ("ours", "vllm-router")
+
+
+def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rates", default="25,50,100", help="comma-separated req/s")
+    parser.add_argument("--seconds-per-rate", type=float, default=8.0)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--saturation-concurrency", type=int, default=32)
+    parser.add_argument("--saturation-requests", type=int, default=1000)
+    parser.add_argument("--routers", default=",".join(ROUTERS), help="subset of ours,vllm-router")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-dir", type=Path, help="child process logs (default: a temp dir)")
+    parser.add_argument("--result-file", type=Path, help="write JSON results here")
+    parser.add_argument("--markdown-file", type=Path, help="write the markdown tables here")
+
+
+def overhead_command(args: argparse.Namespace) -> int:
+    routers = tuple(r for r in args.routers.split(",") if r)
+    unknown = [r for r in routers if r not in ROUTERS]
+    if unknown:
+        print(f"error: --routers: unknown {unknown}, choose from {ROUTERS}", file=sys.stderr)
+        return 2
+    spec = OverheadSpec(
+        rates=tuple(float(r) for r in args.rates.split(",")),
+        seconds_per_rate=args.seconds_per_rate,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        saturation_concurrency=args.saturation_concurrency,
+        saturation_requests=args.saturation_requests,
+        routers=routers,
+        seed=args.seed,
+    )
+    try:
+        load_before = os.getloadavg()
+        data = run_overhead(spec, args.log_dir)
+        data["loadavg_before_after"] = [load_before, os.getloadavg()]
+    except ProcessStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    report = format_report(data["derived"])
+    print(report)
+    if args.result_file:
+        write_json(args.result_file, data)
+    if args.markdown_file:
+        args.markdown_file.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown_file.write_text(report + "\n")
+    return 0

@@ -1,0 +1,62 @@
+"""JSON results: metrics in the field names of ``vllm bench serve`` plus the run's settings."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import RunResult
+from bench.metrics import BenchmarkMetrics
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def metrics_to_dict(metrics: BenchmarkMetrics) -> dict[str, Any]:
+    """Flatten metrics: ``mean_ttft_ms``, ``median_ttft_ms``, ``p99_ttft_ms``, throughputs..."""
+    out: dict[str, Any] = {
+        "completed": metrics.completed,
+        "failed": metrics.failed,
+        "duration_s": metrics.duration_s,
+        "total_input_tokens": metrics.total_input_tokens,
+        "total_output_tokens": metrics.total_output_tokens,
+        "request_throughput": metrics.request_throughput,
+        "output_throughput": metrics.output_throughput,
+        "total_token_throughput": metrics.total_token_throughput,
+    }
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        dist = getattr(metrics, name)
+        out[f"mean_{name}_ms"] = dist.mean_ms
+        out[f"median_{name}_ms"] = dist.median_ms
+        out[f"std_{name}_ms"] = dist.std_ms
+        for key, value in dist.percentiles_ms.items():
+            out[f"{key}_{name}_ms"] = value
+    return out
+
+
+def result_to_dict(
+    result: RunResult, settings: dict[str, Any], include_records: bool = False
+) -> dict[str, Any]:
+    """One run as a JSON-ready dict: ``settings``, ``metrics``, first errors, optional records."""
+    settings = {k: (_finite(v) if isinstance(v, float) else v) for k, v in settings.items()}
+    errors = [r.error for r in result.records if not r.success][:10]
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": settings,
+        "metrics": metrics_to_dict(result.metrics),
+        "errors": errors,
+    }
+    if include_records:
+        out["records"] = [asdict(r) for r in result.records]
+    return out
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as indented JSON, creating parent folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,91 @@
+"""Launchers for the routers under test: ours (``disagg-router serve``) and ``vllm-router``.
+
+Who calls it: the overhead benchmark and the scenario runner. Each returns an unstarted
+:class:`~devstack.managed_process.ManagedProcess`; the caller starts and stops it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from devstack.managed_process import ManagedProcess
+from devstack.ports import free_port
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def router_config(
+    model: str,
+    prefill_url: str,
+    decode_url: str,
+    mode: str = "push",
+    identity: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Our router's YAML config for one P and one D.
+
+    Without ``identity`` the router discovers P's push identity itself (push mode).
+    """
+    prefill: dict[str, Any] = {"url": prefill_url}
+    if identity is not None:
+        prefill["identity"] = identity
+    return {
+        "models": [model],
+        "mode": mode,
+        "prefill": {"instances": [prefill]},
+        "decode": {"instances": [{"url": decode_url}]},
+        "health": {"interval": 2.0},
+    }
+
+
+def our_router(
+    config: dict[str, Any], port: int, logs: Path, ready_timeout_s: float = 60.0
+) -> ManagedProcess:
+    """Our router as a process (``disagg-router serve``), ready once both pools are usable."""
+    path = logs / f"router-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = [_python(), "-m", "router.cli", "serve", "--config", str(path)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    ready = f"http://127.0.0.1:{port}/ready"
+    log = logs / f"router-{port}.log"
+    return ManagedProcess("router", argv, ready, log, ready_timeout_s=ready_timeout_s)
+
+
+def vllm_router(
+    prefill_url: str, decode_url: str, port: int, logs: Path, ready_timeout_s: float = 60.0
+) -> ManagedProcess:
+    """``vllm-router`` in vLLM P/D mode (NIXL pull protocol) over one P and one D."""
+    exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    argv = [
+        exe,
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        prefill_url,
+        "--decode",
+        decode_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(free_port()),
+        "--kv-connector",
+        "nixl",
+        "--policy",
+        "round_robin",
+        "--worker-startup-check-interval",
+        "1",
+        "--queue-size",
+        "4096",
+        "--log-level",
+        "warning",
+    ]
+    ready = f"http://127.0.0.1:{port}/health"
+    log = logs / f"vllm-router-{port}.log"
+    return ManagedProcess("vllm-router", argv, ready, log, ready_timeout_s=ready_timeout_s)

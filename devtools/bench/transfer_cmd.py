@@ -1,0 +1,53 @@
+"""``disagg-bench transfer``: connector WRITE path vs bare NIXL WRITE."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from bench.results import write_json
+from bench.transfer import ALL_KINDS, AnyKind, TransferSpec, run_transfer
+
+
+def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TransferSpec()
+    parser.add_argument("--regions", type=int, default=defaults.regions)
+    parser.add_argument("--blocks-per-region", type=int, default=defaults.blocks_per_region)
+    parser.add_argument("--block-bytes", type=int, default=defaults.block_bytes)
+    parser.add_argument("--blocks-per-write", type=int, default=defaults.blocks_per_write)
+    parser.add_argument("--iterations", type=int, default=defaults.iterations)
+    parser.add_argument("--warmups", type=int, default=defaults.warmups)
+    parser.add_argument("--rounds", type=int, default=defaults.rounds)
+    parser.add_argument("--kinds", default=",".join(ALL_KINDS), help=f"subset of {ALL_KINDS}")
+    parser.add_argument("--result-file", type=Path)
+
+
+def transfer_command(args: argparse.Namespace) -> int:
+    spec = TransferSpec(
+        regions=args.regions,
+        blocks_per_region=args.blocks_per_region,
+        block_bytes=args.block_bytes,
+        blocks_per_write=args.blocks_per_write,
+        iterations=args.iterations,
+        warmups=args.warmups,
+        rounds=args.rounds,
+    )
+    names = [k for k in args.kinds.split(",") if k]
+    kinds: tuple[AnyKind, ...] = tuple(k for k in ALL_KINDS if k in names)
+    if not kinds or any(k not in ALL_KINDS for k in names):
+        print(f"error: --kinds must be a subset of {ALL_KINDS}", file=sys.stderr)
+        return 2
+    try:
+        load_before = os.getloadavg()
+        data = run_transfer(spec, kinds)
+        data["loadavg_before_after"] = [load_before, os.getloadavg()]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.result_file:
+        write_json(args.result_file, data)
+    print(json.dumps({k: v for k, v in data.items() if k != "rounds"}, indent=2))
+    return 0

@@ -1,0 +1,175 @@
+"""Transfer latency from "prefill done" to "D knows the KV landed": connector path vs bare NIXL.
+
+Who calls it: :mod:`bench.transfer` (``bench transfer --path``). Two processes, P and D,
+DRAM buffers shaped like a KV cache (``TransferSpec``). D drives: for each iteration it tells P
+"go" and waits until it sees the transfer complete; P stamps ``t0`` (``time.monotonic``, the
+system-wide CLOCK_MONOTONIC) right before it starts, D stamps ``t1`` when it sees completion.
+
+- ``bare-notify``: P posts one prepped NIXL WRITE carrying a notification; D polls
+  ``get_new_notifs`` until it arrives.
+- ``connector-path``: D registers its blocks with :class:`connector.consumer.PushConsumer` (side
+  channel to P) and waits 50 ms so the registration is in place, as it is in push mode while P
+  prefills; P calls :meth:`connector.producer.PushProducer.add_finished`; the producer's writer
+  thread WRITEs and notifies; D polls ``take_results``. This is the connector's whole WRITE path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import statistics
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+from bench.transfer import TransferSpec
+
+PathKind = Literal["bare-notify", "connector-path"]
+_REGISTRATION_LEAD_S = 0.05
+_P_ENGINE = "bench-p-engine"
+_POLL_S = 0.0001
+
+
+def _buffer(spec: TransferSpec) -> Any:
+    return (ctypes.c_uint8 * (spec.regions * spec.blocks_per_region * spec.block_bytes))()
+
+
+def _layout(spec: TransferSpec, addr: int) -> Any:
+    from connector.protocol import LayoutSpec, RegionSpec
+
+    region_bytes = spec.blocks_per_region * spec.block_bytes
+    return LayoutSpec(
+        tuple(
+            RegionSpec(
+                addr + r * region_bytes, spec.block_bytes, spec.block_bytes, spec.blocks_per_region
+            )
+            for r in range(spec.regions)
+        )
+    )
+
+
+def _ids(spec: TransferSpec) -> list[int]:
+    return [
+        r * spec.blocks_per_region + b
+        for r in range(spec.regions)
+        for b in range(spec.blocks_per_write)
+    ]
+
+
+def _p_process(kind: PathKind, spec: TransferSpec, d: Connection) -> None:
+    buf = _buffer(spec)
+    addr = ctypes.addressof(buf)
+    blocks = tuple(range(spec.blocks_per_write))
+    if kind == "bare-notify":
+        from bench.bare_nixl import BareNixlEndpoint
+
+        bare = BareNixlEndpoint(
+            "bench-p", addr, spec.block_bytes, spec.regions * spec.blocks_per_region
+        )
+        d.send({"metadata": bare.metadata(), "addr": addr})
+        bare_hello = d.recv()
+        bare.connect(bare_hello["metadata"], bare_hello["addr"])
+        ids = _ids(spec)
+        while (msg := d.recv()) != "stop":
+            t0 = time.monotonic()
+            handle = bare.write(ids, f"it-{msg}".encode())
+            d.send(t0)
+            while bare.state(handle) == "PROC":
+                pass
+            bare.release(handle)
+        bare.close()
+        return
+    from connector.config import ConnectorConfig
+    from connector.nixl_backend import NixlEndpoint
+    from connector.producer import PushProducer
+
+    ep = NixlEndpoint("bench-p", _layout(spec, addr))
+    cfg = ConnectorConfig(side_channel_port=0, lease_s=300.0, registration_ttl_s=300.0)
+    producer = PushProducer(ep, _P_ENGINE, cfg)
+    d.send({"port": producer.port})
+    while (msg := d.recv()) != "stop":
+        t0 = time.monotonic()
+        producer.add_finished(f"k{msg}", f"p{msg}", blocks)
+        d.send(t0)
+        producer.take_released()
+    producer.close()
+    ep.close()
+
+
+def _d_process(kind: PathKind, spec: TransferSpec, p: Connection, report: Connection) -> None:
+    buf = _buffer(spec)
+    addr = ctypes.addressof(buf)
+    total = spec.warmups + spec.iterations
+    latencies: list[float] = []
+    if kind == "bare-notify":
+        from bench.bare_nixl import BareNixlEndpoint
+
+        bare = BareNixlEndpoint(
+            "bench-d", addr, spec.block_bytes, spec.regions * spec.blocks_per_region
+        )
+        hello = p.recv()
+        p.send({"metadata": bare.metadata(), "addr": addr})
+        bare.connect(hello["metadata"], hello["addr"])
+        for i in range(total):
+            p.send(i)
+            t0 = p.recv()
+            want = f"it-{i}".encode()
+            while want not in bare.notifs():
+                time.sleep(_POLL_S)
+            latencies.append(time.monotonic() - t0)
+        p.send("stop")
+        bare.close()
+    else:
+        from connector.config import ConnectorConfig
+        from connector.consumer import PushConsumer
+        from connector.nixl_backend import NixlEndpoint
+
+        ep = NixlEndpoint("bench-d", _layout(spec, addr))
+        consumer = PushConsumer(ep, ConnectorConfig(transfer_timeout_s=120.0))
+        port = p.recv()["port"]
+        blocks = tuple(range(spec.blocks_per_write))
+        for i in range(total):
+            consumer.register(f"r{i}", f"k{i}", _P_ENGINE, "127.0.0.1", port, blocks, 0)
+            time.sleep(_REGISTRATION_LEAD_S)
+            p.send(i)
+            t0 = p.recv()
+            while True:
+                finished, failed = consumer.take_results()
+                if f"r{i}" in failed:
+                    raise RuntimeError(f"transfer r{i} failed")
+                if f"r{i}" in finished:
+                    break
+                time.sleep(_POLL_S)  # let the receiver thread run (no GIL-hogging spin)
+            latencies.append(time.monotonic() - t0)
+        p.send("stop")
+        consumer.close()
+        ep.close()
+    report.send(latencies[spec.warmups :])
+
+
+def run_path_kind(kind: PathKind, spec: TransferSpec) -> dict[str, Any]:
+    """One round of one kind in two fresh processes."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    report_recv, report_send = ctx.Pipe(duplex=False)
+    p_proc = ctx.Process(target=_p_process, args=(kind, spec, a))
+    d_proc = ctx.Process(target=_d_process, args=(kind, spec, b, report_send))
+    p_proc.start()
+    d_proc.start()
+    try:
+        if not report_recv.poll(900.0):
+            raise RuntimeError(f"{kind}: no result within 900 s")
+        times: list[float] = report_recv.recv()
+    finally:
+        for proc in (d_proc, p_proc):
+            proc.join(timeout=30.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    median = statistics.median(times)
+    return {
+        "kind": kind,
+        "median_latency_ms": median * 1000,
+        "p90_latency_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1000,
+        "median_throughput_gbps": spec.bytes_per_write / median / 1e9,
+    }

@@ -1,0 +1,4 @@
+"""Fakes of the router's upstreams (vLLM) for tests and benchmarks.
+
+Import them from ``devstack.fake_vllm`` (the stable path).
+"""

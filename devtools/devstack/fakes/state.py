@@ -1,0 +1,184 @@
+"""State of one fake vLLM instance: behaviour knobs, identity, recorded requests, counters.
+
+Who uses it: :mod:`devstack.fakes.vllm_app` (mutates it from the server's event loop thread) and
+tests (read records, wait for counters, change behaviour while the server runs). All shared
+mutation goes through the lock, so test threads and the server thread may use it concurrently.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class FakeBehavior:
+    """Mutable knobs; tests change them between (or during) requests.
+
+    ``fail_status``: answer every generation request with this HTTP error.
+    ``hang``: never answer (until the client goes away or the cap passes).
+    ``drop_after_tokens``: in a stream, cut the connection after this many tokens.
+    ``fail_times``: only the next N generation requests fail/hang/drop (None: all of them).
+    """
+
+    prefill_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    fail_status: int | None = None
+    hang: bool = False
+    drop_after_tokens: int | None = None
+    fail_times: int | None = None
+    default_max_tokens: int = 16
+    prompt_cached_tokens: int = 0
+    kv_wait_timeout_s: float = 5.0
+    answer_delay_s: float = 0.0  # non-stream: delay the HTTP answer after the KV is published
+
+
+@dataclass
+class PushIdentity:
+    """What a prefill instance reports about itself in ``kv_transfer_params``."""
+
+    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    host: str = "127.0.0.1"
+    port: int = 5600
+    tp_size: int = 1
+    pp_size: int = 1
+
+
+class KvFabric:
+    """Links fakes the way NIXL push links P and D, for tests that share one fabric.
+
+    A prefill fake publishes ``(its engine id, X-Request-Id)`` when it finishes a
+    ``do_remote_decode`` request; a decode fake given ``do_remote_prefill`` produces no token until
+    the P named by ``remote_engine_id`` published the same request id (or its
+    ``kv_wait_timeout_s`` passes: then it fails like vLLM's registration watchdog). So a wrongly
+    paired D fails, and D's first token never precedes P's answer.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: set[tuple[str, str]] = set()
+
+    def publish(self, engine_id: str, request_id: str) -> None:
+        with self._lock:
+            self._done.add((engine_id, request_id))
+
+    def is_done(self, engine_id: str, request_id: str) -> bool:
+        with self._lock:
+            return (engine_id, request_id) in self._done
+
+
+@dataclass
+class RecordedRequest:
+    """One request as the fake received it; ``outcome`` is filled when it ends."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+    received_at: float
+    finished_at: float | None = None
+    outcome: str = "in_flight"  # ok | cancelled | error | dropped | in_flight
+    client_port: int | None = None  # the caller's TCP port: equal ports = a reused connection
+
+
+def identity_copy(identity: PushIdentity) -> PushIdentity:
+    return PushIdentity(
+        identity.engine_id, identity.host, identity.port, identity.tp_size, identity.pp_size
+    )
+
+
+class FakeVllmState:
+    """Shared, thread-safe state of one fake instance (records, counters, behaviour)."""
+
+    def __init__(
+        self,
+        model: str = "fake-model",
+        behavior: FakeBehavior | None = None,
+        identity: PushIdentity | None = None,
+        transfer_mode: str = "push",
+        fabric: KvFabric | None = None,
+        kv_connector: bool = True,
+        prompt_tokens_details: bool = True,
+    ) -> None:
+        self.model = model
+        self.fabric = fabric
+        self.kv_connector = kv_connector  # False: like vLLM started without --kv-transfer-config
+        # False: like vLLM started without --enable-prompt-tokens-details
+        self.prompt_tokens_details = prompt_tokens_details
+        self.behavior = behavior or FakeBehavior()
+        self.identity = identity or PushIdentity()
+        self.transfer_mode = transfer_mode
+        self._initial = (
+            transfer_mode,
+            kv_connector,
+            prompt_tokens_details,
+            identity_copy(self.identity),
+        )
+        self._lock = threading.Lock()
+        self.requests: list[RecordedRequest] = []
+        self.in_flight = 0
+        self.cancelled = 0
+        self.completed = 0
+        self._cond = threading.Condition(self._lock)
+
+    def reset(self, behavior: FakeBehavior | None = None) -> None:
+        """Forget records and counters; install ``behavior`` (default: a fresh one); restore the
+        constructed transfer mode, connector flag and identity."""
+        with self._lock:
+            self.transfer_mode, self.kv_connector, self.prompt_tokens_details, identity = (
+                self._initial
+            )
+            self.identity = identity_copy(identity)
+            self.requests.clear()
+            self.cancelled = 0
+            self.completed = 0
+            self.behavior = behavior or FakeBehavior()
+
+    def record(self, rec: RecordedRequest) -> None:
+        with self._lock:
+            self.requests.append(rec)
+
+    def generation_requests(self) -> list[RecordedRequest]:
+        """Recorded completion/chat requests (probes included), in arrival order."""
+        with self._lock:
+            return [r for r in self.requests if r.path.startswith("/v1/") and r.method == "POST"]
+
+    def _take_failure(self) -> bool:
+        with self._lock:
+            b = self.behavior
+            if b.fail_times is None:
+                return True
+            if b.fail_times <= 0:
+                return False
+            b.fail_times -= 1
+            return True
+
+    def _enter(self) -> None:
+        with self._cond:
+            self.in_flight += 1
+            self._cond.notify_all()
+
+    def _leave(self, rec: RecordedRequest, outcome: str) -> None:
+        with self._cond:
+            self.in_flight -= 1
+            rec.outcome = outcome
+            rec.finished_at = time.monotonic()
+            if outcome == "cancelled":
+                self.cancelled += 1
+            elif outcome == "ok":
+                self.completed += 1
+            self._cond.notify_all()
+
+    def wait_for(self, predicate: Any, timeout: float = 15.0) -> bool:
+        """Block (test thread) until ``predicate(state)`` is true; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(self):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+            return True

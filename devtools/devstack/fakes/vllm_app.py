@@ -1,0 +1,321 @@
+"""The fake vLLM OpenAI app: vLLM-shaped answers in P/D mode, failure injection, recording.
+
+Who uses it: :class:`devstack.fakes.server.FakeVllmServer` (and ``python -m
+devstack.fake_vllm``). A request whose ``kv_transfer_params`` has ``do_remote_decode`` is
+answered like a prefill instance (one token plus vLLM's ``kv_transfer_params``); one with
+``do_remote_prefill`` like a decode instance (waits for its P through a shared
+:class:`KvFabric` when one is set; counts the prompt as cached). Zero delays mean no sleeping or
+polling at all, so the bench can measure router overhead against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from devstack.fakes.state import FakeVllmState, RecordedRequest
+
+_POLL_S = 0.005
+_HANG_CAP_S = 600.0
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    if "messages" in body:
+        text = " ".join(str(m.get("content", "")) for m in body.get("messages") or [])
+    else:
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list):
+            return len(prompt) if all(isinstance(t, int) for t in prompt) else len(prompt) * 4
+        text = str(prompt)
+    return max(1, len(text.split()))
+
+
+def _max_tokens(body: dict[str, Any], default: int) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int):
+            return value
+    return default
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}},
+        status_code=status,
+    )
+
+
+async def _sleep_or_disconnect(request: Request, seconds: float) -> bool:
+    """Sleep ``seconds``; return True early if the client disconnected meanwhile."""
+    if seconds <= 0:
+        return False
+    deadline = time.monotonic() + seconds
+    while True:
+        if await request.is_disconnected():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(_POLL_S, left))
+
+
+class _Generation:
+    """One generation request: builds vLLM-shaped payloads for it."""
+
+    def __init__(self, state: FakeVllmState, body: dict[str, Any], chat: bool, rid: str) -> None:
+        self.state = state
+        self.body = body
+        self.chat = chat
+        self.created = int(time.time())
+        self.id = f"chatcmpl-{rid}" if chat else f"cmpl-{rid}"
+        self.internal_id = self.id if chat else f"{self.id}-0"
+        kv = body.get("kv_transfer_params")
+        self.kv_in: dict[str, Any] | None = kv if isinstance(kv, dict) else None
+        self.is_prefill = bool(self.kv_in and self.kv_in.get("do_remote_decode"))
+        self.is_remote_decode = bool(self.kv_in and self.kv_in.get("do_remote_prefill"))
+        self.prompt_tokens = _prompt_tokens(body)
+        self.n_tokens = _max_tokens(body, state.behavior.default_max_tokens)
+        if self.is_prefill:
+            self.n_tokens = min(self.n_tokens, 1)
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def token(self, i: int) -> str:
+        return f" tok{i}"
+
+    def cached_tokens(self) -> int:
+        if self.is_remote_decode:
+            return self.prompt_tokens  # D counts transferred blocks as prefix-cache hits
+        return min(self.state.behavior.prompt_cached_tokens, self.prompt_tokens)
+
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+        }
+        if self.state.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens()}
+        return usage
+
+    def kv_out(self) -> dict[str, Any] | None:
+        if not self.is_prefill or not self.state.kv_connector:
+            return None
+        ident = self.state.identity
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[1]],
+            "remote_engine_id": ident.engine_id,
+            "remote_request_id": f"{self.internal_id}-{uuid.uuid4().hex[:8]}",
+            "remote_host": ident.host,
+            "remote_port": ident.port,
+            "tp_size": ident.tp_size,
+            "dcp_size": 1,
+            "pp_size": ident.pp_size,
+            "remote_num_tokens": self.prompt_tokens,
+            "transfer_mode": self.state.transfer_mode,
+            "remote_prefill_cached_tokens": self.cached_tokens(),
+        }
+
+    def full_response(self) -> dict[str, Any]:
+        text = "".join(self.token(i) for i in range(self.n_tokens))
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+        else:
+            choice["text"] = text
+        choice["stop_reason"] = None
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.state.model,
+            "choices": [choice],
+            "usage": self.usage(self.n_tokens),
+            "system_fingerprint": None,
+            "kv_transfer_params": self.kv_out(),
+        }
+
+    def chunk(self, delta_text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if delta_text is not None:
+                delta["content"] = delta_text
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta_text or ""
+        choice["stop_reason"] = None
+        return {
+            "id": self.id,
+            "object": f"{self.object}.chunk" if self.chat else self.object,
+            "created": self.created,
+            "model": self.state.model,
+            "choices": [choice],
+        }
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _DroppedStream(Exception):
+    """Raised inside the SSE body to make uvicorn abort the connection mid-stream."""
+
+
+def create_fake_app(state: FakeVllmState) -> FastAPI:
+    """Build the fake's ASGI app around ``state`` (which tests keep to inspect and steer)."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": state.model, "object": "model", "owned_by": "vllm", "root": "fake"}],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f'vllm:num_requests_running{{model_name="{state.model}"}} {float(state.in_flight)}',
+            "# TYPE vllm:num_requests_waiting gauge",
+            f'vllm:num_requests_waiting{{model_name="{state.model}"}} 0.0',
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    async def generate(request: Request, chat: bool) -> Response:
+        raw = await request.body()
+        try:
+            body: Any = json.loads(raw)
+        except ValueError:
+            body = raw.decode(errors="replace")
+        rec = RecordedRequest(
+            method=request.method,
+            path=request.url.path,
+            headers={k.lower(): v for k, v in request.headers.items()},
+            body=body,
+            received_at=time.monotonic(),
+            client_port=request.client.port if request.client else None,
+        )
+        state.record(rec)
+        if not isinstance(body, dict):
+            rec.outcome = "error"
+            return _error(400, "body must be a JSON object")
+        state._enter()
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        gen = _Generation(state, body, chat, rid)
+        b = state.behavior
+        failing = (b.fail_status is not None or b.hang) and state._take_failure()
+        try:
+            if failing and b.hang:
+                gone = await _sleep_or_disconnect(request, _HANG_CAP_S)
+                state._leave(rec, "cancelled" if gone else "error")
+                return _error(500, "hang cap reached")
+            if failing and b.fail_status is not None:
+                state._leave(rec, "error")
+                return _error(b.fail_status, "injected failure")
+            if await _sleep_or_disconnect(request, b.prefill_delay_s):
+                state._leave(rec, "cancelled")
+                return _error(499, "client disconnected")
+            kv_wait = await _wait_for_remote_kv(state, gen, request, rid)
+            if kv_wait is not None:
+                state._leave(rec, "cancelled" if kv_wait == "cancelled" else "error")
+                return _error(500, f"KV transfer failed: {kv_wait}")
+        except asyncio.CancelledError:
+            state._leave(rec, "cancelled")
+            raise
+        if body.get("stream"):
+            drop_at = b.drop_after_tokens if b.drop_after_tokens is not None else None
+            if drop_at is not None and not state._take_failure():
+                drop_at = None
+            return StreamingResponse(
+                _stream(state, gen, rec, request, drop_at),
+                media_type="text/event-stream",
+                headers={"x-request-id": rid},
+            )
+        for _ in range(gen.n_tokens):
+            if await _sleep_or_disconnect(request, b.token_delay_s):
+                state._leave(rec, "cancelled")
+                return _error(499, "client disconnected")
+        if gen.is_prefill and state.fabric is not None:
+            state.fabric.publish(state.identity.engine_id, rid)
+        if await _sleep_or_disconnect(request, b.answer_delay_s):
+            state._leave(rec, "cancelled")
+            return _error(499, "client disconnected")
+        state._leave(rec, "ok")
+        return JSONResponse(gen.full_response(), headers={"x-request-id": rid})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    return app
+
+
+async def _wait_for_remote_kv(
+    state: FakeVllmState, gen: _Generation, request: Request, rid: str
+) -> str | None:
+    """D side: wait for the paired P's prefill; None when the KV is there (or no fabric)."""
+    if state.fabric is None or not gen.is_remote_decode or gen.kv_in is None:
+        return None
+    engine_id = str(gen.kv_in.get("remote_engine_id"))
+    deadline = time.monotonic() + state.behavior.kv_wait_timeout_s
+    while not state.fabric.is_done(engine_id, rid):
+        if time.monotonic() > deadline:
+            return f"no push from engine {engine_id} for {rid}"
+        if await _sleep_or_disconnect(request, 0.002):
+            return "cancelled"
+    return None
+
+
+async def _stream(
+    state: FakeVllmState,
+    gen: _Generation,
+    rec: RecordedRequest,
+    request: Request,
+    drop_at: int | None,
+) -> AsyncIterator[bytes]:
+    """SSE body like vLLM's: (chat: role chunk), token chunks, finish chunk, usage, [DONE]."""
+    outcome = "cancelled"
+    try:
+        first = True
+        if gen.chat:
+            yield _sse(gen.chunk("", None, first=True))
+            first = False
+        for i in range(gen.n_tokens):
+            if state.behavior.token_delay_s > 0:
+                await asyncio.sleep(state.behavior.token_delay_s)
+            if drop_at is not None and i >= drop_at:
+                outcome = "dropped"
+                raise _DroppedStream
+            last = i == gen.n_tokens - 1
+            yield _sse(gen.chunk(gen.token(i), "length" if last else None, first=first))
+            first = False
+        opts = gen.body.get("stream_options")
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            usage_chunk = gen.chunk(None, None, first=False)
+            usage_chunk["choices"] = []
+            usage_chunk["usage"] = gen.usage(gen.n_tokens)
+            yield _sse(usage_chunk)
+        yield b"data: [DONE]\n\n"
+        outcome = "ok"
+    finally:
+        state._leave(rec, outcome)

@@ -1,4 +1,0 @@
-"""Fakes of the router's upstreams (vLLM) for tests and benchmarks.
-
-Import them from ``router.devstack.fake_vllm`` (the stable path).
-"""
