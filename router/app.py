@@ -1,9 +1,10 @@
 """The router's ASGI app: OpenAI-compatible endpoints in front of the P and D pools.
 
 Who calls it: ``disagg-router serve`` (via uvicorn) and tests. ``create_app(settings,
-transport=...)`` builds one app with its own metrics registry; the lifespan opens the one shared
-``httpx.AsyncClient`` (explicit timeouts, optional injected transport), runs the first health
-check / identity discovery, starts the periodic monitor, and closes everything on shutdown.
+transport=...)`` builds one app; its lifespan builds the app's one :class:`Runtime` (the shared
+``httpx.AsyncClient`` with explicit timeouts and an optional injected transport, its own metrics
+registry, the pools), runs the first health check / identity discovery, starts the periodic
+monitor, and closes everything on shutdown.
 All :class:`RouterError` are translated to OpenAI-style JSON here and only here.
 """
 
@@ -14,50 +15,41 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from router.config import RouterSettings
-from router.dispatch import Dispatch, DispatchContext
+from router.dispatch import Dispatch
 from router.errors import (
     AuthenticationError,
     ClientDisconnected,
+    ClientRequestError,
     RouterError,
+    RouterNotReady,
     error_payload,
     outcome_label,
 )
 from router.health import HealthMonitor
-from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator
-from router.pools import Pool
+from router.orchestrator import open_dispatch
+from router.runtime import Runtime, open_runtime
 from router.validation import parse_client_request
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RouterRuntime:
-    """Per-app objects; ``orchestrator`` and ``monitor`` exist while the lifespan runs."""
-
-    settings: RouterSettings
-    metrics: RouterMetrics
-    prefill_pool: Pool
-    decode_pool: Pool
-    orchestrator: Orchestrator | None = None
-    monitor: HealthMonitor | None = None
-
-
-def _runtime(request: Request) -> RouterRuntime:
-    runtime: RouterRuntime = request.app.state.runtime
+def _runtime(request: Request) -> Runtime:
+    """The app's runtime; a 503 while the lifespan has not built it (or has torn it down)."""
+    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+    if runtime is None:
+        raise RouterNotReady("the router is not running yet")
     return runtime
 
 
@@ -119,37 +111,28 @@ class _DispatchStream(StreamingResponse):
             self.on_close(self.dispatch)
 
 
-def create_app(
-    settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
-) -> FastAPI:
-    """Build the router app for ``settings``; ``transport`` replaces the network (tests)."""
-    metrics = RouterMetrics(CollectorRegistry())
-    runtime = RouterRuntime(
-        settings=settings,
-        metrics=metrics,
-        prefill_pool=Pool("prefill", settings.prefill, require_identity=settings.mode == "push"),
-        decode_pool=Pool("decode", settings.decode, require_identity=False),
-    )
-
+def _lifespan(
+    settings: RouterSettings, transport: httpx.AsyncBaseTransport | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        t = settings.timeouts
-        timeout = httpx.Timeout(connect=t.connect, read=t.total, write=t.total, pool=t.connect)
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
-            pools = [runtime.prefill_pool, runtime.decode_pool]
-            runtime.monitor = HealthMonitor(settings, client, pools, metrics)
-            runtime.orchestrator = Orchestrator(DispatchContext(settings, client, metrics), *pools)
-            await runtime.monitor.check_all()
-            monitor_task = asyncio.create_task(runtime.monitor.run())
+        async with open_runtime(settings, transport) as runtime:
+            monitor = HealthMonitor(runtime)
+            await monitor.check_all()
+            monitor_task = asyncio.create_task(monitor.run())
+            app.state.runtime = runtime
             try:
                 yield
             finally:
+                app.state.runtime = None
                 monitor_task.cancel()
                 await asyncio.gather(monitor_task, return_exceptions=True)
 
-    app = FastAPI(title="disagg-router", lifespan=lifespan)
-    app.state.runtime = runtime
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves the app as OpenAI-style JSON."""
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
@@ -157,54 +140,62 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = RouterError(str(exc.detail))
-        err.status = exc.status_code
-        err.error_type = "invalid_request_error"
-        return _error_response(err)
+        return _error_response(ClientRequestError(str(exc.detail), None, status=exc.status_code))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error", exc_info=exc)
         return _error_response(RouterError("internal router error; see the router log"))
 
-    def record(endpoint: str, outcome: str) -> None:
-        metrics.requests.labels(settings.mode, endpoint, outcome).inc()
 
-    async def generate(request: Request, chat: bool) -> Response:
-        endpoint = "chat" if chat else "completions"
-        accepted = time.monotonic()
+def _record(runtime: Runtime, endpoint: str, outcome: str) -> None:
+    runtime.metrics.requests.labels(runtime.settings.mode, endpoint, outcome).inc()
+
+
+async def _generate(request: Request, chat: bool) -> Response:
+    """One generation request: validate, open a dispatch, then stream or answer in one piece."""
+    settings: RouterSettings = request.app.state.settings
+    endpoint = "chat" if chat else "completions"
+    accepted = time.monotonic()
+    try:
+        _authorize(request, settings.api_keys)
+        req = parse_client_request(await request.body(), chat, settings.models)
         rt = _runtime(request)
-        try:
-            _authorize(request, settings.api_keys)
-            req = parse_client_request(await request.body(), chat, settings.models)
-            assert rt.orchestrator is not None
-            dispatch = await _unless_disconnected(request, rt.orchestrator.open(req))
-        except RouterError as exc:
-            record(endpoint, outcome_label(exc))
-            return _error_response(exc)
-        if req.stream:
-            metrics.ttft.labels(settings.mode).observe(time.monotonic() - accepted)
-            return _DispatchStream(dispatch, lambda d: record(endpoint, d.outcome))
-        try:
-            answer = await _unless_disconnected(request, dispatch.json_response())
-        except RouterError as exc:
-            record(endpoint, outcome_label(exc))
-            return _error_response(exc)
-        finally:
-            await dispatch.close()
-        record(endpoint, "ok")
-        return JSONResponse(answer, headers={"X-Request-Id": dispatch.request_id})
+        dispatch = await _unless_disconnected(request, open_dispatch(rt, req))
+    except RouterError as exc:
+        runtime = getattr(request.app.state, "runtime", None)
+        if runtime is not None:
+            _record(runtime, endpoint, outcome_label(exc))
+        return _error_response(exc)
+    if req.stream:
+        rt.metrics.ttft.labels(settings.mode).observe(time.monotonic() - accepted)
+        return _DispatchStream(dispatch, lambda d: _record(rt, endpoint, d.outcome))
+    try:
+        answer = await _unless_disconnected(request, dispatch.json_response())
+    except RouterError as exc:
+        _record(rt, endpoint, outcome_label(exc))
+        return _error_response(exc)
+    finally:
+        await dispatch.close()
+    _record(rt, endpoint, "ok")
+    return JSONResponse(answer, headers={"X-Request-Id": dispatch.request_id})
 
-    @app.post("/v1/completions")
+
+def _routes() -> APIRouter:
+    """The router's HTTP endpoints; each reads settings and runtime from its app."""
+    api = APIRouter()
+
+    @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await generate(request, chat=False)
+        return await _generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, chat=True)
+        return await _generate(request, chat=True)
 
-    @app.get("/v1/models")
+    @api.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
+        settings: RouterSettings = request.app.state.settings
         _authorize(request, settings.api_keys)
         created = int(time.time())
         data = [
@@ -213,20 +204,36 @@ def create_app(
         ]
         return {"object": "list", "data": data}
 
-    @app.get("/health")
+    @api.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        p = [b.label for b in runtime.prefill_pool.usable()]
-        d = [b.label for b in runtime.decode_pool.usable()]
+    @api.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        runtime = _runtime(request)
+        p = [b.label for b in runtime.prefill.usable()]
+        d = [b.label for b in runtime.decode.usable()]
         status = 200 if p and d else 503
-        body = {"ready": status == 200, "mode": settings.mode, "prefill": p, "decode": d}
+        body = {"ready": status == 200, "mode": runtime.settings.mode, "prefill": p, "decode": d}
         return JSONResponse(body, status_code=status)
 
-    @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    @api.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(_runtime(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    return api
+
+
+def create_app(
+    settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
+) -> FastAPI:
+    """Build the router app for ``settings``; ``transport`` replaces the network (tests).
+
+    The app's :class:`Runtime` (client, metrics, pools) exists while its lifespan runs.
+    """
+    app = FastAPI(title="disagg-router", lifespan=_lifespan(settings, transport))
+    app.state.settings = settings
+    app.state.runtime = None
+    _add_error_handlers(app)
+    app.include_router(_routes())
     return app

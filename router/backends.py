@@ -1,7 +1,8 @@
 """Runtime state of one upstream vLLM instance (a P or D backend).
 
-Who mutates it: the orchestrator (``in_flight`` around each leg, ``mark_failed`` on connection
-loss) and the health monitor (``healthy``, discovered ``identity``). All mutation happens on the
+Who mutates it: the dispatch (``in_flight`` around each leg, ``mark_failed`` when an instance
+cannot be reached) and the health monitor (``healthy``; the discovered identity goes through
+:func:`router.health.learn_identity`). All mutation happens on the
 router's event loop, so no locking is needed. Policies only read it.
 """
 

@@ -1,6 +1,6 @@
 """One P/D dispatch: both legs of one attempt, shared by push and pull mode.
 
-Who calls it: :class:`router.orchestrator.Orchestrator`, which chooses the pair and may retry.
+Who calls it: :func:`router.orchestrator.open_dispatch`, which chooses the pair and may retry.
 Lifecycle: ``open()`` runs the legs up to the commit point (D's first token, or D's whole answer
 for a non-streamed request); then ``sse_events()`` or ``json_response()`` relays the rest; then
 ``close()`` (always, also on errors and disconnects) cancels whatever still runs.
@@ -19,13 +19,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from router.backends import BackendState
-from router.config import PushIdentity, RouterSettings
+from router.config import PushIdentity
 from router.errors import (
     NoBackendAvailable,
     RouterError,
@@ -34,8 +31,8 @@ from router.errors import (
     UpstreamTimeout,
     error_payload,
 )
+from router.health import learn_identity
 from router.ids import new_request_id
-from router.metrics import RouterMetrics
 from router.rewrite import (
     client_response,
     decode_body_pull,
@@ -45,6 +42,7 @@ from router.rewrite import (
     prefill_body,
     prefill_usage,
 )
+from router.runtime import Runtime
 from router.upstream import open_sse, post_json
 from router.validation import ClientRequest
 
@@ -59,13 +57,10 @@ _END = _End()
 DecodeItem = str | dict[str, Any] | RouterError | _End
 
 
-@dataclass(frozen=True)
-class DispatchContext:
-    """What every dispatch of one app shares."""
-
-    settings: RouterSettings
-    client: httpx.AsyncClient
-    metrics: RouterMetrics
+def _note_failure(backend: BackendState, exc: UpstreamError) -> None:
+    """What a leg's failure means for its instance: unreachable ones leave rotation."""
+    if exc.unreachable:
+        backend.mark_failed(exc.message)
 
 
 def sse_error_event(exc: RouterError) -> bytes:
@@ -78,12 +73,12 @@ class Dispatch:
 
     def __init__(
         self,
-        ctx: DispatchContext,
+        runtime: Runtime,
         request: ClientRequest,
         prefill: BackendState,
         decode: BackendState,
     ) -> None:
-        self.ctx = ctx
+        self.runtime = runtime
         self.request = request
         self.prefill = prefill
         self.decode = decode
@@ -101,7 +96,7 @@ class Dispatch:
 
     @contextmanager
     def _track(self, backend: BackendState) -> Iterator[None]:
-        gauge = self.ctx.metrics.in_flight.labels(backend.role, backend.label)
+        gauge = self.runtime.metrics.in_flight.labels(backend.role, backend.label)
         backend.in_flight += 1
         gauge.set(backend.in_flight)
         try:
@@ -112,7 +107,7 @@ class Dispatch:
 
     async def _prefill_leg(self) -> dict[str, Any]:
         """P leg: 1 token, not streamed; returns P's answer after checking its kv params."""
-        t = self.ctx.settings.timeouts
+        t = self.runtime.settings.timeouts
         body = prefill_body(self.request.body, self.request.chat, self.transfer_id)
         outcome = "error"
         start = time.monotonic()
@@ -121,7 +116,7 @@ class Dispatch:
                 try:
                     data = await asyncio.wait_for(
                         post_json(
-                            self.ctx.client,
+                            self.runtime.client,
                             self.prefill,
                             "prefill",
                             self.request.path,
@@ -147,8 +142,11 @@ class Dispatch:
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
+        except UpstreamError as exc:
+            _note_failure(self.prefill, exc)
+            raise
         finally:
-            self.ctx.metrics.prefill_duration.labels(self.prefill.label, outcome).observe(
+            self.runtime.metrics.prefill_duration.labels(self.prefill.label, outcome).observe(
                 time.monotonic() - start
             )
 
@@ -176,9 +174,7 @@ class Dispatch:
                 f"configured engine_id {sent} does not match the instance's "
                 f"{answered.engine_id}; fix the router config",
             )
-        self.prefill.discovered_identity = answered
-        self.prefill.discovered_at = time.monotonic()
-        self.ctx.metrics.discoveries.labels(self.prefill.label).inc()
+        learn_identity(self.runtime, self.prefill, answered)
         raise UpstreamProtocolError(
             "prefill",
             self.prefill.label,
@@ -191,8 +187,8 @@ class Dispatch:
         try:
             body = await self._decode_body()
             start = time.monotonic()
-            first = self.ctx.metrics.decode_first_token.labels(self.decode.label)
-            args = (self.ctx.client, self.decode, "decode", self.request.path, body)
+            first = self.runtime.metrics.decode_first_token.labels(self.decode.label)
+            args = (self.runtime.client, self.decode, "decode", self.request.path, body)
             with self._track(self.decode):
                 if self.request.stream:
                     async with open_sse(*args, self.request_id) as payloads:
@@ -207,6 +203,8 @@ class Dispatch:
                     self._queue.put_nowait(answer)
             self._queue.put_nowait(_END)
         except RouterError as exc:
+            if isinstance(exc, UpstreamError):
+                _note_failure(self.decode, exc)
             self._queue.put_nowait(exc)
 
     async def _decode_body(self) -> dict[str, Any]:
@@ -227,7 +225,7 @@ class Dispatch:
         :class:`UpstreamTimeout` if the first token does not come in time. The caller must call
         ``close()`` in every case.
         """
-        settings = self.ctx.settings
+        settings = self.runtime.settings
         if settings.mode == "push":
             self._sent_identity = self.prefill.identity
             if self._sent_identity is None:
@@ -283,7 +281,7 @@ class Dispatch:
         """P's usage, waiting for P (bounded by the total timeout); None if P failed."""
         if self._p_task is None:
             return None
-        left = self.started + self.ctx.settings.timeouts.total - time.monotonic()
+        left = self.started + self.runtime.settings.timeouts.total - time.monotonic()
         try:
             answer = await asyncio.wait_for(asyncio.shield(self._p_task), max(left, 0.0))
         except (RouterError, TimeoutError):
@@ -306,7 +304,7 @@ class Dispatch:
 
         Sets ``outcome``. Never raises :class:`RouterError` (headers are already sent by then).
         """
-        deadline = self.started + self.ctx.settings.timeouts.total
+        deadline = self.started + self.runtime.settings.timeouts.total
         item = self._first
         while True:
             if isinstance(item, _End):
@@ -329,7 +327,7 @@ class Dispatch:
                 except asyncio.QueueEmpty:
                     item = await asyncio.wait_for(self._queue.get(), left)
             except TimeoutError:
-                limit = self.ctx.settings.timeouts.total
+                limit = self.runtime.settings.timeouts.total
                 item = UpstreamTimeout("decode", self.decode.label, f"total {limit:g}s exceeded")
 
     async def json_response(self) -> dict[str, Any]:
@@ -348,7 +346,7 @@ class Dispatch:
         """
         p_task = self._p_task
         if self.outcome == "ok" and p_task is not None and not p_task.done():
-            left = self.started + self.ctx.settings.timeouts.prefill - time.monotonic()
+            left = self.started + self.runtime.settings.timeouts.prefill - time.monotonic()
             if left > 0:
                 await asyncio.wait({p_task}, timeout=left)
         tasks = [t for t in (self._d_task, self._p_task) if t is not None]

@@ -18,18 +18,29 @@ class RouterError(Exception):
     code: str | None = None
     param: str | None = None
 
-    def __init__(self, message: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        error_type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
+        self.status = self.status if status is None else status
+        self.error_type = self.error_type if error_type is None else error_type
+        self.param = self.param if param is None else param
+        self.code = self.code if code is None else code
 
 
 class ConfigError(RouterError):
     """The config file or mapping is invalid; ``field`` is the dotted path of the culprit."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+        super().__init__(f"{field}: {message}", param=field)
         self.field = field
-        self.param = field
 
 
 class ClientRequestError(RouterError):
@@ -40,10 +51,7 @@ class ClientRequestError(RouterError):
     def __init__(
         self, message: str, param: str | None, status: int = 400, code: str | None = None
     ) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-        self.code = code
+        super().__init__(message, status=status, param=param, code=code)
 
 
 class AuthenticationError(RouterError):
@@ -59,18 +67,40 @@ class NoBackendAvailable(RouterError):
     error_type = "service_unavailable"
 
 
+class RouterNotReady(RouterError):
+    """The router's runtime is not up (starting or stopping)."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+
 class UpstreamError(RouterError):
     """A P or D leg failed. ``leg`` is ``prefill`` or ``decode``; ``backend`` its label.
 
-    ``retryable`` says whether retrying the request on a fresh pair may succeed.
+    ``retryable`` says whether retrying the request on a fresh pair may succeed;
+    ``instance_fault`` whether the failure counts against the instance's health (a 4xx, the
+    client's fault, does not); ``unreachable`` whether the instance could not be reached at all.
     """
 
     status = 502
     error_type = "upstream_error"
     retryable = True
+    instance_fault = True
+    unreachable = False
 
-    def __init__(self, leg: str, backend: str, message: str) -> None:
-        super().__init__(f"{leg} instance {backend}: {message}")
+    def __init__(
+        self,
+        leg: str,
+        backend: str,
+        message: str,
+        *,
+        status: int | None = None,
+        error_type: str | None = None,
+        verbatim: bool = False,
+    ) -> None:
+        """``verbatim``: ``message`` is shown as is, not prefixed with the leg and instance."""
+        text = message if verbatim else f"{leg} instance {backend}: {message}"
+        super().__init__(text, status=status, error_type=error_type)
         self.leg = leg
         self.backend = backend
 
@@ -82,6 +112,12 @@ class UpstreamUnavailable(UpstreamError):
     error_type = "service_unavailable"
 
 
+class UpstreamUnreachable(UpstreamUnavailable):
+    """The connection to the instance could not be opened (refused, unreachable)."""
+
+    unreachable = True
+
+
 class UpstreamTimeout(UpstreamError):
     """A bounded wait (prefill, first token, total, connect) ran out."""
 
@@ -89,20 +125,29 @@ class UpstreamTimeout(UpstreamError):
     error_type = "timeout"
 
 
+class UpstreamConnectTimeout(UpstreamTimeout):
+    """Opening the connection to the instance timed out."""
+
+    unreachable = True
+
+
 class UpstreamHTTPError(UpstreamError):
     """The instance answered with an HTTP error; 4xx are the client's fault and not retried."""
 
     def __init__(self, leg: str, backend: str, status: int, detail: Any) -> None:
         message = _upstream_message(detail) or f"HTTP {status}"
-        super().__init__(leg, backend, message)
+        rejected = 400 <= status < 500
+        super().__init__(
+            leg,
+            backend,
+            message,
+            status=status if rejected else 502,
+            error_type="invalid_request_error" if rejected else None,
+            verbatim=rejected,  # the client's own fault: vLLM's words
+        )
         self.upstream_status = status
-        if 400 <= status < 500:
-            self.status = status
-            self.error_type = "invalid_request_error"
-            self.retryable = False
-            self.message = message
-        else:
-            self.status = 502
+        self.retryable = not rejected
+        self.instance_fault = not rejected
 
 
 class UpstreamProtocolError(UpstreamError):

@@ -1,6 +1,6 @@
 """Periodic health checks and prefill identity discovery.
 
-Who calls it: the app lifespan (one :class:`HealthMonitor` per app): ``check_all()`` once at
+Who calls it: the app lifespan (one :class:`HealthMonitor` per runtime): ``check_all()`` once at
 start, then ``run()`` as a background task until shutdown. ``/health`` is bounded by
 ``timeouts.health``, an identity probe (a real 1-token prefill, slow on a fresh or busy instance)
 by ``timeouts.discovery``; failed checks take the backend out of rotation, a passing one puts it
@@ -14,7 +14,8 @@ learned as it comes back), and every ``health.discovery_interval`` (default 300 
 periodically; <= ``interval``: on every check). Probes are rationed because each one costs P: it
 keeps the probe's KV block until its lease expires (no D ever fetches it) and keeps P's engine
 loop stepping meanwhile.
-Between probes the dispatch also learns a changed engine id from any P leg's answer.
+Between probes the dispatch also learns a changed engine id from any P leg's answer; both go
+through :func:`learn_identity`, the one place an identity is recorded.
 """
 
 from __future__ import annotations
@@ -26,29 +27,37 @@ import time
 import httpx
 
 from router.backends import BackendState
-from router.config import PushIdentity, RouterSettings
+from router.config import PushIdentity
 from router.errors import UpstreamError, UpstreamTimeout
 from router.ids import new_request_id
-from router.metrics import RouterMetrics
-from router.pools import Pool
 from router.rewrite import identity_from_kv, prefill_body
+from router.runtime import Runtime
 from router.upstream import leg_headers, post_json
 
 log = logging.getLogger(__name__)
 
 
+def learn_identity(runtime: Runtime, backend: BackendState, identity: PushIdentity) -> bool:
+    """Record ``identity`` as learned from ``backend`` now; True (logged, counted) if it changed."""
+    backend.discovered_at = time.monotonic()
+    if identity == backend.discovered_identity:
+        return False
+    log.info(
+        "prefill %s identity: %s (was %s)", backend.label, identity, backend.discovered_identity
+    )
+    backend.discovered_identity = identity
+    runtime.metrics.discoveries.labels(backend.label).inc()
+    return True
+
+
 class HealthMonitor:
-    def __init__(
-        self,
-        settings: RouterSettings,
-        client: httpx.AsyncClient,
-        pools: list[Pool],
-        metrics: RouterMetrics,
-    ) -> None:
-        self.settings = settings
-        self.client = client
-        self.pools = pools
-        self.metrics = metrics
+    """Active checks of every backend of one runtime."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.settings = runtime.settings
+        self.client = runtime.client
+        self.metrics = runtime.metrics
 
     async def probe_identity(self, backend: BackendState) -> PushIdentity:
         """Ask a prefill instance who it is; raises ``UpstreamError`` or ``ValueError``."""
@@ -77,16 +86,7 @@ class HealthMonitor:
             raise ValueError(f"/health answered {resp.status_code}")
         if self.settings.mode == "push" and backend.needs_discovery and self._probe_due(backend):
             identity = await asyncio.wait_for(self.probe_identity(backend), t.discovery)
-            backend.discovered_at = time.monotonic()
-            if identity != backend.discovered_identity:
-                log.info(
-                    "prefill %s identity: %s (was %s)",
-                    backend.label,
-                    identity,
-                    backend.discovered_identity,
-                )
-                backend.discovered_identity = identity
-                self.metrics.discoveries.labels(backend.label).inc()
+            learn_identity(self.runtime, backend, identity)
 
     def _probe_due(self, backend: BackendState) -> bool:
         if not backend.healthy or backend.discovered_at is None:
@@ -106,7 +106,10 @@ class HealthMonitor:
         except (httpx.HTTPError, UpstreamError, ValueError, TimeoutError) as exc:
             backend.failed_checks += 1
             backend.last_error = repr(exc)
-            slow = isinstance(exc, TimeoutError | httpx.TimeoutException | UpstreamTimeout)
+            unreachable = isinstance(exc, UpstreamError) and exc.unreachable
+            slow = not unreachable and isinstance(
+                exc, TimeoutError | httpx.TimeoutException | UpstreamTimeout
+            )
             threshold = self.settings.health.failure_threshold
             if backend.healthy and (not slow or backend.failed_checks >= threshold):
                 log.warning("%s %s unhealthy: %r", backend.role, backend.label, exc)
@@ -122,7 +125,7 @@ class HealthMonitor:
 
     async def check_all(self) -> None:
         """Check every backend of every pool concurrently."""
-        await asyncio.gather(*(self.check(b) for pool in self.pools for b in pool.backends))
+        await asyncio.gather(*(self.check(b) for b in self.runtime.backends()))
 
     async def run(self) -> None:
         """Check forever (cancel to stop): every backend each ``health.interval``; unhealthy ones
@@ -137,6 +140,6 @@ class HealthMonitor:
                 last_full = time.monotonic()
                 await self.check_all()
                 continue
-            down = [b for pool in self.pools for b in pool.backends if not b.healthy]
+            down = [b for b in self.runtime.backends() if not b.healthy]
             if down:
                 await asyncio.gather(*(self.check(b) for b in down))

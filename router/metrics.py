@@ -1,8 +1,8 @@
 """Prometheus metrics of one router app, created once against a registry passed in.
 
-Who calls it: ``create_app`` builds one :class:`RouterMetrics` per app (so tests can run several
-apps in one process); the orchestrator and health monitor record into it; ``/metrics`` renders the
-registry. Nothing here is module-global.
+Who calls it: :class:`router.runtime.Runtime` builds one :class:`RouterMetrics` per app run (so
+tests can run several apps in one process); the dispatch and health monitor record into it;
+``/metrics`` renders the registry. Nothing here is module-global.
 """
 
 from __future__ import annotations

@@ -10,47 +10,42 @@ from __future__ import annotations
 
 import logging
 
-from router.dispatch import Dispatch, DispatchContext
+from router.dispatch import Dispatch
 from router.errors import UpstreamError
-from router.pools import Pool
+from router.runtime import Runtime
 from router.validation import ClientRequest
 
 log = logging.getLogger(__name__)
 
 
-class Orchestrator:
-    def __init__(self, ctx: DispatchContext, prefill_pool: Pool, decode_pool: Pool) -> None:
-        self.ctx = ctx
-        self.prefill_pool = prefill_pool
-        self.decode_pool = decode_pool
+async def open_dispatch(runtime: Runtime, request: ClientRequest) -> Dispatch:
+    """An opened dispatch (first token in hand); the caller must ``close()`` it.
 
-    async def open(self, request: ClientRequest) -> Dispatch:
-        """An opened dispatch (first token in hand); the caller must ``close()`` it.
-
-        Raises the last attempt's :class:`RouterError`; failed attempts are closed here.
-        """
-        attempts = 2 if self.ctx.settings.retry_on_fresh_pair else 1
-        avoid: set[str] = set()
-        for attempt in range(1, attempts + 1):
-            prefill = self.prefill_pool.choose(avoid)
-            decode = self.decode_pool.choose(avoid)
-            dispatch = Dispatch(self.ctx, request, prefill, decode)
-            opened = False
-            try:
-                await dispatch.open()
-                opened = True
-                return dispatch
-            except UpstreamError as exc:
-                if attempt == attempts or not exc.retryable:
-                    raise
-                log.warning(
-                    "dispatch %s failed before commit (%s); retrying on a fresh pair",
-                    dispatch.request_id,
-                    exc.message,
-                )
-                self.ctx.metrics.retries.inc()
-                avoid.add(exc.backend)
-            finally:
-                if not opened:
-                    await dispatch.close()
-        raise AssertionError("unreachable")  # pragma: no cover
+    Raises the last attempt's :class:`RouterError`; failed attempts are closed here.
+    """
+    prefill_pool, decode_pool = runtime.pools_for(request.model)
+    attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
+    avoid: set[str] = set()
+    for attempt in range(1, attempts + 1):
+        prefill = prefill_pool.choose(avoid)
+        decode = decode_pool.choose(avoid)
+        dispatch = Dispatch(runtime, request, prefill, decode)
+        opened = False
+        try:
+            await dispatch.open()
+            opened = True
+            return dispatch
+        except UpstreamError as exc:
+            if attempt == attempts or not exc.retryable:
+                raise
+            log.warning(
+                "dispatch %s failed before commit (%s); retrying on a fresh pair",
+                dispatch.request_id,
+                exc.message,
+            )
+            runtime.metrics.retries.inc()
+            avoid.add(exc.backend)
+        finally:
+            if not opened:
+                await dispatch.close()
+    raise AssertionError("unreachable")  # pragma: no cover

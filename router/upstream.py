@@ -1,9 +1,10 @@
 """HTTP calls to one upstream vLLM instance, with httpx errors translated into ours.
 
 Who calls it: the dispatch (P and D legs) and the health monitor. Uses the app's one shared
-``httpx.AsyncClient``; streams are always closed (context manager). A failed connect marks the
-backend failed so the next dispatch avoids it until a health check passes again.
-Raises only :class:`router.errors.UpstreamError` subclasses.
+``httpx.AsyncClient``; streams are always closed (context manager). Translating an error has no
+side effect: what a failure means for the instance's health is decided by the caller (the error's
+``unreachable`` / ``instance_fault`` say what happened). Raises only
+:class:`router.errors.UpstreamError` subclasses.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import httpx
 
 from router.backends import BackendState
 from router.errors import (
+    UpstreamConnectTimeout,
     UpstreamError,
     UpstreamHTTPError,
     UpstreamProtocolError,
     UpstreamTimeout,
     UpstreamUnavailable,
+    UpstreamUnreachable,
 )
 
 SSE_DONE = "[DONE]"
@@ -36,11 +39,11 @@ def leg_headers(backend: BackendState, request_id: str) -> dict[str, str]:
 
 
 def _translate(exc: httpx.HTTPError, leg: str, backend: BackendState) -> UpstreamError:
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        backend.mark_failed(f"connect failed: {exc!r}")
-        if isinstance(exc, httpx.ConnectTimeout):
-            return UpstreamTimeout(leg, backend.label, "connect timed out")
-        return UpstreamUnavailable(leg, backend.label, "connection refused or unreachable")
+    """Our error for an httpx one (pure: the backend is only named)."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return UpstreamConnectTimeout(leg, backend.label, "connect timed out")
+    if isinstance(exc, httpx.ConnectError):
+        return UpstreamUnreachable(leg, backend.label, "connection refused or unreachable")
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamTimeout(leg, backend.label, f"timed out ({type(exc).__name__})")
     return UpstreamUnavailable(leg, backend.label, f"connection lost ({type(exc).__name__})")

@@ -6,14 +6,12 @@ import json
 from typing import Any
 
 import httpx
-from prometheus_client import CollectorRegistry
 
 from devstack.fake_vllm import UvicornThread
 from router.app import create_app
 from router.config import settings_from_mapping
 from router.health import HealthMonitor
-from router.metrics import RouterMetrics
-from router.pools import Pool
+from router.runtime import Runtime
 
 P, D = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
 KV = {
@@ -117,14 +115,11 @@ async def test_slow_health_checks_take_a_backend_out_only_after_the_threshold() 
             "health": {"failure_threshold": 3},
         }
     )
-    pools = [
-        Pool("prefill", settings.prefill, require_identity=True),
-        Pool("decode", settings.decode, require_identity=False),
-    ]
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        monitor = HealthMonitor(settings, client, pools, RouterMetrics(CollectorRegistry()))
+        runtime = Runtime.create(settings, client)
+        monitor = HealthMonitor(runtime)
         await monitor.check_all()
-        prefill, decode = pools[0].backends[0], pools[1].backends[0]
+        prefill, decode = runtime.prefill.backends[0], runtime.decode.backends[0]
         assert prefill.healthy and prefill.identity is not None
         assert prefill.identity.engine_id == "eng"
         mode["decode"] = "slow"
