@@ -18,9 +18,9 @@ from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
+from connector.contract import IDENTITY_PROBE_KEY
 from connector.metadata import PushConnectorMetadata
 from connector.specs import (
-    IDENTITY_PROBE_KEY,
     KeyCancel,
     RecvSpec,
     SendAbort,

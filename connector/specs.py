@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
-
-IDENTITY_PROBE_KEY = "identity_probe"
-"""A P-leg ``kv_transfer_params`` key: when true, P answers its identity like any prefill but
-keeps no blocks for a decode (the router's discovery probes; ``router.rewrite`` sends it)."""
-
-
-def base_request_id(request_id: str) -> str:
-    """Strip the ``-<8 hex>`` suffix vLLM's input processor appends to every request id."""
-    return _RANDOM_SUFFIX.sub("", request_id)
+from connector.contract import base_request_id
 
 
 def transfer_key(params: Mapping[str, Any], request_id: str) -> str:

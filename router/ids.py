@@ -8,10 +8,9 @@ dash at all, fresh per dispatch (a retry on a fresh pair gets a fresh id).
 
 from __future__ import annotations
 
-import re
 import uuid
 
-_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+from connector.contract import has_engine_suffix
 
 
 def new_request_id() -> str:
@@ -21,4 +20,4 @@ def new_request_id() -> str:
 
 def is_safe_request_id(value: str) -> bool:
     """True when vLLM's suffix stripping cannot alter ``value``."""
-    return bool(value) and _VLLM_SUFFIX.search(value) is None
+    return bool(value) and not has_engine_suffix(value)

@@ -14,11 +14,22 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from connector.specs import IDENTITY_PROBE_KEY
+from connector.contract import (
+    KV_TRANSFER_PARAMS,
+    PP_SIZE,
+    REMOTE_ENGINE_ID,
+    REMOTE_HOST,
+    REMOTE_PORT,
+    REMOTE_PREFILL_CACHED_TOKENS,
+    TP_SIZE,
+    TRANSFER_ID,
+    decode_leg_params,
+    prefill_leg_params,
+)
 from router.config import PushIdentity
 
 # Fields that make no sense, or are rejected by vLLM, on a 1-token non-streamed prefill.
-_PREFILL_DROP = ("stream_options", "min_tokens", "kv_transfer_params")
+_PREFILL_DROP = ("stream_options", "min_tokens", KV_TRANSFER_PARAMS)
 
 
 def strip_client_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -26,7 +37,7 @@ def strip_client_fields(body: dict[str, Any]) -> dict[str, Any]:
 
     A shallow copy: nested values are shared, and nothing here mutates them.
     """
-    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    return {k: v for k, v in body.items() if k != KV_TRANSFER_PARAMS}
 
 
 def prefill_body(
@@ -34,21 +45,15 @@ def prefill_body(
 ) -> dict[str, Any]:
     """The P leg: same request, 1 token, not streamed, asked to keep KV for a remote decode.
 
-    ``probe``: a discovery probe, marked with ``IDENTITY_PROBE_KEY`` (from ``connector.specs``,
-    vLLM-free): our connector answers its identity without pinning blocks; vLLM's connectors
-    ignore the key and keep the blocks for their lease."""
+    ``probe``: a discovery probe (``connector.contract.IDENTITY_PROBE_KEY``): our connector
+    answers its identity without pinning blocks; vLLM's connectors ignore the key and keep the
+    blocks for their lease."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     out["max_tokens"] = 1
     if chat and "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "transfer_id": transfer_id,
-    }
-    if probe:
-        out["kv_transfer_params"][IDENTITY_PROBE_KEY] = True
+    out[KV_TRANSFER_PARAMS] = prefill_leg_params(transfer_id, probe=probe)
     return out
 
 
@@ -57,17 +62,15 @@ def decode_body_push(
 ) -> dict[str, Any]:
     """The D leg in push mode: the full request plus P's identity, sent before P finishes."""
     out = strip_client_fields(body)
-    out["kv_transfer_params"] = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": identity.engine_id,
-        "remote_host": identity.host,
-        "remote_port": identity.port,
-        "tp_size": identity.tp_size,
-        "pp_size": identity.pp_size,
-        "remote_request_id": request_id,
-        "transfer_id": transfer_id,
-    }
+    out[KV_TRANSFER_PARAMS] = decode_leg_params(
+        engine_id=identity.engine_id,
+        host=identity.host,
+        port=identity.port,
+        tp_size=identity.tp_size,
+        pp_size=identity.pp_size,
+        request_id=request_id,
+        transfer_id=transfer_id,
+    )
     return out
 
 
@@ -77,8 +80,8 @@ def decode_body_pull(
     """The D leg in pull mode: the full request plus the ``kv_transfer_params`` P returned."""
     out = strip_client_fields(body)
     kv = copy.deepcopy(prefill_kv)
-    kv["transfer_id"] = transfer_id
-    out["kv_transfer_params"] = kv
+    kv[TRANSFER_ID] = transfer_id
+    out[KV_TRANSFER_PARAMS] = kv
     return out
 
 
@@ -86,11 +89,11 @@ def identity_from_kv(kv: dict[str, Any]) -> PushIdentity:
     """P's identity from the ``kv_transfer_params`` it returned; ``ValueError`` if incomplete."""
     try:
         return PushIdentity(
-            engine_id=str(kv["remote_engine_id"]),
-            host=str(kv["remote_host"]),
-            port=int(kv["remote_port"]),
-            tp_size=int(kv.get("tp_size") or 1),
-            pp_size=int(kv.get("pp_size") or 1),
+            engine_id=str(kv[REMOTE_ENGINE_ID]),
+            host=str(kv[REMOTE_HOST]),
+            port=int(kv[REMOTE_PORT]),
+            tp_size=int(kv.get(TP_SIZE) or 1),
+            pp_size=int(kv.get(PP_SIZE) or 1),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"incomplete kv_transfer_params from prefill: {exc}") from exc
@@ -101,10 +104,10 @@ def prefill_usage(answer: dict[str, Any]) -> Any:
     ``--enable-prompt-tokens-details``) its cached count is taken from the
     ``remote_prefill_cached_tokens`` of P's ``kv_transfer_params`` where present."""
     usage = answer.get("usage")
-    kv = answer.get("kv_transfer_params")
+    kv = answer.get(KV_TRANSFER_PARAMS)
     if not isinstance(usage, dict) or not isinstance(kv, dict):
         return usage
-    cached = kv.get("remote_prefill_cached_tokens")
+    cached = kv.get(REMOTE_PREFILL_CACHED_TOKENS)
     if isinstance(usage.get("prompt_tokens_details"), dict) or not isinstance(cached, int):
         return usage
     return {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
@@ -137,7 +140,7 @@ def merge_usage(decode_usage: Any, prefill_usage: Any) -> Any:
 
 def client_response(decode_json: dict[str, Any], prefill_usage: Any) -> dict[str, Any]:
     """D's non-streamed answer as the client sees it: merged usage, no ``kv_transfer_params``."""
-    out = {k: v for k, v in decode_json.items() if k != "kv_transfer_params"}
+    out = {k: v for k, v in decode_json.items() if k != KV_TRANSFER_PARAMS}
     if "usage" in out:
         out["usage"] = merge_usage(out["usage"], prefill_usage)
     return out

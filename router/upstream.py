@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+from httpx_sse import SSEError
 
 from router.backends import BackendState
 from router.errors import (
@@ -26,8 +27,7 @@ from router.errors import (
     UpstreamUnavailable,
     UpstreamUnreachable,
 )
-
-SSE_DONE = "[DONE]"
+from router.sse import StreamEndedEarly, aiter_data
 
 
 def leg_headers(backend: BackendState, request_id: str) -> dict[str, str]:
@@ -122,19 +122,12 @@ async def open_sse(
 async def _sse_payloads(
     resp: httpx.Response, leg: str, backend: BackendState
 ) -> AsyncIterator[str]:
-    done = False
     try:
-        async for line in resp.aiter_lines():
-            if done or not line.startswith("data:"):
-                continue  # after [DONE]: read on to the end so the connection can be reused
-            payload = line[5:].strip()
-            if payload == SSE_DONE:
-                done = True
-                continue
+        async for payload in aiter_data(resp):
             yield payload
     except httpx.HTTPError as exc:
-        if done:
-            return
         raise _translate(exc, leg, backend) from exc
-    if not done:
-        raise UpstreamUnavailable(leg, backend.label, "stream ended before [DONE]")
+    except StreamEndedEarly as exc:
+        raise UpstreamUnavailable(leg, backend.label, "stream ended before [DONE]") from exc
+    except SSEError as exc:
+        raise UpstreamProtocolError(leg, backend.label, "answer is not an event stream") from exc

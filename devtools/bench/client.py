@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
+from httpx_sse import SSEError
 
 from bench.dataset import BenchRequest
 from bench.metrics import RequestRecord
+from router.sse import StreamEndedEarly, aiter_data
 
 Endpoint = Literal["completions", "chat"]
 
@@ -82,12 +84,7 @@ async def send_request(
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")[:500]
                 return failed(f"HTTP {resp.status_code}: {body}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+            async for data in aiter_data(resp):
                 event = json.loads(data)
                 if "error" in event:
                     return failed(f"error event: {json.dumps(event['error'])[:500]}")
@@ -105,7 +102,7 @@ async def send_request(
                         usage_tokens = usage["completion_tokens"]
                     if isinstance(usage.get("prompt_tokens"), int):
                         prompt_len = usage["prompt_tokens"]
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (httpx.HTTPError, json.JSONDecodeError, SSEError, StreamEndedEarly) as exc:
         return failed(f"{type(exc).__name__}: {exc}")
     if chunks == 0:
         return failed("stream ended without a token")

@@ -24,11 +24,13 @@ from pathlib import Path
 from types import FrameType
 
 import httpx
+from httpx_sse import SSEError
 
 from devstack.managed_process import ManagedProcess, ProcessStartError
 from devstack.ports import LOOPBACK, free_port
 from devstack.stack import Stack, StackOptions, start_stack
 from devstack.vllm_server import VllmServerError
+from router.sse import StreamEndedEarly, iter_data
 
 DEFAULT_PROMPT = "Explain in one sentence why prefill and decode run on different machines."
 READY_TIMEOUT_S = 120.0
@@ -105,9 +107,6 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> ChatTimin
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    parts: list[str] = []
-    ttft: float | None = None
-    tokens: int | None = None
     start = time.perf_counter()
     with (
         httpx.Client(timeout=REQUEST_TIMEOUT) as client,
@@ -115,21 +114,30 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> ChatTimin
     ):
         if response.status_code != 200:
             raise DemoError(f"router answered {response.status_code}: {response.read()!r}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                raise DemoError(f"error event from the router: {chunk['error']}")
-            for choice in chunk.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
-                    parts.append(content)
-            usage = chunk.get("usage")
-            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                tokens = usage["completion_tokens"]
+        try:
+            return _read_chat(response, start)
+        except (StreamEndedEarly, SSEError) as exc:
+            raise DemoError(f"the router's stream broke: {exc}") from exc
+
+
+def _read_chat(response: httpx.Response, start: float) -> ChatTiming:
+    """Read a streamed chat answer, timing it from ``start``."""
+    parts: list[str] = []
+    ttft: float | None = None
+    tokens: int | None = None
+    for data in iter_data(response):
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise DemoError(f"error event from the router: {chunk['error']}")
+        for choice in chunk.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                parts.append(content)
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            tokens = usage["completion_tokens"]
     total = time.perf_counter() - start
     return ChatTiming("".join(parts), total if ttft is None else ttft, total, tokens)
 

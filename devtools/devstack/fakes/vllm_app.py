@@ -20,7 +20,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from connector.contract import (
+    KV_TRANSFER_PARAMS,
+    REMOTE_ENGINE_ID,
+    REMOTE_PREFILL_CACHED_TOKENS,
+    is_decode_leg,
+    is_prefill_leg,
+    prefill_answer_params,
+    with_engine_suffix,
+)
 from devstack.fakes.state import FakeVllmState, RecordedRequest
+from router.sse import DONE, encode_data
 
 _POLL_S = 0.005
 _HANG_CAP_S = 600.0
@@ -76,10 +86,10 @@ class _Generation:
         self.created = int(time.time())
         self.id = f"chatcmpl-{rid}" if chat else f"cmpl-{rid}"
         self.internal_id = self.id if chat else f"{self.id}-0"
-        kv = body.get("kv_transfer_params")
+        kv = body.get(KV_TRANSFER_PARAMS)
         self.kv_in: dict[str, Any] | None = kv if isinstance(kv, dict) else None
-        self.is_prefill = bool(self.kv_in and self.kv_in.get("do_remote_decode"))
-        self.is_remote_decode = bool(self.kv_in and self.kv_in.get("do_remote_prefill"))
+        self.is_prefill = is_prefill_leg(self.kv_in)
+        self.is_remote_decode = is_decode_leg(self.kv_in)
         self.prompt_tokens = _prompt_tokens(body)
         self.n_tokens = _max_tokens(body, state.behavior.default_max_tokens)
         if self.is_prefill:
@@ -108,21 +118,20 @@ class _Generation:
         if not self.is_prefill or not self.state.kv_connector:
             return None
         ident = self.state.identity
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": [[1]],
-            "remote_engine_id": ident.engine_id,
-            "remote_request_id": f"{self.internal_id}-{uuid.uuid4().hex[:8]}",
-            "remote_host": ident.host,
-            "remote_port": ident.port,
-            "tp_size": ident.tp_size,
-            "dcp_size": 1,
-            "pp_size": ident.pp_size,
-            "remote_num_tokens": self.prompt_tokens,
-            "transfer_mode": self.state.transfer_mode,
-            "remote_prefill_cached_tokens": self.cached_tokens(),
-        }
+        params = prefill_answer_params(
+            engine_id=ident.engine_id,
+            host=ident.host,
+            port=ident.port,
+            request_id=with_engine_suffix(self.internal_id),
+            block_ids=[[1]],
+            num_tokens=self.prompt_tokens,
+            transfer_mode=self.state.transfer_mode,
+            tp_size=ident.tp_size,
+            pp_size=ident.pp_size,
+        )
+        params["dcp_size"] = 1
+        params[REMOTE_PREFILL_CACHED_TOKENS] = self.cached_tokens()
+        return params
 
     def full_response(self) -> dict[str, Any]:
         text = "".join(self.token(i) for i in range(self.n_tokens))
@@ -140,7 +149,7 @@ class _Generation:
             "choices": [choice],
             "usage": self.usage(self.n_tokens),
             "system_fingerprint": None,
-            "kv_transfer_params": self.kv_out(),
+            KV_TRANSFER_PARAMS: self.kv_out(),
         }
 
     def chunk(self, delta_text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
@@ -165,7 +174,7 @@ class _Generation:
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return encode_data(json.dumps(payload, separators=(",", ":")))
 
 
 class _DroppedStream(Exception):
@@ -276,7 +285,7 @@ async def _wait_for_remote_kv(
     """D side: wait for the paired P's prefill; None when the KV is there (or no fabric)."""
     if state.fabric is None or not gen.is_remote_decode or gen.kv_in is None:
         return None
-    engine_id = str(gen.kv_in.get("remote_engine_id"))
+    engine_id = str(gen.kv_in.get(REMOTE_ENGINE_ID))
     deadline = time.monotonic() + state.behavior.kv_wait_timeout_s
     while not state.fabric.is_done(engine_id, rid):
         if time.monotonic() > deadline:
@@ -315,7 +324,7 @@ async def _stream(
             usage_chunk["choices"] = []
             usage_chunk["usage"] = gen.usage(gen.n_tokens)
             yield _sse(usage_chunk)
-        yield b"data: [DONE]\n\n"
+        yield encode_data(DONE)
         outcome = "ok"
     finally:
         state._leave(rec, outcome)

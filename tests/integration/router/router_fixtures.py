@@ -7,6 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
+from httpx_sse import EventSource
+
 from devstack.fake_vllm import UvicornThread
 from router.app import create_app
 from router.config import RouterSettings, settings_from_mapping
@@ -53,8 +56,12 @@ def running_router(settings: RouterSettings) -> Iterator[UvicornThread]:
 
 
 def sse_payloads(text: str) -> list[str]:
-    """The ``data:`` payloads of an SSE body, in order."""
-    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    """The data of every event of an SSE body, in order (``[DONE]`` included), read by the
+    same library as the router's reader."""
+    response = httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=text.encode()
+    )
+    return [event.data for event in EventSource(response).iter_sse()]
 
 
 def sse_text(text: str, chat: bool) -> str:

@@ -7,12 +7,9 @@ import threading
 
 import httpx
 import pytest
+from router_fixtures import sse_payloads
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmState, PushIdentity, fake_vllm
-
-
-def _sse_payloads(text: str) -> list[str]:
-    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
 
 
 def test_prefill_leg_returns_kv_transfer_params_and_is_recorded() -> None:
@@ -50,7 +47,7 @@ def test_decode_stream_chat_has_role_tokens_usage_and_done() -> None:
             "kv_transfer_params": {"do_remote_prefill": True},
         }
         resp = httpx.post(f"{srv.url}/v1/chat/completions", json=body)
-    payloads = _sse_payloads(resp.text)
+    payloads = sse_payloads(resp.text)
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"

@@ -11,6 +11,7 @@ from router_fixtures import MODEL, make_settings, running_router, sse_payloads
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 from devstack.ports import free_port
+from router.sse import iter_data
 
 STREAM = {"model": MODEL, "prompt": "a b c", "max_tokens": 4, "stream": True}
 
@@ -208,11 +209,9 @@ def test_client_disconnect_mid_stream_cancels_decode(fake: dict[str, FakeVllmSer
     body = {**STREAM, "max_tokens": 500}
     with running_router(_settings(p, d)) as router:
         with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=10) as resp:
-            lines = resp.iter_lines()
             got: list[str] = []
-            for line in lines:
-                if line.startswith("data:"):
-                    got.append(line)
+            for data in iter_data(resp):
+                got.append(data)
                 if len(got) == 2:
                     break
         assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)

@@ -9,8 +9,9 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
+from connector.contract import base_request_id
 from connector.scheduler import PushScheduler
-from connector.specs import KeyCancel, RecvSpec, SendAbort, SendSpec, base_request_id
+from connector.specs import KeyCancel, RecvSpec, SendAbort, SendSpec
 
 P_IDENTITY = {
     "do_remote_prefill": True,
@@ -155,7 +156,7 @@ def test_identity_probe_answers_identity_and_keeps_no_blocks() -> None:
 
 
 def test_probe_key_is_the_one_the_router_sends() -> None:
-    from connector.specs import IDENTITY_PROBE_KEY
+    from connector.contract import IDENTITY_PROBE_KEY
     from router.rewrite import IDENTITY_PROBE_KEY as ROUTER_KEY
     from router.rewrite import prefill_body
 

@@ -1,0 +1,139 @@
+"""The P/D contract that the router, this connector and the fake vLLM share (no vLLM, no torch).
+
+A disaggregated request runs as two legs, each a normal OpenAI request whose body carries a
+``kv_transfer_params`` object (the names are vLLM 0.32's NIXL connectors'):
+
+- the P leg asks P to prefill and keep the KV for a remote decode (``do_remote_decode``), with the
+  router's ``transfer_id``; :data:`IDENTITY_PROBE_KEY` marks a discovery probe, for which our
+  connector answers its identity and keeps no blocks;
+- P answers with its identity (``remote_engine_id``, ``remote_host``, ``remote_port``, ``tp_size``,
+  ``pp_size``), its engine request id and the blocks it keeps (:func:`prefill_answer_params`);
+- the D leg (``do_remote_prefill``) carries P's identity and request id in push mode
+  (:func:`decode_leg_params`), or exactly what P answered in pull mode.
+
+Request ids: vLLM's input processor appends ``-<8 hex>`` to every external request id and push
+connectors strip exactly such a suffix to match D's registration with P's prefill
+(:func:`base_request_id`); an id that already ends that way could collide after stripping
+(:func:`has_engine_suffix`).
+
+Importing this module is cheap and safe anywhere: it imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+"""The request and response field that carries the P/D parameters."""
+
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+REMOTE_ENGINE_ID = "remote_engine_id"
+REMOTE_HOST = "remote_host"
+REMOTE_PORT = "remote_port"
+REMOTE_REQUEST_ID = "remote_request_id"
+REMOTE_BLOCK_IDS = "remote_block_ids"
+REMOTE_NUM_TOKENS = "remote_num_tokens"
+REMOTE_PREFILL_CACHED_TOKENS = "remote_prefill_cached_tokens"
+TP_SIZE = "tp_size"
+PP_SIZE = "pp_size"
+TRANSFER_ID = "transfer_id"
+TRANSFER_MODE = "transfer_mode"
+
+IDENTITY_PROBE_KEY = "identity_probe"
+"""A P-leg key: when true, P answers its identity like any prefill but keeps no blocks for a
+decode (the router's discovery probes)."""
+
+_ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def prefill_leg_params(transfer_id: str, *, probe: bool = False) -> dict[str, Any]:
+    """``kv_transfer_params`` of a P leg; ``probe`` marks an identity probe."""
+    params: dict[str, Any] = {
+        DO_REMOTE_DECODE: True,
+        DO_REMOTE_PREFILL: False,
+        TRANSFER_ID: transfer_id,
+    }
+    if probe:
+        params[IDENTITY_PROBE_KEY] = True
+    return params
+
+
+def decode_leg_params(
+    *,
+    engine_id: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    pp_size: int,
+    request_id: str,
+    transfer_id: str,
+) -> dict[str, Any]:
+    """``kv_transfer_params`` of a push-mode D leg: P's identity and the leg's request id."""
+    return {
+        DO_REMOTE_PREFILL: True,
+        DO_REMOTE_DECODE: False,
+        REMOTE_ENGINE_ID: engine_id,
+        REMOTE_HOST: host,
+        REMOTE_PORT: port,
+        TP_SIZE: tp_size,
+        PP_SIZE: pp_size,
+        REMOTE_REQUEST_ID: request_id,
+        TRANSFER_ID: transfer_id,
+    }
+
+
+def prefill_answer_params(
+    *,
+    engine_id: str,
+    host: str,
+    port: int,
+    request_id: str,
+    block_ids: Sequence[Any],
+    num_tokens: int,
+    transfer_mode: str = "push",
+    tp_size: int = 1,
+    pp_size: int = 1,
+) -> dict[str, Any]:
+    """``kv_transfer_params`` of P's answer: who P is and which blocks it keeps for D."""
+    return {
+        DO_REMOTE_PREFILL: True,
+        DO_REMOTE_DECODE: False,
+        REMOTE_ENGINE_ID: engine_id,
+        REMOTE_REQUEST_ID: request_id,
+        REMOTE_HOST: host,
+        REMOTE_PORT: port,
+        REMOTE_BLOCK_IDS: list(block_ids),
+        REMOTE_NUM_TOKENS: num_tokens,
+        TP_SIZE: tp_size,
+        PP_SIZE: pp_size,
+        TRANSFER_MODE: transfer_mode,
+    }
+
+
+def is_prefill_leg(params: Mapping[str, Any] | None) -> bool:
+    """Whether ``params`` ask this instance to prefill for a remote decode."""
+    return bool(params and params.get(DO_REMOTE_DECODE))
+
+
+def is_decode_leg(params: Mapping[str, Any] | None) -> bool:
+    """Whether ``params`` ask this instance to decode from a remote prefill."""
+    return bool(params and params.get(DO_REMOTE_PREFILL))
+
+
+def with_engine_suffix(request_id: str) -> str:
+    """``request_id`` as vLLM's engine sees it: with a fresh ``-<8 hex>`` suffix."""
+    return f"{request_id}-{uuid.uuid4().hex[:8]}"
+
+
+def base_request_id(request_id: str) -> str:
+    """Strip the ``-<8 hex>`` suffix vLLM's input processor appends to every request id."""
+    return _ENGINE_SUFFIX.sub("", request_id)
+
+
+def has_engine_suffix(request_id: str) -> bool:
+    """Whether ``request_id`` ends like an engine suffix (stripping would change it)."""
+    return _ENGINE_SUFFIX.search(request_id) is not None
