@@ -1,9 +1,10 @@
 """A fake vLLM OpenAI server that behaves, as far as the router can see, like vLLM in P/D mode.
 
-Who uses it: the router's integration tests, the e2e support code and the bench (router-overhead
-runs with zero delays). This module is the stable import path; the pieces live in
-:mod:`devstack.fakes` (``state``: knobs and records, ``vllm_app``: the app, ``server``: uvicorn in a
-thread). ``python -m devstack.fake_vllm --port N`` serves one fake until interrupted.
+Who uses it: the router's integration tests, the e2e support code, the bench client's tests
+(scripted token timings) and the bench (router-overhead runs with zero delays). This module is
+the stable import path; the pieces live in :mod:`devstack.fakes` (``state``: knobs and records,
+``vllm_app``: the app, ``server``: uvicorn in a thread). ``python -m devstack.fake_vllm --port N``
+serves one fake until interrupted.
 
 It serves ``/v1/completions`` and ``/v1/chat/completions`` (SSE stream and JSON), ``/v1/models``,
 ``/health`` and ``/metrics`` (running/waiting gauges named like vLLM's). Every request is recorded
@@ -24,6 +25,7 @@ from devstack.fakes.state import (
     KvFabric,
     PushIdentity,
     RecordedRequest,
+    TokenScript,
     identity_copy,
 )
 from devstack.fakes.vllm_app import create_fake_app
@@ -35,6 +37,7 @@ __all__ = [
     "KvFabric",
     "PushIdentity",
     "RecordedRequest",
+    "TokenScript",
     "UvicornThread",
     "create_fake_app",
     "fake_vllm",

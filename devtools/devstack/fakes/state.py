@@ -1,4 +1,5 @@
-"""State of one fake vLLM instance: behaviour knobs, identity, recorded requests, counters.
+"""State of one fake vLLM instance: behaviour knobs, token scripts, identity, recorded requests,
+counters.
 
 Who uses it: :mod:`devstack.fakes.vllm_app` (mutates it from the server's event loop thread) and
 tests (read records, wait for counters, change behaviour while the server runs). All shared
@@ -7,11 +8,27 @@ mutation goes through the lock, so test threads and the server thread may use it
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class TokenScript:
+    """Delays of one response: ``ttft_s`` before the first token, then ``gaps_s[i]`` before token
+    ``i + 1`` (the last gap repeats if the response is longer than the script)."""
+
+    ttft_s: float = 0.0
+    gaps_s: tuple[float, ...] = ()
+
+    def gap(self, index: int) -> float:
+        """The delay between token ``index`` and token ``index + 1``."""
+        if not self.gaps_s:
+            return 0.0
+        return self.gaps_s[min(index, len(self.gaps_s) - 1)]
 
 
 @dataclass
@@ -22,6 +39,9 @@ class FakeBehavior:
     ``hang``: never answer (until the client goes away or the cap passes).
     ``drop_after_tokens``: in a stream, cut the connection after this many tokens.
     ``fail_times``: only the next N generation requests fail/hang/drop (None: all of them).
+    ``scripts``: when set, generation request ``k`` follows ``scripts[k % len(scripts)]`` instead
+    of ``prefill_delay_s``/``token_delay_s`` (tokens on an absolute schedule: known timings).
+    All delays zero (the default): no sleeping or polling at all.
     """
 
     prefill_delay_s: float = 0.0
@@ -34,6 +54,7 @@ class FakeBehavior:
     prompt_cached_tokens: int = 0
     kv_wait_timeout_s: float = 5.0
     answer_delay_s: float = 0.0  # non-stream: delay the HTTP answer after the KV is published
+    scripts: tuple[TokenScript, ...] = ()
 
 
 @dataclass
@@ -82,6 +103,7 @@ class RecordedRequest:
     finished_at: float | None = None
     outcome: str = "in_flight"  # ok | cancelled | error | dropped | in_flight
     client_port: int | None = None  # the caller's TCP port: equal ports = a reused connection
+    token_times: list[float] = field(default_factory=list)  # perf_counter() at each streamed token
 
 
 def identity_copy(identity: PushIdentity) -> PushIdentity:
@@ -122,6 +144,7 @@ class FakeVllmState:
         self.in_flight = 0
         self.cancelled = 0
         self.completed = 0
+        self._served = itertools.count()
         self._cond = threading.Condition(self._lock)
 
     def reset(self, behavior: FakeBehavior | None = None) -> None:
@@ -135,6 +158,7 @@ class FakeVllmState:
             self.requests.clear()
             self.cancelled = 0
             self.completed = 0
+            self._served = itertools.count()
             self.behavior = behavior or FakeBehavior()
 
     def record(self, rec: RecordedRequest) -> None:
@@ -145,6 +169,12 @@ class FakeVllmState:
         """Recorded completion/chat requests (probes included), in arrival order."""
         with self._lock:
             return [r for r in self.requests if r.path.startswith("/v1/") and r.method == "POST"]
+
+    def next_script(self) -> TokenScript | None:
+        """The token script of the next generation request (``None``: the plain delays)."""
+        with self._lock:
+            scripts = self.behavior.scripts
+            return scripts[next(self._served) % len(scripts)] if scripts else None
 
     def _take_failure(self) -> bool:
         with self._lock:

@@ -4,8 +4,10 @@ Who uses it: :class:`devstack.fakes.server.FakeVllmServer` (and ``python -m
 devstack.fake_vllm``). A request whose ``kv_transfer_params`` has ``do_remote_decode`` is
 answered like a prefill instance (one token plus vLLM's ``kv_transfer_params``); one with
 ``do_remote_prefill`` like a decode instance (waits for its P through a shared
-:class:`KvFabric` when one is set; counts the prompt as cached). Zero delays mean no sleeping or
-polling at all, so the bench can measure router overhead against it.
+:class:`KvFabric` when one is set; counts the prompt as cached). Token timings follow the
+behaviour's delays or its :class:`~devstack.fakes.state.TokenScript` s (known timings for the bench
+client's tests); zero delays mean no sleeping or polling at all, so the bench can measure router
+overhead against it. A body vLLM would reject gets an OpenAI-style 400 naming the field.
 """
 
 from __future__ import annotations
@@ -55,11 +57,25 @@ def _max_tokens(body: dict[str, Any], default: int) -> int:
     return default
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An error in OpenAI form (vLLM names the offending field in ``param`` on a 400)."""
     return JSONResponse(
-        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}},
+        {"error": {"message": message, "type": "BadRequestError", "param": param, "code": status}},
         status_code=status,
     )
+
+
+def _invalid_field(body: Any) -> tuple[str, str] | None:
+    """(message, field) of the first field vLLM would reject with a 400, or ``None``."""
+    if not isinstance(body, dict):
+        return "body must be a JSON object", "body"
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"{key} must be a positive integer", key
+        if isinstance(value, int) and value < 1:
+            return f"{key} must be a positive integer", key
+    return None
 
 
 async def _sleep_or_disconnect(request: Request, seconds: float) -> bool:
@@ -90,6 +106,7 @@ class _Generation:
         self.kv_in: dict[str, Any] | None = kv if isinstance(kv, dict) else None
         self.is_prefill = is_prefill_leg(self.kv_in)
         self.is_remote_decode = is_decode_leg(self.kv_in)
+        self.script = state.next_script()
         self.prompt_tokens = _prompt_tokens(body)
         self.n_tokens = _max_tokens(body, state.behavior.default_max_tokens)
         if self.is_prefill:
@@ -98,6 +115,16 @@ class _Generation:
 
     def token(self, i: int) -> str:
         return f" tok{i}"
+
+    def prefill_delay(self) -> float:
+        """Seconds before the first token (the script's TTFT, else ``prefill_delay_s``)."""
+        return self.state.behavior.prefill_delay_s if self.script is None else self.script.ttft_s
+
+    def delay_before(self, i: int) -> float:
+        """Seconds between token ``i - 1`` (or the prefill) and token ``i``."""
+        if self.script is None:
+            return self.state.behavior.token_delay_s
+        return 0.0 if i == 0 else self.script.gap(i - 1)
 
     def cached_tokens(self) -> int:
         if self.is_remote_decode:
@@ -207,66 +234,34 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def generate(request: Request, chat: bool) -> Response:
-        raw = await request.body()
-        try:
-            body: Any = json.loads(raw)
-        except ValueError:
-            body = raw.decode(errors="replace")
-        rec = RecordedRequest(
-            method=request.method,
-            path=request.url.path,
-            headers={k.lower(): v for k, v in request.headers.items()},
-            body=body,
-            received_at=time.monotonic(),
-            client_port=request.client.port if request.client else None,
-        )
-        state.record(rec)
-        if not isinstance(body, dict):
+        rec, body = await _record(state, request)
+        problem = _invalid_field(body)
+        if problem is not None:
             rec.outcome = "error"
-            return _error(400, "body must be a JSON object")
+            return _error(400, *problem)
         state._enter()
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         gen = _Generation(state, body, chat, rid)
-        b = state.behavior
-        failing = (b.fail_status is not None or b.hang) and state._take_failure()
         try:
-            if failing and b.hang:
-                gone = await _sleep_or_disconnect(request, _HANG_CAP_S)
-                state._leave(rec, "cancelled" if gone else "error")
-                return _error(500, "hang cap reached")
-            if failing and b.fail_status is not None:
-                state._leave(rec, "error")
-                return _error(b.fail_status, "injected failure")
-            if await _sleep_or_disconnect(request, b.prefill_delay_s):
-                state._leave(rec, "cancelled")
-                return _error(499, "client disconnected")
-            kv_wait = await _wait_for_remote_kv(state, gen, request, rid)
-            if kv_wait is not None:
-                state._leave(rec, "cancelled" if kv_wait == "cancelled" else "error")
-                return _error(500, f"KV transfer failed: {kv_wait}")
+            failed = await _before_first_token(state, gen, request, rid)
         except asyncio.CancelledError:
             state._leave(rec, "cancelled")
             raise
+        if failed is not None:
+            outcome, response = failed
+            state._leave(rec, outcome)
+            return response
         if body.get("stream"):
-            drop_at = b.drop_after_tokens if b.drop_after_tokens is not None else None
+            b = state.behavior
+            drop_at = b.drop_after_tokens
             if drop_at is not None and not state._take_failure():
                 drop_at = None
             return StreamingResponse(
-                _stream(state, gen, rec, request, drop_at),
+                _stream(state, gen, rec, drop_at),
                 media_type="text/event-stream",
                 headers={"x-request-id": rid},
             )
-        for _ in range(gen.n_tokens):
-            if await _sleep_or_disconnect(request, b.token_delay_s):
-                state._leave(rec, "cancelled")
-                return _error(499, "client disconnected")
-        if gen.is_prefill and state.fabric is not None:
-            state.fabric.publish(state.identity.engine_id, rid)
-        if await _sleep_or_disconnect(request, b.answer_delay_s):
-            state._leave(rec, "cancelled")
-            return _error(499, "client disconnected")
-        state._leave(rec, "ok")
-        return JSONResponse(gen.full_response(), headers={"x-request-id": rid})
+        return await _answer(state, gen, rec, request, rid)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -277,6 +272,63 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
         return await generate(request, chat=True)
 
     return app
+
+
+async def _record(state: FakeVllmState, request: Request) -> tuple[RecordedRequest, Any]:
+    """Record the request as received; its body parsed (the raw text when not JSON)."""
+    raw = await request.body()
+    try:
+        body: Any = json.loads(raw)
+    except ValueError:
+        body = raw.decode(errors="replace")
+    rec = RecordedRequest(
+        method=request.method,
+        path=request.url.path,
+        headers={k.lower(): v for k, v in request.headers.items()},
+        body=body,
+        received_at=time.monotonic(),
+        client_port=request.client.port if request.client else None,
+    )
+    state.record(rec)
+    return rec, body
+
+
+async def _before_first_token(
+    state: FakeVllmState, gen: _Generation, request: Request, rid: str
+) -> tuple[str, Response] | None:
+    """Injected failures, the prefill delay and (D) the wait for P's KV; ``None`` when the
+    request goes on to its tokens, else the outcome to record and the error to answer."""
+    b = state.behavior
+    failing = (b.fail_status is not None or b.hang) and state._take_failure()
+    if failing and b.hang:
+        gone = await _sleep_or_disconnect(request, _HANG_CAP_S)
+        return ("cancelled" if gone else "error"), _error(500, "hang cap reached")
+    if failing and b.fail_status is not None:
+        return "error", _error(b.fail_status, "injected failure")
+    if await _sleep_or_disconnect(request, gen.prefill_delay()):
+        return "cancelled", _error(499, "client disconnected")
+    kv_wait = await _wait_for_remote_kv(state, gen, request, rid)
+    if kv_wait is not None:
+        outcome = "cancelled" if kv_wait == "cancelled" else "error"
+        return outcome, _error(500, f"KV transfer failed: {kv_wait}")
+    return None
+
+
+async def _answer(
+    state: FakeVllmState, gen: _Generation, rec: RecordedRequest, request: Request, rid: str
+) -> Response:
+    """The non-streamed answer, after every token's delay (P publishes its KV first)."""
+    for i in range(gen.n_tokens):
+        if await _sleep_or_disconnect(request, gen.delay_before(i)):
+            state._leave(rec, "cancelled")
+            return _error(499, "client disconnected")
+    if gen.is_prefill and state.fabric is not None:
+        state.fabric.publish(state.identity.engine_id, rid)
+    if await _sleep_or_disconnect(request, state.behavior.answer_delay_s):
+        state._leave(rec, "cancelled")
+        return _error(499, "client disconnected")
+    state._leave(rec, "ok")
+    return JSONResponse(gen.full_response(), headers={"x-request-id": rid})
 
 
 async def _wait_for_remote_kv(
@@ -296,26 +348,30 @@ async def _wait_for_remote_kv(
 
 
 async def _stream(
-    state: FakeVllmState,
-    gen: _Generation,
-    rec: RecordedRequest,
-    request: Request,
-    drop_at: int | None,
+    state: FakeVllmState, gen: _Generation, rec: RecordedRequest, drop_at: int | None
 ) -> AsyncIterator[bytes]:
-    """SSE body like vLLM's: (chat: role chunk), token chunks, finish chunk, usage, [DONE]."""
+    """SSE body like vLLM's: (chat: role chunk), token chunks, finish chunk, usage, [DONE].
+
+    Tokens go out on an absolute schedule (delays do not accumulate sleep overshoot); each one's
+    send time is recorded in ``rec.token_times``.
+    """
     outcome = "cancelled"
     try:
         first = True
         if gen.chat:
             yield _sse(gen.chunk("", None, first=True))
             first = False
+        due = time.perf_counter()
         for i in range(gen.n_tokens):
-            if state.behavior.token_delay_s > 0:
-                await asyncio.sleep(state.behavior.token_delay_s)
+            due += gen.delay_before(i)
+            wait = due - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
             if drop_at is not None and i >= drop_at:
                 outcome = "dropped"
                 raise _DroppedStream
             last = i == gen.n_tokens - 1
+            rec.token_times.append(time.perf_counter())
             yield _sse(gen.chunk(gen.token(i), "length" if last else None, first=first))
             first = False
         opts = gen.body.get("stream_options")

@@ -20,14 +20,14 @@ class _Instance:
 
 
 class _FakeStack:
-    """Stands in for a devstack aggregated stack: one scripted backend process."""
+    """Stands in for a devstack aggregated stack: one fake vLLM process with fixed delays."""
 
     model_name = "fake"
 
     def __init__(self, logs: Path, ttft_s: float = 0.01) -> None:
         port = free_port()
-        argv = [sys.executable, "-m", "bench.scripted_backend", "--port", str(port)]
-        argv += ["--ttft", str(ttft_s), "--itl", "0.001"]
+        argv = [sys.executable, "-m", "devstack.fake_vllm", "--port", str(port)]
+        argv += ["--prefill-delay", str(ttft_s), "--token-delay", "0.001"]
         self.proc = ManagedProcess("fake", argv, f"http://127.0.0.1:{port}/health", logs / "f.log")
         self.proc.start()
         self.aggregated = [_Instance(f"http://127.0.0.1:{port}")]

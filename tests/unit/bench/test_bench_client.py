@@ -1,10 +1,10 @@
-"""The client against a real loopback server that emits tokens at scripted times."""
+"""The client against the fake vLLM on loopback, emitting tokens at scripted times."""
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -14,16 +14,26 @@ from bench.client import Target, send_request
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import compute_metrics
-from bench.scripted_backend import (
-    BackendLog,
-    TokenScript,
-    bind_loopback,
-    create_scripted_app,
-    make_server,
-)
+from devstack.fake_vllm import FakeBehavior, FakeVllmServer, FakeVllmState, TokenScript
+from devstack.ports import free_port
 
 # asyncio.sleep may wake up to one clock tick early; lower bounds allow for it.
 SLACK_S = 0.002
+
+
+@dataclass
+class BackendLog:
+    """What the fake received: request bodies and, per streamed request, token send times."""
+
+    state: FakeVllmState
+
+    @property
+    def bodies(self) -> list[object]:
+        return [r.body for r in self.state.generation_requests()]
+
+    @property
+    def send_times(self) -> list[list[float]]:
+        return [r.token_times for r in self.state.generation_requests()]
 
 
 @dataclass
@@ -32,27 +42,19 @@ class Backend:
     log: BackendLog
 
 
-async def _serve(scripts: Sequence[TokenScript]) -> AsyncIterator[Backend]:
-    log = BackendLog()
-    sock = bind_loopback()
-    server = make_server(create_scripted_app(scripts, log))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield Backend(f"http://127.0.0.1:{sock.getsockname()[1]}", log)
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+@contextmanager
+def _serve(scripts: Sequence[TokenScript]) -> Iterator[Backend]:
+    state = FakeVllmState(behavior=FakeBehavior(scripts=tuple(scripts)))
+    with FakeVllmServer(state) as server:
+        yield Backend(server.url, BackendLog(state))
 
 
 SCRIPT = TokenScript(ttft_s=0.15, gaps_s=(0.05, 0.10, 0.02))
 
 
 @pytest.fixture
-async def backend() -> AsyncIterator[Backend]:
-    async for b in _serve([SCRIPT]):
+def backend() -> Iterator[Backend]:
+    with _serve([SCRIPT]) as b:
         yield b
 
 
@@ -125,7 +127,7 @@ async def test_warmups_are_sent_but_not_counted(backend: Backend) -> None:
 
 
 async def test_errors_become_failed_records() -> None:
-    async for b in _serve([TokenScript()]):
+    with _serve([TokenScript()]) as b:
         async with make_client() as client:
             bad = BenchRequest(prompt=(1,), prompt_len=1, output_len=1)
             payload_target = Target(b.url, "m", extra_body=(("max_tokens", 0),))
@@ -135,16 +137,14 @@ async def test_errors_become_failed_records() -> None:
 
 
 async def test_connection_refused_is_a_failed_record() -> None:
-    sock = bind_loopback()
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     async with httpx.AsyncClient(timeout=httpx.Timeout(2.0)) as client:
         rec = await send_request(client, Target(f"http://127.0.0.1:{port}", "m"), _request(2))
     assert not rec.success and "ConnectError" in rec.error
 
 
 async def test_chat_endpoint_needs_text() -> None:
-    async for b in _serve([TokenScript()]):
+    with _serve([TokenScript()]) as b:
         async with make_client() as client:
             with pytest.raises(ValueError, match="chat"):
                 await send_request(client, Target(b.url, "m", "chat"), _request(2))
