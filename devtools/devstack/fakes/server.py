@@ -5,6 +5,7 @@ Who uses it: tests, the e2e support code and the bench. ``stop()`` leaves no thr
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 import time
@@ -19,18 +20,29 @@ from devstack.fakes.vllm_app import create_fake_app
 
 
 class UvicornThread:
-    """Serves any ASGI app on ``127.0.0.1:<free port>`` with uvicorn in a daemon thread.
+    """Serves any ASGI app on ``host:<free port>`` with uvicorn in a daemon thread.
 
     ``lifespan`` is passed to uvicorn ("on" for apps with startup work, like the router).
+    ``host`` must be a loopback address (127.0.0.0/8 all route to ``lo`` on Linux, so several
+    servers can share one port on 127.0.0.2, 127.0.0.3, ...).
     Use as a context manager or call ``start()``/``stop()``; ``url`` is the base URL.
     """
 
-    def __init__(self, app: Any, lifespan: Literal["on", "off"] = "on", port: int = 0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        lifespan: Literal["on", "off"] = "on",
+        port: int = 0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        if not ipaddress.ip_address(host).is_loopback:
+            raise ValueError(f"{host} is not a loopback address")
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", port))
+        self._sock.bind((host, port))
+        self.host = host
         self.port: int = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         config = uvicorn.Config(
             app,
             log_level="warning",
@@ -70,10 +82,12 @@ class UvicornThread:
 class FakeVllmServer(UvicornThread):
     """One fake vLLM instance on a free loopback port; ``state`` steers and records it."""
 
-    def __init__(self, state: FakeVllmState | None = None, port: int = 0) -> None:
+    def __init__(
+        self, state: FakeVllmState | None = None, port: int = 0, host: str = "127.0.0.1"
+    ) -> None:
         """``port`` 0 picks a free one; a fixed port lets a test "restart" an instance."""
         self.state = state or FakeVllmState()
-        super().__init__(create_fake_app(self.state), lifespan="off", port=port)
+        super().__init__(create_fake_app(self.state), lifespan="off", port=port, host=host)
 
 
 @contextmanager
