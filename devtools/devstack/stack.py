@@ -6,8 +6,8 @@ returns a :class:`Stack`; the caller must :meth:`Stack.stop` it (or use it as a 
 :meth:`Stack.router_config` renders the router's YAML config (``router.config`` schema) for the
 stack, with or without the prefill identities (without them the router discovers them).
 
-Core pinning on this 2-core machine: prefill instances on core 0, the decode instance on core 1;
-an aggregated instance on ``aggregated_core`` (default 0).
+Core pinning (sized for a 2-core machine): prefill instances on core 0, the decode instance on
+core 1; an aggregated instance on ``aggregated_core`` (default 0).
 """
 
 from __future__ import annotations

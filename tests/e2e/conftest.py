@@ -2,7 +2,8 @@
 
 Each module starts its stack once (module scope) through ``e2e_support.module_stack``; logs and
 the tiny model live under one session directory; a failed startup shows the instance's log tail.
-Run real-vLLM tests under ``flock /tmp/vllm-e2e.lock`` on the shared 2-core machine.
+Run real-vLLM tests under ``flock /tmp/vllm-e2e.lock`` so they never overlap with other
+real-vLLM runs on the same machine.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The P/D cases of issue 2, written once and run for every mode (push and pull).
+"""The router's P/D cases, written once and run for every mode (push and pull).
 
 A test module subclasses :class:`PDRouterCases` as ``Test...`` and provides a ``router`` fixture
 (a :class:`e2e_support.RunningRouter` in front of a real vLLM CPU stack). Each case uses its own

@@ -1,4 +1,4 @@
-"""Issue 3 end to end: real vLLM CPU 1P1D, our connector vs vLLM's ``NixlPushConnector``.
+"""The connector end to end: real vLLM CPU 1P1D, our connector vs vLLM's ``NixlPushConnector``.
 
 A small two-leg client (P leg ``max_tokens=1`` with ``do_remote_decode``; D leg sent at the same
 time with P's identity and the same ``X-Request-Id`` and ``transfer_id``) so these tests depend on
@@ -182,7 +182,7 @@ async def test_sixteen_concurrent_requests_all_correct(stack: Stack) -> None:
 
 def _ours_only(stack: Stack) -> None:
     if stack.options.kind != "ours":
-        pytest.skip("vLLM 0.32's NixlPushConnector leaves this failure path open (issue 3)")
+        pytest.skip("vLLM 0.32's NixlPushConnector leaves this failure path open")
 
 
 async def test_abort_waiting_d_request_leaks_no_blocks(stack: Stack) -> None:

@@ -1,14 +1,14 @@
 """Push mode on real vLLM CPU with *our* connector (``connector`` package) on P and D.
 
 One 2P1D stack serves the module (p0 and p1 on core 0, d0 on core 1). The 1P1D cases (the same
-as ``test_e2e_push.py``'s, issue 3: the two connectors are interchangeable) run through a router
-that knows only p0 and d0 and discovers p0's identity; the 2P1D case (issue 2) through a router
+as ``test_e2e_push.py``'s: the two connectors are interchangeable) run through a router
+that knows only p0 and d0 and discovers p0's identity; the 2P1D case through a router
 that knows both prefills and discovers their identities itself. Skipped while the connector's
 vLLM facade is not importable in this checkout.
 
 Why 2P1D runs with our connector in the default suite: vLLM's NIXL connectors keep one core busy
 per instance (nixl 1.5.1's progress thread polls with a delay of 0, docs/notes/vllm-facts.md), so
-three such instances on this 2-core machine starve each other; ours runs NIXL without that thread.
+three such instances on a 2-core machine starve each other; ours runs NIXL without that thread.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The router's 2P1D case runs with our connector (``test_e2e_ours.py``): vLLM's NIXL connectors
 keep one core busy per instance (nixl 1.5.1's progress thread polls with a delay of 0, see
-docs/notes/vllm-facts.md), and three such instances on this 2-core machine starve each other
+docs/notes/vllm-facts.md), and three such instances on a 2-core machine starve each other
 until transfers outlive P's lease.
 """
 
