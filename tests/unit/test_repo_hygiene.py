@@ -58,8 +58,6 @@ def _text(path: Path) -> str | None:
 def _violations() -> list[str]:
     found = []
     for path in _tracked_files():
-        if path == Path(__file__).resolve():
-            continue  # its samples show what it forbids
         text = _text(path)
         if text is None:
             continue
@@ -75,15 +73,20 @@ def test_no_tracked_file_speaks_of_sessions_roles_or_machine_paths() -> None:
 
 
 def test_patterns_catch_what_they_must() -> None:
+    # Each sample is split so that this file does not match the patterns it tests.
     samples = {
-        "development history": ["as in Session 3", "the session-2 value", "sessions 1-2"],
-        "talk of sessions or roles": [
-            "since this session",
-            "flows are tested). Owner: e2e",
-            "questions for the router engineer",
-            "as the developer saw",
+        "development history": [
+            "as in Session" + " 3",
+            "the session" + "-2 value",
+            "sessions" + " 1-2",
         ],
-        "machine path": ["see /work/main/.venv", "/root/.cache/x"],
+        "talk of sessions or roles": [
+            "since this" + " session",
+            "flows are tested). Own" + "er: e2e",
+            "questions for the router engin" + "eer",
+            "as the devel" + "oper saw",
+        ],
+        "machine path": ["see /wo" + "rk/main/.venv", "/ro" + "ot/.cache/x"],
     }
     for what, texts in samples.items():
         for text in texts:
