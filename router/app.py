@@ -3,8 +3,10 @@
 Who calls it: ``disagg-router serve`` (via uvicorn) and tests. ``create_app(settings,
 transport=...)`` builds one app; its lifespan builds the app's one :class:`Runtime` (the shared
 ``httpx.AsyncClient`` with explicit timeouts and an optional injected transport, its own metrics
-registry, the pools), runs the first health check / identity discovery, starts the periodic
-monitor, and closes everything on shutdown.
+registry, the per-model pools), runs the first health check / identity discovery, starts the
+periodic monitor and the load-signal scraper, and closes everything on shutdown. Built with the
+config file's path (``disagg-router serve``), it also reloads that file on SIGHUP and, with
+``reload.watch``, whenever the file changes (:mod:`router.reload`).
 All :class:`RouterError` are translated to OpenAI-style JSON here and only here.
 """
 
@@ -13,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -25,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from router.backends import BackendState
 from router.config import RouterSettings
 from router.dispatch import Dispatch
 from router.errors import (
@@ -37,7 +42,9 @@ from router.errors import (
     outcome_label,
 )
 from router.health import HealthMonitor
+from router.load_signals import run_scraper
 from router.orchestrator import open_dispatch
+from router.reload import ConfigReloader
 from router.runtime import Runtime, open_runtime
 from router.validation import parse_client_request
 
@@ -111,22 +118,63 @@ class _DispatchStream(StreamingResponse):
             self.on_close(self.dispatch)
 
 
+def _signal_targets(runtime: Runtime) -> list[BackendState]:
+    return [
+        b for pool in runtime.pools if pool.config.policy == "power_of_two" for b in pool.backends
+    ]
+
+
+def _on_sighup(reloader: ConfigReloader) -> bool:
+    """Reload on SIGHUP; False where signals cannot be handled (not the main thread)."""
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.reload)
+    except (RuntimeError, ValueError, NotImplementedError):
+        log.debug("SIGHUP reload unavailable outside the main thread")
+        return False
+    return True
+
+
 def _lifespan(
-    settings: RouterSettings, transport: httpx.AsyncBaseTransport | None
+    settings: RouterSettings,
+    transport: httpx.AsyncBaseTransport | None,
+    config_path: Path | None,
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_runtime(settings, transport) as runtime:
             monitor = HealthMonitor(runtime)
             await monitor.check_all()
-            monitor_task = asyncio.create_task(monitor.run())
+            tasks = [
+                asyncio.create_task(monitor.run()),
+                asyncio.create_task(
+                    run_scraper(
+                        runtime.client,
+                        lambda: _signal_targets(runtime),
+                        lambda: runtime.settings.load_signals.interval,
+                        settings.timeouts.health,
+                    )
+                ),
+            ]
+            reloader = None
+            sighup = False
+            if config_path is not None:
+                reloader = ConfigReloader(runtime, config_path, monitor.check_some)
+                sighup = _on_sighup(reloader)
+                if settings.reload.watch:
+                    tasks.append(asyncio.create_task(reloader.watch()))
             app.state.runtime = runtime
+            app.state.reloader = reloader
             try:
                 yield
             finally:
                 app.state.runtime = None
-                monitor_task.cancel()
-                await asyncio.gather(monitor_task, return_exceptions=True)
+                if sighup:
+                    asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                if reloader is not None:
+                    await reloader.close()
 
     return lifespan
 
@@ -152,14 +200,24 @@ def _record(runtime: Runtime, endpoint: str, outcome: str) -> None:
     runtime.metrics.requests.labels(runtime.settings.mode, endpoint, outcome).inc()
 
 
+def _settings(request: Request) -> RouterSettings:
+    """The config in force: the runtime's (hot reload may replace it), else the app's initial."""
+    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+    if runtime is not None:
+        return runtime.settings
+    initial: RouterSettings = request.app.state.settings
+    return initial
+
+
 async def _generate(request: Request, chat: bool) -> Response:
     """One generation request: validate, open a dispatch, then stream or answer in one piece."""
-    settings: RouterSettings = request.app.state.settings
+    settings = _settings(request)
     endpoint = "chat" if chat else "completions"
     accepted = time.monotonic()
     try:
         _authorize(request, settings.api_keys)
-        req = parse_client_request(await request.body(), chat, settings.models)
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        req = parse_client_request(await request.body(), chat, settings.model_names, headers)
         rt = _runtime(request)
         dispatch = await _unless_disconnected(request, open_dispatch(rt, req))
     except RouterError as exc:
@@ -195,12 +253,12 @@ def _routes() -> APIRouter:
 
     @api.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        settings: RouterSettings = request.app.state.settings
+        settings = _settings(request)
         _authorize(request, settings.api_keys)
         created = int(time.time())
         data = [
             {"id": m, "object": "model", "created": created, "owned_by": "disagg-router"}
-            for m in settings.models
+            for m in settings.model_names
         ]
         return {"object": "list", "data": data}
 
@@ -211,11 +269,21 @@ def _routes() -> APIRouter:
     @api.get("/ready")
     async def ready(request: Request) -> JSONResponse:
         runtime = _runtime(request)
-        p = [b.label for b in runtime.prefill.usable()]
-        d = [b.label for b in runtime.decode.usable()]
-        status = 200 if p and d else 503
-        body = {"ready": status == 200, "mode": runtime.settings.mode, "prefill": p, "decode": d}
-        return JSONResponse(body, status_code=status)
+        models = {}
+        for name, found in runtime.routing.table.models.items():
+            p = [b.label for b in found.prefill.usable()]
+            d = [b.label for b in found.decode.usable()]
+            models[name] = {"ready": bool(p and d), "prefill": p, "decode": d}
+        ok = all(m["ready"] for m in models.values())
+        first = next(iter(models.values()))  # top-level prefill/decode: the first model's
+        body = {
+            "ready": ok,
+            "mode": runtime.settings.mode,
+            "prefill": first["prefill"],
+            "decode": first["decode"],
+            "models": models,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @api.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
@@ -225,13 +293,17 @@ def _routes() -> APIRouter:
 
 
 def create_app(
-    settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
+    settings: RouterSettings,
+    transport: httpx.AsyncBaseTransport | None = None,
+    config_path: Path | None = None,
 ) -> FastAPI:
-    """Build the router app for ``settings``; ``transport`` replaces the network (tests).
+    """Build the router app for ``settings``; ``transport`` replaces the network (tests);
+    ``config_path``: the file ``settings`` came from, reloaded on SIGHUP (and, with
+    ``reload.watch``, on change).
 
     The app's :class:`Runtime` (client, metrics, pools) exists while its lifespan runs.
     """
-    app = FastAPI(title="disagg-router", lifespan=_lifespan(settings, transport))
+    app = FastAPI(title="disagg-router", lifespan=_lifespan(settings, transport, config_path))
     app.state.settings = settings
     app.state.runtime = None
     _add_error_handlers(app)

@@ -10,7 +10,9 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from router.config import DisaggregationConfig, PoolConfig, RouterSettings
 from router.errors import ConfigError
 
 
@@ -22,12 +24,39 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"invalid config {args.file}: {exc.message}", file=sys.stderr)
         return 1
-    n_p, n_d = len(settings.prefill.instances), len(settings.decode.instances)
-    print(
-        f"ok: {args.file}: mode={settings.mode} models={','.join(settings.models)} "
-        f"prefill={n_p} ({settings.prefill.policy}) decode={n_d} ({settings.decode.policy})"
-    )
+    print(f"ok: {args.file}: mode={settings.mode} models={','.join(settings.model_names)}")
+    print(effective_table(settings))
     return 0
+
+
+def _pool_cell(pool: PoolConfig) -> str:
+    return f"{len(pool.instances)} x {pool.policy}"
+
+
+def _rule_cell(rule: DisaggregationConfig) -> str:
+    short = (
+        f"D alone below {rule.min_prompt_tokens} tokens" if rule.min_prompt_tokens else "always P+D"
+    )
+    return f"{short}; no usable P: {rule.when_no_prefill.replace('_', ' ')}"
+
+
+def effective_table(settings: RouterSettings) -> str:
+    """The effective per-model table: pools, policies, disaggregation rule (one row a model)."""
+    rows = [("model", "prefill", "decode", "disaggregation")]
+    for name, route in settings.routes().items():
+        rows.append(
+            (
+                name,
+                _pool_cell(route.prefill),
+                _pool_cell(route.decode),
+                _rule_cell(route.disaggregation),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(r[:3], widths, strict=True)) + "  " + r[3]
+        for r in rows
+    )
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -45,7 +74,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, config_path=Path(args.config)),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

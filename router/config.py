@@ -8,6 +8,8 @@ No timeout may be infinite: each is a positive number of seconds.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -16,7 +18,9 @@ import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -25,7 +29,9 @@ from pydantic import (
 
 from router.errors import ConfigError
 
-PolicyName = Literal["round_robin", "least_in_flight"]
+PolicyName = Literal[
+    "round_robin", "least_in_flight", "power_of_two", "prefix_affinity", "session_affinity"
+]
 Mode = Literal["push", "pull"]
 
 
@@ -143,11 +149,22 @@ DiscoveryConfig = Annotated[
 
 
 class PoolConfig(_Frozen):
-    """A pool: its policy and its instances, listed (``instances``) or discovered."""
+    """One pool (the P or the D instances of one model): its instances, listed (``instances``)
+    or discovered, and how a dispatch picks among them.
+
+    ``prefix_chars``: how much of the rendered prompt ``prefix_affinity`` hashes (token-id prompts:
+    a quarter as many ids). ``load_factor``: the affinity policies' load bound, an instance takes
+    at most ``ceil(load_factor * (in-flight legs of the pool + 1) / instances)`` legs before its
+    keys spill to their next choice. ``session_header``: where ``session_affinity`` reads the
+    session key (the request's ``user`` field when the header is absent).
+    """
 
     discovery: DiscoveryConfig = Field(default_factory=StaticDiscovery)
     instances: list[InstanceConfig] = Field(default_factory=list)
     policy: PolicyName = "round_robin"
+    prefix_chars: int = Field(default=2048, ge=16)
+    load_factor: float = Field(default=1.25, ge=1.0)
+    session_header: str = Field(default="x-session-id", min_length=1)
 
     @field_validator("instances")
     @classmethod
@@ -210,11 +227,83 @@ class HealthConfig(_Frozen):
     )
 
 
-class RouterSettings(_Frozen):
-    models: list[str] = Field(min_length=1)
-    mode: Mode = "push"
+class DisaggregationConfig(_Frozen):
+    """Per model: whether a request uses a P at all.
+
+    ``min_prompt_tokens``: prompts estimated shorter than this go to D alone (D prefills
+    locally; no P leg, no transfer); 0 disaggregates every request. Token-id prompts count their
+    ids; text is estimated as ``characters / chars_per_token``. ``when_no_prefill``: with no
+    usable P, ``decode_only`` serves the request by D alone, ``fail`` answers 503.
+    """
+
+    min_prompt_tokens: int = Field(default=0, ge=0)
+    chars_per_token: float = Field(default=4.0, gt=0)
+    when_no_prefill: Literal["decode_only", "fail"] = "decode_only"
+
+
+class ModelConfig(_Frozen):
+    """One served model: its own P and D pools; ``disaggregation`` defaults to the top-level one."""
+
     prefill: PoolConfig
     decode: PoolConfig
+    disaggregation: DisaggregationConfig | None = None
+
+
+class LoadSignalsConfig(_Frozen):
+    """Scraping of each instance's ``/metrics`` for ``power_of_two`` (only pools using it).
+
+    ``interval``: seconds between scrapes; ``stale_after``: older signals are ignored (the policy
+    falls back to the router's in-flight counts).
+    """
+
+    interval: float = Field(default=2.0, gt=0)
+    stale_after: float = Field(default=6.0, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LoadSignalsConfig:
+        if self.stale_after < self.interval:
+            raise ValueError("stale_after must be >= interval")
+        return self
+
+
+class ReloadConfig(_Frozen):
+    """Hot reload: SIGHUP always re-reads the file; ``watch`` also re-reads it when it changes."""
+
+    watch: bool = False
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """The effective routing of one model: its pools and its disaggregation rule."""
+
+    model: str
+    prefill: PoolConfig
+    decode: PoolConfig
+    disaggregation: DisaggregationConfig
+
+
+def _models_shape(value: Any) -> str:
+    return "map" if isinstance(value, dict) else "list"
+
+
+ModelsField = Annotated[
+    Annotated[list[str], Tag("list")] | Annotated[dict[str, ModelConfig], Tag("map")],
+    Discriminator(_models_shape),
+]
+
+
+class RouterSettings(_Frozen):
+    """The whole file. ``models`` is either a list of names served by the top-level ``prefill`` and
+    ``decode`` pools (the short form) or a map from each name to its own pools (then the
+    top-level pools must be absent)."""
+
+    models: ModelsField
+    mode: Mode = "push"
+    prefill: PoolConfig | None = None
+    decode: PoolConfig | None = None
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
+    load_signals: LoadSignalsConfig = LoadSignalsConfig()
+    reload: ReloadConfig = ReloadConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
     api_keys: list[str] = Field(default_factory=list)
@@ -222,10 +311,43 @@ class RouterSettings(_Frozen):
 
     @field_validator("models")
     @classmethod
-    def _models_nonempty(cls, value: list[str]) -> list[str]:
+    def _models_nonempty(cls, value: list[str] | dict[str, ModelConfig]) -> Any:
+        if not value:
+            raise ValueError("at least one model is required")
         if any(not m.strip() for m in value):
             raise ValueError("model names must be non-empty")
+        if isinstance(value, list) and len(set(value)) != len(value):
+            raise ValueError("model names must be distinct")
         return value
+
+    @model_validator(mode="after")
+    def _pools_match_models(self) -> RouterSettings:
+        short = isinstance(self.models, list)
+        for role in ("prefill", "decode"):
+            given = getattr(self, role) is not None
+            if short and not given:
+                raise ValueError(f"{role}: required when models is a list of names")
+            if not short and given:
+                raise ValueError(f"{role}: not allowed when models is a map; give it per model")
+        return self
+
+    @property
+    def model_names(self) -> list[str]:
+        """Served model names in file order."""
+        return list(self.models)
+
+    def routes(self) -> dict[str, ModelRoute]:
+        """The effective per-model table (pools, policies, disaggregation rule)."""
+        if isinstance(self.models, list):
+            assert self.prefill is not None and self.decode is not None
+            return {
+                m: ModelRoute(m, self.prefill, self.decode, self.disaggregation)
+                for m in self.models
+            }
+        return {
+            m: ModelRoute(m, c.prefill, c.decode, c.disaggregation or self.disaggregation)
+            for m, c in self.models.items()
+        }
 
     @field_validator("api_keys")
     @classmethod
@@ -235,8 +357,14 @@ class RouterSettings(_Frozen):
         return value
 
 
+_ROOT_FIELD = re.compile(r"^(?:Value error, )?([a-z_][\w.]*): (.+)$", re.DOTALL)
+
+
 def _field_path(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(p) for p in loc) or "<root>"
+    parts = list(loc)
+    if len(parts) > 1 and parts[0] == "models" and parts[1] in ("list", "map"):
+        del parts[1]  # the discriminator tag of the two shapes of ``models``
+    return ".".join(str(p) for p in parts) or "<root>"
 
 
 def settings_from_mapping(data: Any) -> RouterSettings:
@@ -247,7 +375,11 @@ def settings_from_mapping(data: Any) -> RouterSettings:
         return RouterSettings.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise ConfigError(_field_path(tuple(err["loc"])), err["msg"]) from exc
+        path, msg = _field_path(tuple(err["loc"])), str(err["msg"])
+        named = _ROOT_FIELD.match(msg) if path == "<root>" else None
+        if named:  # a whole-file rule that names its field in the message
+            path, msg = named.group(1), named.group(2)
+        raise ConfigError(path, msg) from exc
 
 
 def load_config(path: str | Path) -> RouterSettings:

@@ -41,6 +41,7 @@ from router.rewrite import (
     merge_usage,
     prefill_body,
     prefill_usage,
+    strip_client_fields,
 )
 from router.runtime import Runtime
 from router.upstream import open_sse, post_json
@@ -69,13 +70,17 @@ def sse_error_event(exc: RouterError) -> bytes:
 
 
 class Dispatch:
-    """Both legs of one attempt on one (P, D) pair with one fresh request id."""
+    """Both legs of one attempt on one (P, D) pair with one fresh request id.
+
+    ``prefill`` None: D alone (conditional disaggregation): D gets the client's request as is
+    (without ``kv_transfer_params``) and prefills locally; there is no P leg and no transfer.
+    """
 
     def __init__(
         self,
         runtime: Runtime,
         request: ClientRequest,
-        prefill: BackendState,
+        prefill: BackendState | None,
         decode: BackendState,
     ) -> None:
         self.runtime = runtime
@@ -105,19 +110,19 @@ class Dispatch:
             backend.in_flight -= 1
             gauge.set(backend.in_flight)
 
-    async def _prefill_leg(self) -> dict[str, Any]:
+    async def _prefill_leg(self, prefill: BackendState) -> dict[str, Any]:
         """P leg: 1 token, not streamed; returns P's answer after checking its kv params."""
         t = self.runtime.settings.timeouts
         body = prefill_body(self.request.body, self.request.chat, self.transfer_id)
         outcome = "error"
         start = time.monotonic()
         try:
-            with self._track(self.prefill):
+            with self._track(prefill):
                 try:
                     data = await asyncio.wait_for(
                         post_json(
                             self.runtime.client,
-                            self.prefill,
+                            prefill,
                             "prefill",
                             self.request.path,
                             body,
@@ -128,14 +133,14 @@ class Dispatch:
                 except TimeoutError as exc:
                     outcome = "timeout"
                     raise UpstreamTimeout(
-                        "prefill", self.prefill.label, f"no answer within {t.prefill:g}s"
+                        "prefill", prefill.label, f"no answer within {t.prefill:g}s"
                     ) from exc
-            self._check_prefill_answer(data)
+            self._check_prefill_answer(prefill, data)
             outcome = "ok"
             log.debug(
                 "dispatch %s: prefill %s answered in %.3fs",
                 self.request_id,
-                self.prefill.label,
+                prefill.label,
                 time.monotonic() - start,
             )
             return data
@@ -143,19 +148,19 @@ class Dispatch:
             outcome = "cancelled"
             raise
         except UpstreamError as exc:
-            _note_failure(self.prefill, exc)
+            _note_failure(prefill, exc)
             raise
         finally:
-            self.runtime.metrics.prefill_duration.labels(self.prefill.label, outcome).observe(
+            self.runtime.metrics.prefill_duration.labels(prefill.label, outcome).observe(
                 time.monotonic() - start
             )
 
-    def _check_prefill_answer(self, data: dict[str, Any]) -> None:
+    def _check_prefill_answer(self, prefill: BackendState, data: dict[str, Any]) -> None:
         kv = data.get("kv_transfer_params")
         if not isinstance(kv, dict):
             raise UpstreamProtocolError(
                 "prefill",
-                self.prefill.label,
+                prefill.label,
                 "answer has no kv_transfer_params (is a NIXL KV connector configured?)",
             )
         if self._sent_identity is None:
@@ -163,21 +168,21 @@ class Dispatch:
         try:
             answered = identity_from_kv(kv)
         except ValueError as exc:
-            raise UpstreamProtocolError("prefill", self.prefill.label, str(exc)) from exc
+            raise UpstreamProtocolError("prefill", prefill.label, str(exc)) from exc
         sent = self._sent_identity.engine_id
         if answered.engine_id == sent:
             return
-        if self.prefill.config.identity is not None:
+        if prefill.config.identity is not None:
             raise UpstreamProtocolError(
                 "prefill",
-                self.prefill.label,
+                prefill.label,
                 f"configured engine_id {sent} does not match the instance's "
                 f"{answered.engine_id}; fix the router config",
             )
-        learn_identity(self.runtime, self.prefill, answered)
+        learn_identity(self.runtime, prefill, answered)
         raise UpstreamProtocolError(
             "prefill",
-            self.prefill.label,
+            prefill.label,
             f"engine id changed from {sent} to {answered.engine_id}; "
             "the decode leg was paired with the old one",
         )
@@ -208,6 +213,8 @@ class Dispatch:
             self._queue.put_nowait(exc)
 
     async def _decode_body(self) -> dict[str, Any]:
+        if self.prefill is None:
+            return strip_client_fields(self.request.body)
         if self._sent_identity is not None:
             return decode_body_push(
                 self.request.body, self._sent_identity, self.request_id, self.transfer_id
@@ -226,37 +233,42 @@ class Dispatch:
         ``close()`` in every case.
         """
         settings = self.runtime.settings
-        if settings.mode == "push":
-            self._sent_identity = self.prefill.identity
+        prefill = self.prefill
+        if settings.mode == "push" and prefill is not None:
+            self._sent_identity = prefill.identity
             if self._sent_identity is None:
-                raise NoBackendAvailable(f"prefill {self.prefill.label} has no known identity")
+                raise NoBackendAvailable(f"prefill {prefill.label} has no known identity")
         log.debug(
             "dispatch %s: %s %s prefill=%s (engine %s) decode=%s",
             self.request_id,
             settings.mode,
             self.request.path,
-            self.prefill.label,
+            prefill.label if prefill is not None else "-",
             self._sent_identity.engine_id if self._sent_identity else "-",
             self.decode.label,
         )
-        self._p_task = asyncio.create_task(self._prefill_leg())
+        if prefill is not None:
+            self._p_task = asyncio.create_task(self._prefill_leg(prefill))
         self._d_task = asyncio.create_task(self._decode_leg())
         t = settings.timeouts
         limit = min(t.first_token, t.total) if self.request.stream else t.total
         deadline = self.started + limit
         get = asyncio.create_task(self._queue.get())
-        waiting: set[asyncio.Future[Any]] = {get, self._p_task}
+        waiting: set[asyncio.Future[Any]] = {get}
+        if self._p_task is not None:
+            waiting.add(self._p_task)
         try:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    leg = "prefill" if not self._p_task.done() else "decode"
-                    backend = self.prefill if leg == "prefill" else self.decode
+                    p_busy = self._p_task is not None and not self._p_task.done()
+                    backend = prefill if p_busy and prefill is not None else self.decode
+                    leg = "prefill" if backend is prefill else "decode"
                     raise UpstreamTimeout(leg, backend.label, f"no first token within {limit:g}s")
                 done, _ = await asyncio.wait(
                     waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED
                 )
-                if self._p_task in done:
+                if self._p_task is not None and self._p_task in done:
                     waiting.discard(self._p_task)
                     p_exc = self._p_task.exception()
                     if p_exc is not None:

@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 import httpx
 
 from router.backends import BackendState
-from router.config import PushIdentity
+from router.config import PushIdentity, RouterSettings
 from router.errors import UpstreamError, UpstreamTimeout
 from router.ids import new_request_id
 from router.rewrite import identity_from_kv, prefill_body
@@ -55,15 +56,22 @@ class HealthMonitor:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.settings = runtime.settings
         self.client = runtime.client
         self.metrics = runtime.metrics
+
+    @property
+    def settings(self) -> RouterSettings:
+        """The config in force now (hot reload may replace it between checks)."""
+        return self.runtime.settings
 
     async def probe_identity(self, backend: BackendState) -> PushIdentity:
         """Ask a prefill instance who it is; raises ``UpstreamError`` or ``ValueError``."""
         rid = new_request_id()
         body = prefill_body(
-            {"model": self.settings.models[0], "prompt": self.settings.health.discovery_prompt},
+            {
+                "model": backend.model or self.settings.model_names[0],
+                "prompt": self.settings.health.discovery_prompt,
+            },
             chat=False,
             transfer_id=rid,
             probe=True,
@@ -125,7 +133,11 @@ class HealthMonitor:
 
     async def check_all(self) -> None:
         """Check every backend of every pool concurrently."""
-        await asyncio.gather(*(self.check(b) for b in self.runtime.backends()))
+        await self.check_some(self.runtime.backends())
+
+    async def check_some(self, backends: Sequence[BackendState]) -> None:
+        """Check the given backends concurrently (e.g. instances that just joined a pool)."""
+        await asyncio.gather(*(self.check(b) for b in backends))
 
     async def run(self) -> None:
         """Check forever (cancel to stop): every backend each ``health.interval``; unhealthy ones

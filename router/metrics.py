@@ -7,6 +7,8 @@ tests can run several apps in one process); the dispatch and health monitor reco
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (
@@ -107,6 +109,26 @@ class RouterMetrics:
             pool_source,
             registry=registry,
         )
+
+        self.routing_decisions = Counter(
+            "disagg_router_routing_decisions",
+            "Requests by model and route: disaggregated, or decode_only_short_prompt / "
+            "decode_only_no_prefill (served by D alone)",
+            ["model", "decision"],
+            registry=registry,
+        )
+        self.config_reloads = Counter(
+            "disagg_router_config_reloads",
+            "Config reloads by result: applied, or rejected (the previous config keeps serving)",
+            ["result"],
+            registry=registry,
+        )
+
+    def forget_backend(self, role: str, label: str) -> None:
+        """Drop the per-backend series of an instance that left its pool."""
+        for gauge in (self.in_flight, self.healthy):
+            with contextlib.suppress(KeyError):
+                gauge.remove(role, label)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,13 @@
-"""Chooses the (P, D) pair for a client request, opens the dispatch, retries once if configured.
+"""Chooses the route and the instances for a client request, opens the dispatch, retries once if
+configured.
 
-Who calls it: the app's generation endpoints. P and D are both chosen before any leg starts.
-A retry happens only when ``retry_on_fresh_pair`` is set, the failure is retryable (not a 4xx
-from vLLM) and nothing has been sent to the client yet (we are still before the commit point);
-the retry avoids the backend that failed and uses a fresh request id.
+Who calls it: the app's generation endpoints. The request's ``model`` picks its pools and its
+disaggregation rule from the current routing table (read once: a reload during the request does
+not move it). The rule decides whether a P is used at all (:func:`decide`); P (if any) and D are
+both chosen before any leg starts. A retry happens only when ``retry_on_fresh_pair`` is set, the
+failure is retryable (not a 4xx from vLLM) and nothing has been sent to the client yet (we are
+still before the commit point); the retry avoids the backend that failed and uses a fresh
+request id. The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
 """
 
 from __future__ import annotations
@@ -12,10 +16,28 @@ import logging
 
 from router.dispatch import Dispatch
 from router.errors import UpstreamError
+from router.policies import RoutingInput
+from router.prompt_keys import estimated_tokens
+from router.routing import ModelPools
 from router.runtime import Runtime
 from router.validation import ClientRequest
 
 log = logging.getLogger(__name__)
+
+DISAGGREGATED = "disaggregated"
+SHORT_PROMPT = "decode_only_short_prompt"
+NO_PREFILL = "decode_only_no_prefill"
+
+
+def decide(found: ModelPools, routed: RoutingInput) -> str:
+    """How to serve a request: with a P leg, or by D alone (short prompt; no usable P)."""
+    rule = found.route.disaggregation
+    short = estimated_tokens(routed.prompt, rule.chars_per_token) < rule.min_prompt_tokens
+    if rule.min_prompt_tokens and short:
+        return SHORT_PROMPT
+    if rule.when_no_prefill == "decode_only" and not found.prefill.usable():
+        return NO_PREFILL
+    return DISAGGREGATED
 
 
 async def open_dispatch(runtime: Runtime, request: ClientRequest) -> Dispatch:
@@ -23,13 +45,24 @@ async def open_dispatch(runtime: Runtime, request: ClientRequest) -> Dispatch:
 
     Raises the last attempt's :class:`RouterError`; failed attempts are closed here.
     """
-    prefill_pool, decode_pool = runtime.pools_for(request.model)
+    found = runtime.model(request.model)
+    routed = RoutingInput(request.body, request.chat, request.headers)
+    decision = decide(found, routed)
+    runtime.metrics.routing_decisions.labels(request.model, decision).inc()
     attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
     avoid: set[str] = set()
     for attempt in range(1, attempts + 1):
-        prefill = prefill_pool.choose(avoid)
-        decode = decode_pool.choose(avoid)
+        prefill = found.prefill.choose(avoid, routed) if decision == DISAGGREGATED else None
+        decode = found.decode.choose(avoid, routed)
         dispatch = Dispatch(runtime, request, prefill, decode)
+        log.info(
+            "request %s model=%s route=%s prefill=%s decode=%s",
+            dispatch.request_id,
+            request.model,
+            decision,
+            prefill.label if prefill is not None else "-",
+            decode.label,
+        )
         opened = False
         try:
             await dispatch.open()

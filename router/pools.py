@@ -1,26 +1,67 @@
-"""A pool of backends of one role plus its policy; picks instances for a dispatch.
+"""A pool of backends of one role of one model plus its policy; picks instances for a dispatch.
 
-Who calls it: the orchestrator, once per dispatch and leg. ``require_identity`` is set for the
-prefill pool in push mode: an instance whose identity is neither configured nor discovered yet
-cannot be paired and is skipped.
+Who calls it: the orchestrator, once per dispatch and leg; hot reload and discovery sources,
+through :meth:`Pool.update`, whenever the pool's membership or policy changes.
+``require_identity`` is set for the prefill pool in push mode: an instance whose identity is
+neither configured nor discovered yet cannot be paired and is skipped.
+
+Membership changes (:meth:`Pool.update`) keep the state of instances that stay (health, in-flight
+count, discovered identity, load signals) and apply at once, between two dispatches:
+- an instance that leaves is no longer chosen; dispatches already using it finish on it (they hold
+  its state), and it is listed in ``draining`` until its last leg ends;
+- an instance that joins starts unhealthy and is chosen only after it passes a health check (and,
+  for a P in push mode, an identity probe): the health monitor re-checks unhealthy backends each
+  ``health.unhealthy_interval``, and the caller may check the returned ``added`` at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from router.backends import BackendState, Role
-from router.config import PoolConfig
+from router.config import InstanceConfig, LoadSignalsConfig, PoolConfig
 from router.errors import NoBackendAvailable
-from router.policies import Policy, make_policy
+from router.policies import NO_INPUT, Policy, RoutingInput, make_policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """What one :meth:`Pool.update` did: the backends that joined and those that left."""
+
+    added: tuple[BackendState, ...]
+    removed: tuple[BackendState, ...]
 
 
 class Pool:
-    def __init__(self, role: Role, config: PoolConfig, require_identity: bool) -> None:
+    def __init__(
+        self,
+        role: Role,
+        config: PoolConfig,
+        require_identity: bool,
+        model: str = "",
+        signals: LoadSignalsConfig | None = None,
+        checked: bool = True,
+    ) -> None:
+        """``checked`` False: every backend starts unhealthy until its first health check
+        passes (a pool created while serving, e.g. for a model added by a reload)."""
         self.role = role
-        self.backends = [BackendState(config=i, role=role) for i in config.instances]
+        self.model = model
         self.require_identity = require_identity
-        self._policy: Policy = make_policy(config.policy)
+        self.config = config
+        self.backends = [self._backend(i, checked) for i in config.instances]
+        self.draining: list[BackendState] = []
+        self._policy: Policy = make_policy(config, signals)
+
+    def _backend(self, instance: InstanceConfig, checked: bool) -> BackendState:
+        backend = BackendState(config=instance, role=self.role, model=self.model)
+        if not checked:
+            backend.healthy = False
+            backend.last_error = "not checked yet"
+        return backend
 
     def usable(self) -> list[BackendState]:
         """Healthy backends (with a push identity where required), in pool order."""
@@ -30,10 +71,65 @@ class Pool:
             if b.healthy and (not self.require_identity or b.identity is not None)
         ]
 
-    def choose(self, exclude: Collection[str] = ()) -> BackendState:
-        """Pick a usable backend, avoiding labels in ``exclude`` when any other is usable."""
+    def choose(
+        self, exclude: Collection[str] = (), request: RoutingInput = NO_INPUT
+    ) -> BackendState:
+        """Pick a usable backend for ``request``, avoiding labels in ``exclude`` when any other
+        is usable; :class:`NoBackendAvailable` when none is usable."""
         usable = self.usable()
         if not usable:
             raise NoBackendAvailable(f"no usable {self.role} instance")
         fresh = [b for b in usable if b.label not in exclude]
-        return self._policy.choose(fresh or usable)
+        return self._policy.choose(fresh or usable, request)
+
+    def set_instances(self, instances: Sequence[InstanceConfig]) -> MembershipChange:
+        """Make ``instances`` the pool's members (matched by label); the one membership update.
+
+        Kept instances keep their state (an instance whose config changed, e.g. a new url or
+        identity under the same name, counts as removed and added). New ones start unhealthy
+        until a health check passes. Removed ones move to ``draining`` while legs are in flight.
+        """
+        current = {b.label: b for b in self.backends}
+        members: list[BackendState] = []
+        added: list[BackendState] = []
+        for instance in instances:
+            kept = current.get(instance.label)
+            if kept is not None and kept.config == instance:
+                members.append(kept)
+                continue
+            fresh = self._backend(instance, checked=False)
+            members.append(fresh)
+            added.append(fresh)
+        member_ids = {id(b) for b in members}
+        removed = [b for b in self.backends if id(b) not in member_ids]
+        self.backends = members
+        self.draining = [b for b in self.draining + removed if b.in_flight > 0]
+        for b in removed:
+            log.info(
+                "%s %s (%s) leaves the pool; %d legs in flight finish on it",
+                self.role,
+                b.label,
+                self.model,
+                b.in_flight,
+            )
+        return MembershipChange(tuple(added), tuple(removed))
+
+    def update(
+        self, config: PoolConfig, signals: LoadSignalsConfig | None = None
+    ) -> MembershipChange:
+        """Apply a new config of this pool: members via :meth:`set_instances` (static pools only:
+        a discovered pool's members come from its discovery source), and a fresh policy when the
+        policy settings changed (the policy's state, e.g. a round-robin cursor, resets)."""
+        static = config.discovery.source == "static"
+        change = self.set_instances(config.instances) if static else MembershipChange((), ())
+        policy_keys = {"policy", "prefix_chars", "load_factor", "session_header"}
+        if config.model_dump(include=policy_keys) != self.config.model_dump(include=policy_keys):
+            self._policy = make_policy(config, signals)
+        self.config = config
+        return change
+
+    def prune_draining(self) -> list[BackendState]:
+        """Forget draining backends whose last leg ended; returns those forgotten."""
+        done = [b for b in self.draining if b.in_flight == 0]
+        self.draining = [b for b in self.draining if b.in_flight > 0]
+        return done

@@ -1,9 +1,10 @@
-"""The one object a running router app shares: settings, HTTP client, metrics and pools.
+"""The one object a running router app shares: HTTP client, metrics and the routing table.
 
 Who builds it: the app lifespan (:func:`open_runtime`), once per app run; tests may build one with
 :meth:`Runtime.create` around their own client. Everything that serves a request (dispatch,
 orchestration, health monitor, endpoints) receives this object instead of its parts.
-The runtime itself is immutable; the pools and their backends carry the state that changes.
+The runtime itself is immutable; its :class:`LiveRouting` holds the current config and per-model
+pools (swapped whole by hot reload), and the pools and backends carry the state that changes.
 """
 
 from __future__ import annotations
@@ -19,17 +20,21 @@ from router.backends import BackendState
 from router.config import RouterSettings
 from router.metrics import RouterMetrics
 from router.pools import Pool
+from router.routing import LiveRouting, ModelPools
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """Shared objects of one app run (one client, one metrics registry, the P and D pools)."""
+    """Shared objects of one app run (one client, one metrics registry, the routing table)."""
 
-    settings: RouterSettings
     client: httpx.AsyncClient
     metrics: RouterMetrics
-    prefill: Pool
-    decode: Pool
+    routing: LiveRouting
+
+    @property
+    def settings(self) -> RouterSettings:
+        """The config currently in force (hot reload replaces it)."""
+        return self.routing.table.settings
 
     @classmethod
     def create(
@@ -40,22 +45,24 @@ class Runtime:
     ) -> Runtime:
         """A runtime with fresh pools (and a fresh metrics registry unless one is given)."""
         return cls(
-            settings=settings,
             client=client,
             metrics=metrics or RouterMetrics(CollectorRegistry()),
-            prefill=Pool("prefill", settings.prefill, require_identity=settings.mode == "push"),
-            decode=Pool("decode", settings.decode, require_identity=False),
+            routing=LiveRouting(settings),
         )
 
     @property
-    def pools(self) -> tuple[Pool, Pool]:
-        """Every pool (P then D)."""
-        return (self.prefill, self.decode)
+    def pools(self) -> list[Pool]:
+        """Every pool of every served model (P then D per model)."""
+        return self.routing.table.pools()
+
+    def model(self, model: str) -> ModelPools:
+        """The current pools and rule for ``model``; 404 :class:`ClientRequestError` if unknown."""
+        return self.routing.table.lookup(model)
 
     def pools_for(self, model: str) -> tuple[Pool, Pool]:
-        """The (P, D) pools that serve ``model`` (every model is served by the same two)."""
-        del model
-        return (self.prefill, self.decode)
+        """The current (P, D) pools that serve ``model``."""
+        found = self.model(model)
+        return (found.prefill, found.decode)
 
     def backends(self) -> list[BackendState]:
         """Every backend of every pool."""

@@ -9,8 +9,8 @@ Raises :class:`ClientRequestError` naming the offending field; never returns a p
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from router.errors import ClientRequestError
@@ -24,6 +24,7 @@ class ClientRequest:
     chat: bool
     stream: bool
     model: str
+    headers: Mapping[str, str] = field(default_factory=dict)  # lower-cased names (routing)
 
     @property
     def path(self) -> str:
@@ -64,8 +65,12 @@ def _check_messages(messages: Any) -> None:
             )
 
 
-def parse_client_request(raw: bytes, chat: bool, models: Collection[str]) -> ClientRequest:
-    """Parse and check one request body; :class:`ClientRequestError` on the first problem."""
+def parse_client_request(
+    raw: bytes, chat: bool, models: Collection[str], headers: Mapping[str, str] | None = None
+) -> ClientRequest:
+    """Parse and check one request body; :class:`ClientRequestError` on the first problem.
+
+    ``headers`` (names lower-cased) are kept for the routing policies."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -77,7 +82,10 @@ def parse_client_request(raw: bytes, chat: bool, models: Collection[str]) -> Cli
         raise ClientRequestError("model is required and must be a string", "model")
     if model not in models:
         raise ClientRequestError(
-            f"The model `{model}` does not exist.", "model", status=404, code="model_not_found"
+            f"The model `{model}` does not exist; served models: {', '.join(models)}",
+            "model",
+            status=404,
+            code="model_not_found",
         )
     if chat:
         _check_messages(body.get("messages"))
@@ -103,4 +111,6 @@ def parse_client_request(raw: bytes, chat: bool, models: Collection[str]) -> Cli
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ClientRequestError("stream_options must be an object", "stream_options")
-    return ClientRequest(body=body, chat=chat, stream=stream, model=model)
+    return ClientRequest(
+        body=body, chat=chat, stream=stream, model=model, headers=dict(headers or {})
+    )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -44,10 +46,21 @@ def make_settings(
     return settings_from_mapping(data)
 
 
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    """Poll ``predicate`` until it holds; fail the test naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
 @contextmanager
-def running_router(settings: RouterSettings) -> Iterator[UvicornThread]:
-    """A router app for ``settings`` served on a free loopback port."""
-    server = UvicornThread(create_app(settings))
+def running_router(
+    settings: RouterSettings, config_path: Path | None = None
+) -> Iterator[UvicornThread]:
+    """A router app for ``settings`` served on a free loopback port (``config_path``: the file
+    it reloads)."""
+    server = UvicornThread(create_app(settings, config_path=config_path))
     server.start()
     try:
         yield server

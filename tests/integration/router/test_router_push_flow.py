@@ -7,7 +7,14 @@ import re
 import time
 
 import httpx
-from router_fixtures import MODEL, make_settings, running_router, sse_payloads, sse_text
+from router_fixtures import (
+    MODEL,
+    make_settings,
+    running_router,
+    sse_payloads,
+    sse_text,
+    wait_until,
+)
 
 from devstack.fake_vllm import (
     FakeBehavior,
@@ -314,10 +321,7 @@ def test_restarted_prefill_is_relearned_on_rejoin_without_periodic_probes(
 
 
 def _wait_status(url: str, status: int) -> None:
-    deadline = time.monotonic() + 15
-    while httpx.get(url).status_code != status:
-        assert time.monotonic() < deadline, f"{url} never answered {status}"
-        time.sleep(0.02)
+    wait_until(lambda: httpx.get(url).status_code == status, f"{url} to answer {status}")
 
 
 def test_late_prefill_answer_is_drained_not_cancelled(fake: dict[str, FakeVllmServer]) -> None:

@@ -127,3 +127,100 @@ def test_check_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["check-config", str(bad)]) == 1
     err = capsys.readouterr().err
     assert "mode" in err and "sideways" not in err.split(":")[0]
+
+
+MULTI = """
+mode: push
+disaggregation: {min_prompt_tokens: 256}
+models:
+  big:
+    prefill:
+      policy: prefix_affinity
+      instances: [{url: "http://127.0.0.1:8100"}, {url: "http://127.0.0.1:8101"}]
+    decode:
+      policy: power_of_two
+      instances: [{url: "http://127.0.0.1:8200"}]
+  small:
+    prefill:
+      instances: [{url: "http://127.0.0.1:8110"}]
+    decode:
+      instances: [{url: "http://127.0.0.1:8210"}]
+    disaggregation: {min_prompt_tokens: 0, when_no_prefill: fail}
+"""
+
+
+def test_multi_model_file_gives_each_model_its_pools_and_rule(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text(MULTI)
+    s = load_config(path)
+    routes = s.routes()
+    assert s.model_names == ["big", "small"]
+    assert routes["big"].prefill.policy == "prefix_affinity"
+    assert routes["big"].decode.policy == "power_of_two"
+    assert routes["big"].disaggregation.min_prompt_tokens == 256  # the top-level rule
+    assert routes["small"].disaggregation.when_no_prefill == "fail"
+    assert routes["small"].prefill.instances[0].url == "http://127.0.0.1:8110"
+
+
+def test_short_form_serves_every_listed_model_from_the_same_pools() -> None:
+    s = settings_from_mapping({**_base(), "models": ["a", "b"]})
+    routes = s.routes()
+    assert routes["a"].prefill is routes["b"].prefill
+    assert routes["a"].disaggregation.min_prompt_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"prefill": None}, "prefill"),
+        ({"models": {"m": {"decode": {"instances": [{"url": "http://h:1"}]}}}}, "models.m.prefill"),
+        (
+            {"models": {"m": {"prefill": {"instances": []}, "decode": {"instances": []}}}},
+            "models.m.prefill.instances",
+        ),
+        ({"prefill": {"instances": [{"url": "http://h:1"}], "policy": "magic"}}, "prefill.policy"),
+        (
+            {"prefill": {"instances": [{"url": "http://h:1"}], "load_factor": 0.5}},
+            "prefill.load_factor",
+        ),
+        ({"disaggregation": {"when_no_prefill": "maybe"}}, "disaggregation.when_no_prefill"),
+        ({"load_signals": {"interval": 5, "stale_after": 1}}, "load_signals"),
+        ({"models": []}, "models"),
+    ],
+)
+def test_routing_sections_name_the_bad_field(change: dict[str, Any], field: str) -> None:
+    data = {**_base(), **change}
+    data = {k: v for k, v in data.items() if v is not None}
+    with pytest.raises(ConfigError) as err:
+        settings_from_mapping(data)
+    assert err.value.field == field
+
+
+def test_map_form_rejects_top_level_pools() -> None:
+    pools = {k: v for k, v in _base().items() if k != "models"}
+    with pytest.raises(ConfigError) as err:
+        settings_from_mapping({**pools, "models": {"m": pools}})
+    assert err.value.field == "prefill"
+    assert "per model" in err.value.message
+
+
+def test_check_config_prints_the_effective_per_model_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "multi.yaml"
+    path.write_text(MULTI)
+    assert main(["check-config", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["model", "prefill", "decode", "disaggregation"]
+    assert lines[2].split()[:7] == ["big", "2", "x", "prefix_affinity", "1", "x", "power_of_two"]
+    assert "D alone below 256 tokens" in lines[2]
+    assert lines[3].startswith("small") and "no usable P: fail" in lines[3]
+
+
+def test_check_config_and_reload_share_the_field_named_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(MULTI.replace("policy: power_of_two", "policy: fastest"))
+    assert main(["check-config", str(path)]) == 1
+    assert "models.big.decode.policy" in capsys.readouterr().err

@@ -7,7 +7,14 @@ import pytest
 from router.backends import BackendState
 from router.config import InstanceConfig, PoolConfig, PushIdentity
 from router.errors import NoBackendAvailable
-from router.policies import LeastInFlight, RoundRobin, make_policy
+from router.policies import (
+    LeastInFlight,
+    PowerOfTwo,
+    PrefixAffinity,
+    RoundRobin,
+    SessionAffinity,
+    make_policy,
+)
 from router.pools import Pool
 
 
@@ -43,8 +50,17 @@ def test_least_in_flight_picks_the_idlest_and_rotates_ties() -> None:
 
 
 def test_make_policy_by_name() -> None:
-    assert isinstance(make_policy("round_robin"), RoundRobin)
-    assert isinstance(make_policy("least_in_flight"), LeastInFlight)
+    instances = [InstanceConfig(url="http://127.0.0.1:1")]
+    expected = {
+        "round_robin": RoundRobin,
+        "least_in_flight": LeastInFlight,
+        "power_of_two": PowerOfTwo,
+        "prefix_affinity": PrefixAffinity,
+        "session_affinity": SessionAffinity,
+    }
+    for name, kind in expected.items():
+        policy = make_policy(PoolConfig.model_validate({"instances": instances, "policy": name}))
+        assert isinstance(policy, kind)
 
 
 def test_pool_skips_unhealthy_and_identityless_prefills() -> None:
@@ -71,3 +87,45 @@ def test_pool_skips_unhealthy_and_identityless_prefills() -> None:
 def test_pool_exclusion_falls_back_when_nothing_else_is_usable() -> None:
     pool = Pool("decode", PoolConfig(instances=[InstanceConfig(url="http://127.0.0.1:9")]), False)
     assert pool.choose(exclude={"http://127.0.0.1:9"}).url == "http://127.0.0.1:9"
+
+
+def _instances(*ports: int) -> list[InstanceConfig]:
+    return [InstanceConfig(url=f"http://127.0.0.1:{p}", name=f"i{p}") for p in ports]
+
+
+def test_set_instances_keeps_state_drains_leavers_and_holds_joiners_until_checked() -> None:
+    pool = Pool("decode", PoolConfig(instances=_instances(1, 2, 3)), require_identity=False)
+    kept, leaving, idle_leaver = pool.backends[0], pool.backends[1], pool.backends[2]
+    kept.in_flight, leaving.in_flight = 2, 1
+    change = pool.set_instances(_instances(1, 4))
+    assert [b.label for b in change.added] == ["i4"]
+    assert [b.label for b in change.removed] == ["i2", "i3"]
+    assert pool.backends[0] is kept and kept.in_flight == 2
+    joined = pool.backends[1]
+    assert not joined.healthy  # probed before use
+    assert pool.usable() == [kept]
+    assert pool.draining == [leaving]  # the idle leaver is gone at once
+    assert idle_leaver not in pool.draining
+    leaving.in_flight = 0
+    assert pool.prune_draining() == [leaving] and pool.draining == []
+    joined.healthy = True
+    assert {b.label for b in pool.usable()} == {"i1", "i4"}
+
+
+def test_set_instances_replaces_an_instance_whose_config_changed() -> None:
+    pool = Pool("decode", PoolConfig(instances=_instances(1)), require_identity=False)
+    old = pool.backends[0]
+    moved = InstanceConfig(url="http://127.0.0.1:9", name="i1")
+    change = pool.set_instances([moved])
+    assert change.removed == (old,) and change.added[0].url == "http://127.0.0.1:9"
+
+
+def test_update_swaps_the_policy_only_when_its_settings_change() -> None:
+    cfg = PoolConfig(instances=_instances(1, 2), policy="round_robin")
+    pool = Pool("decode", cfg, require_identity=False)
+    assert pool.choose().label == "i1"
+    pool.update(cfg)
+    assert pool.choose().label == "i2"  # the cursor survived a no-op update
+    pool.update(cfg.model_copy(update={"policy": "least_in_flight"}))
+    pool.backends[0].in_flight = 1
+    assert pool.choose().label == "i2"

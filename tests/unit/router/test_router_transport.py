@@ -119,7 +119,8 @@ async def test_slow_health_checks_take_a_backend_out_only_after_the_threshold() 
         runtime = Runtime.create(settings, client)
         monitor = HealthMonitor(runtime)
         await monitor.check_all()
-        prefill, decode = runtime.prefill.backends[0], runtime.decode.backends[0]
+        p_pool, d_pool = runtime.pools_for("m")
+        prefill, decode = p_pool.backends[0], d_pool.backends[0]
         assert prefill.healthy and prefill.identity is not None
         assert prefill.identity.engine_id == "eng"
         mode["decode"] = "slow"

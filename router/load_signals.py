@@ -1,0 +1,96 @@
+"""Live load signals of vLLM instances, scraped from their Prometheus ``/metrics``.
+
+Who calls it: the app lifespan runs :func:`run_scraper` as a background task; it scrapes every
+backend of every pool whose policy is ``power_of_two`` each ``load_signals.interval`` and stores
+the result in ``BackendState.signals``. The ``power_of_two`` policy reads them through
+:func:`backend_load`. A failed or unparsable scrape leaves no signals (the policy then uses the
+router's own in-flight count); nothing here raises into a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.backends import BackendState, LoadSignals
+from router.ids import new_request_id
+from router.upstream import leg_headers
+
+log = logging.getLogger(__name__)
+
+_WAITING = "vllm:num_requests_waiting"
+_RUNNING = "vllm:num_requests_running"
+_KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+def parse_signals(text: str, model: str, at: float) -> LoadSignals | None:
+    """The signals for ``model`` in a vLLM ``/metrics`` page (summed over its engines).
+
+    Samples whose ``model_name`` label differs from ``model`` are ignored (when ``model`` is
+    empty, all count). None when the page has neither request gauge or does not parse.
+    """
+    sums = {_WAITING: 0.0, _RUNNING: 0.0, _KV_USAGE: 0.0}
+    seen: set[str] = set()
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name not in sums:
+                    continue
+                if model and sample.labels.get("model_name", model) != model:
+                    continue
+                sums[sample.name] += sample.value
+                seen.add(sample.name)
+    except ValueError:
+        return None
+    if _WAITING not in seen and _RUNNING not in seen:
+        return None
+    return LoadSignals(sums[_WAITING], sums[_RUNNING], min(sums[_KV_USAGE], 1.0), at)
+
+
+def backend_load(backend: BackendState, now: float, stale_after: float) -> float:
+    """The load ``power_of_two`` compares: in-flight legs, or more when vLLM reports more.
+
+    With fresh signals: ``max(in_flight, running + waiting) + waiting + kv_usage`` (the max
+    avoids counting this router's own legs twice while still seeing other routers' load; a queue
+    counts again because queued requests wait for the ones running; KV usage breaks ties toward
+    the emptier cache). Stale (older than ``stale_after``) or missing signals: ``in_flight``.
+    """
+    s = backend.signals
+    if s is None or now - s.at > stale_after:
+        return float(backend.in_flight)
+    return max(float(backend.in_flight), s.running + s.waiting) + s.waiting + s.kv_usage
+
+
+async def scrape(client: httpx.AsyncClient, backend: BackendState, timeout: float) -> None:
+    """Scrape one backend once; on any failure its signals are cleared (never raises)."""
+    headers = leg_headers(backend, new_request_id())
+    try:
+        resp = await asyncio.wait_for(
+            client.get(backend.url + "/metrics", headers=headers), timeout
+        )
+        resp.raise_for_status()
+    except (httpx.HTTPError, TimeoutError) as exc:
+        log.debug("%s %s: no load signals (%r)", backend.role, backend.label, exc)
+        backend.signals = None
+        return
+    backend.signals = parse_signals(resp.text, backend.model, time.monotonic())
+
+
+async def run_scraper(
+    client: httpx.AsyncClient,
+    targets: Callable[[], Iterable[BackendState]],
+    interval: Callable[[], float],
+    timeout: float,
+) -> None:
+    """Scrape ``targets()`` concurrently every ``interval()`` seconds, forever (cancel to stop).
+
+    Both are re-read each round, so a reloaded config takes effect at the next round.
+    """
+    while True:
+        await asyncio.gather(*(scrape(client, b, timeout) for b in targets()))
+        await asyncio.sleep(interval())

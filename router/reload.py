@@ -1,0 +1,94 @@
+"""Hot reload of the config file: SIGHUP, and optionally a watch on the file.
+
+Who calls it: the app lifespan, when the app was built from a file (``disagg-router serve``).
+:meth:`ConfigReloader.reload` re-reads and validates the file exactly like ``check-config``:
+
+- valid: the new routing table is swapped in at once (:meth:`router.routing.LiveRouting.apply`):
+  new requests use it, requests in flight finish on the instances they started on, instances
+  that left are drained (no new legs), instances that joined are health-checked (and, for a P in
+  push mode, identity-probed) right away and used only once that passes;
+- invalid (unreadable, bad YAML, or a field that fails validation): rejected with the same
+  field-named message ``check-config`` prints; the previous config keeps serving.
+
+Either way one log line and ``disagg_router_config_reloads_total{result}`` say what happened.
+Settings read once at start stay as they were: the HTTP client's connection timeouts and limits,
+and ``reload.watch`` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import watchfiles
+
+from router.backends import BackendState
+from router.config import load_config
+from router.errors import ConfigError
+from router.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+CheckBackends = Callable[[Sequence[BackendState]], Coroutine[Any, Any, None]]
+
+
+class ConfigReloader:
+    """Applies the file at ``path`` to ``runtime``; ``check`` health-checks joining backends."""
+
+    def __init__(self, runtime: Runtime, path: Path, check: CheckBackends) -> None:
+        self.runtime = runtime
+        self.path = path
+        self._check = check
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def reload(self) -> bool:
+        """Re-read the file and swap it in if valid; True when applied (call on the loop)."""
+        try:
+            settings = load_config(self.path)
+        except ConfigError as exc:
+            self.runtime.metrics.config_reloads.labels("rejected").inc()
+            log.error(
+                "config reload rejected: invalid config %s: %s; the previous config keeps serving",
+                self.path,
+                exc.message,
+            )
+            return False
+        changes = self.runtime.routing.apply(settings)
+        added = [b for c in changes for b in c.added]
+        removed = [b for c in changes for b in c.removed]
+        for backend in removed:
+            self.runtime.metrics.forget_backend(backend.role, backend.label)
+        self.runtime.metrics.config_reloads.labels("applied").inc()
+        log.info(
+            "config reloaded from %s: models %s; %d instances joined (checked before use), "
+            "%d left (drained)",
+            self.path,
+            ", ".join(settings.model_names),
+            len(added),
+            len(removed),
+        )
+        if added:
+            task = asyncio.get_running_loop().create_task(self._check(added))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def watch(self) -> None:
+        """Reload whenever the file changes (cancel to stop); watches its directory, so a file
+        replaced by rename (as editors and Kubernetes ConfigMaps do) is still seen."""
+        target = self.path.resolve()
+
+        def is_target(_: watchfiles.Change, path: str) -> bool:
+            return Path(path).resolve() == target
+
+        async for _ in watchfiles.awatch(target.parent, watch_filter=is_target, debounce=300):
+            self.reload()
+
+    async def close(self) -> None:
+        """Cancel checks still running."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

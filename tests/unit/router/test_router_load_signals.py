@@ -1,0 +1,67 @@
+"""power_of_two and the vLLM load signals it reads."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from router.backends import BackendState, LoadSignals
+from router.config import InstanceConfig
+from router.load_signals import backend_load, parse_signals
+from router.policies import PowerOfTwo
+
+VLLM_METRICS = """
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="0",model_name="other"} 9.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+"""
+
+
+def _backends(n: int) -> list[BackendState]:
+    return [
+        BackendState(InstanceConfig(url=f"http://127.0.0.1:{8100 + i}"), "prefill")
+        for i in range(n)
+    ]
+
+
+def test_parse_reads_the_models_gauges() -> None:
+    s = parse_signals(VLLM_METRICS, "tiny", at=5.0)
+    assert s == LoadSignals(waiting=2.0, running=3.0, kv_usage=0.25, at=5.0)
+    assert parse_signals("# nothing here\n", "tiny", 0.0) is None
+    assert parse_signals("vllm:num_requests_running{ 3", "tiny", 0.0) is None
+
+
+def test_load_uses_fresh_signals_and_falls_back_to_in_flight() -> None:
+    (b,) = _backends(1)
+    b.in_flight = 1
+    assert backend_load(b, now=10.0, stale_after=6.0) == 1.0  # no signals
+    b.signals = LoadSignals(waiting=2.0, running=3.0, kv_usage=0.25, at=8.0)
+    assert backend_load(b, now=10.0, stale_after=6.0) == 5.0 + 2.0 + 0.25
+    assert backend_load(b, now=20.0, stale_after=6.0) == 1.0  # stale
+    b.in_flight = 9
+    assert backend_load(b, now=10.0, stale_after=6.0) == 9.0 + 2.0 + 0.25  # own legs dominate
+
+
+def test_power_of_two_spreads_equal_instances() -> None:
+    bs = _backends(4)
+    p2c = PowerOfTwo(stale_after=6.0, rng=random.Random(1), clock=lambda: 0.0)
+    counts = Counter(p2c.choose(bs).url for _ in range(2000))
+    assert len(counts) == 4 and all(400 <= n <= 600 for n in counts.values()), counts
+
+
+def test_power_of_two_avoids_the_loaded_instance() -> None:
+    fast, slow = _backends(2)
+    slow.signals = LoadSignals(waiting=4.0, running=8.0, kv_usage=0.9, at=0.0)
+    p2c = PowerOfTwo(stale_after=6.0, rng=random.Random(2), clock=lambda: 1.0)
+    assert all(p2c.choose([fast, slow]) is fast for _ in range(50))
+    stale = PowerOfTwo(stale_after=6.0, rng=random.Random(2), clock=lambda: 100.0)
+    assert {stale.choose([fast, slow]).url for _ in range(50)} == {fast.url, slow.url}
+    slow.signals, slow.in_flight = None, 3
+    assert all(p2c.choose([fast, slow]) is fast for _ in range(50))
