@@ -21,6 +21,7 @@ from router.config import RouterSettings
 from router.metrics import RouterMetrics
 from router.pools import Pool
 from router.routing import LiveRouting, ModelPools
+from router.transport import AiohttpTransport
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,16 @@ class Runtime:
 def http_client(
     settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
-    """The one upstream client: explicit timeouts, generous pool limits."""
+    """The one upstream client: explicit timeouts, generous pool limits.
+
+    Its connections are aiohttp's (:mod:`router.transport`); ``transport`` replaces them (tests).
+    """
     t = settings.timeouts
     timeout = httpx.Timeout(connect=t.connect, read=t.total, write=t.total, pool=t.connect)
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+    return httpx.AsyncClient(
+        timeout=timeout, limits=limits, transport=transport or AiohttpTransport(limits=limits)
+    )
 
 
 @asynccontextmanager

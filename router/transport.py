@@ -1,0 +1,68 @@
+"""The upstream client's transport: aiohttp's connections behind httpx's API.
+
+Who calls it: :func:`router.runtime.http_client` (the router's one upstream client). httpcore's
+pool polls every pooled connection on each request; with the connections a loaded router keeps,
+that cost more CPU than everything else the router does (docs/benchmarks/README.md, "Upstream
+HTTP client"). ``httpx-aiohttp`` runs httpx requests over aiohttp instead; this subclass makes
+its errors the ones httpx's own transport raises for the same failure (the package calls a
+refused or dropped connection a connect timeout), so callers see no difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import httpx
+import httpx_aiohttp
+
+
+def httpx_error(exc: BaseException) -> httpx.TransportError | None:
+    """The httpx error httpx's own transport raises for the aiohttp failure ``exc`` (or the one
+    under an error the package mapped); ``None`` if ``exc`` is no aiohttp failure."""
+    cause = exc.__cause__ if isinstance(exc, httpx.TransportError) else exc
+    message = str(cause)
+    if isinstance(cause, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(message)
+    if isinstance(cause, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(message)
+    if isinstance(cause, aiohttp.ServerTimeoutError):
+        return httpx.ReadTimeout(message)
+    if isinstance(cause, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        return httpx.RemoteProtocolError(message)
+    if isinstance(cause, aiohttp.ClientError):
+        return httpx.ReadError(message)
+    return None
+
+
+class _Stream(httpx.AsyncByteStream):
+    """A response body whose transport errors are :func:`httpx_error`'s."""
+
+    def __init__(self, inner: httpx.AsyncByteStream) -> None:
+        self._inner = inner
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._inner:
+                yield chunk
+        except (httpx.TransportError, aiohttp.ClientError) as exc:
+            raise (httpx_error(exc) or exc) from exc
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        except (httpx.TransportError, aiohttp.ClientError) as exc:
+            raise (httpx_error(exc) or exc) from exc
+
+
+class AiohttpTransport(httpx_aiohttp.AiohttpTransport):
+    """``httpx_aiohttp.AiohttpTransport`` raising httpx's own errors (see the module doc)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            response = await super().handle_async_request(request)
+        except (httpx.TransportError, aiohttp.ClientError) as exc:
+            raise (httpx_error(exc) or exc) from exc
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        response.stream = _Stream(response.stream)
+        return response
