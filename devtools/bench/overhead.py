@@ -2,15 +2,21 @@
 
 Who calls it: ``disagg-bench overhead``. It starts, as separate processes, a fake prefill and
 a fake decode instance (``devstack.fake_vllm``, zero delays), our router in push mode over
-them, and ``vllm-router --vllm-pd-disaggregation`` over the same fakes. Then, in one process and
-interleaved per rate so drift hits all targets alike, it offers the same Poisson load to each
-target at fixed rates, and finally a closed loop at a fixed concurrency to find the request rate
-each one sustains. Everything is reported against the direct baseline measured in the same run.
+them, and ``vllm-router --vllm-pd-disaggregation`` over the same fakes. With two or more CPUs
+the fakes are pinned to the first and the routers to the last (``taskset``), so a router never
+competes with the backends for its core. Then, in one process and interleaved per rate so drift
+hits all targets alike, it offers the same Poisson streamed load to each target at fixed rates,
+and finally a closed loop at a fixed concurrency to find the request rate each one sustains.
+Each point also records the CPU time the target's processes used per completed request (for
+``direct``: the fake decode instance), a cost that a busy shared machine does not inflate the
+way it inflates latency. Everything is reported against the direct baseline of the same run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -22,9 +28,10 @@ from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.results import metrics_to_dict
-from bench.routers import our_router, router_config, vllm_router
+from bench.routers import our_router, pinned, router_config, vllm_router
 from devstack.managed_process import ManagedProcess
 from devstack.ports import free_ports
+from devstack.process import group_cpu_seconds
 
 MODEL = "fake-model"
 PREFILL_ENGINE_ID = "bench-prefill"
@@ -36,8 +43,8 @@ FAKE_PREFILL_IDENTITY = {"engine_id": PREFILL_ENGINE_ID, "host": "127.0.0.1", "p
 class OverheadSpec:
     """Load shape of the overhead benchmark."""
 
-    rates: tuple[float, ...] = (25.0, 50.0, 100.0)
-    seconds_per_rate: float = 8.0
+    rates: tuple[float, ...] = (100.0, 250.0, 500.0)
+    seconds_per_rate: float = 6.0
     input_len: int = 128
     output_len: int = 16
     saturation_concurrency: int = 32
@@ -45,9 +52,20 @@ class OverheadSpec:
     saturation_seconds: float = 10.0
     routers: tuple[str, ...] = ("ours", "vllm-router")
     seed: int = 0
+    pin: bool = True
 
 
-def _fake(name: str, port: int, logs: Path, engine_id: str | None = None) -> ManagedProcess:
+def _cpu_split(pin: bool) -> tuple[str | None, str | None]:
+    """(the fakes' CPUs, the routers' CPUs) for ``taskset``; no pinning on one CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2 or shutil.which("taskset") is None:
+        return None, None
+    return str(cpus[0]), str(cpus[-1])
+
+
+def _fake(
+    name: str, port: int, logs: Path, engine_id: str | None = None, cpus: str | None = None
+) -> ManagedProcess:
     argv = [
         sys.executable,
         "-m",
@@ -59,10 +77,12 @@ def _fake(name: str, port: int, logs: Path, engine_id: str | None = None) -> Man
     ]
     if engine_id:
         argv += ["--engine-id", engine_id]
-    return ManagedProcess(name, argv, f"http://127.0.0.1:{port}/health", logs / f"{name}.log")
+    return ManagedProcess(
+        name, pinned(argv, cpus), f"http://127.0.0.1:{port}/health", logs / f"{name}.log"
+    )
 
 
-def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
+def _summary(metrics: dict[str, Any], cpu_s: float) -> dict[str, Any]:
     keys = (
         "completed",
         "failed",
@@ -73,11 +93,28 @@ def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
         "p99_e2el_ms",
         "median_itl_ms",
     )
-    return {k: metrics[k] for k in keys}
+    out = {k: metrics[k] for k in keys}
+    done = metrics["completed"]
+    out["cpu_ms_per_request"] = 1000 * cpu_s / done if done else None
+    return out
 
 
-async def measure(targets: dict[str, Target], spec: OverheadSpec) -> dict[str, Any]:
-    """Offer the fixed-rate loads and the saturation loop to every target (interleaved)."""
+async def _timed_load(
+    client: Any, target: Target, requests: list[Any], load: LoadSpec, pgid: int | None
+) -> tuple[Any, dict[str, Any]]:
+    """One load on ``target``: its result and its summary (with the CPU its processes used)."""
+    before = group_cpu_seconds(pgid) if pgid else 0.0
+    result = await run_load(client, target, requests, load)
+    used = group_cpu_seconds(pgid) - before if pgid else 0.0
+    return result, _summary(metrics_to_dict(result.metrics), used)
+
+
+async def measure(
+    targets: dict[str, Target], spec: OverheadSpec, pgids: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """Offer the fixed-rate loads and the saturation loop to every target (interleaved);
+    ``pgids``: the process group whose CPU time counts for each target."""
+    pgids = pgids or {}
     out: dict[str, Any] = {"fixed_rate": [], "saturation": {}}
     saturated: set[str] = set()
     async with make_client() as client:
@@ -95,8 +132,9 @@ async def measure(targets: dict[str, Target], spec: OverheadSpec) -> dict[str, A
                     continue
                 print(f"overhead: {name} at {rate:g} req/s ({n} requests)", file=sys.stderr)
                 load = LoadSpec(request_rate=rate, seed=spec.seed, show_progress=False)
-                result = await run_load(client, target, requests, load)
-                row["targets"][name] = _summary(metrics_to_dict(result.metrics))
+                result, row["targets"][name] = await _timed_load(
+                    client, target, requests, load, pgids.get(name)
+                )
                 if result.metrics.request_throughput < 0.5 * rate:
                     saturated.add(name)
             out["fixed_rate"].append(row)
@@ -114,8 +152,9 @@ async def measure(targets: dict[str, Target], spec: OverheadSpec) -> dict[str, A
                 spec.saturation_requests, max(probe_n, int(probe_rate * spec.saturation_seconds))
             )
             requests = make_token_prompts(SyntheticSpec(n, spec.input_len, spec.output_len, seed=1))
-            result = await run_load(client, target, requests, load)
-            out["saturation"][name] = _summary(metrics_to_dict(result.metrics))
+            _, out["saturation"][name] = await _timed_load(
+                client, target, requests, load, pgids.get(name)
+            )
     return out
 
 
@@ -138,6 +177,8 @@ def derive(raw: dict[str, Any]) -> dict[str, Any]:
                     "added_e2el_ms_p99": m["p99_e2el_ms"] - base["p99_e2el_ms"],
                     "e2el_p50_ratio": _ratio(m["median_e2el_ms"], base["median_e2el_ms"]),
                     "e2el_p99_ratio": _ratio(m["p99_e2el_ms"], base["p99_e2el_ms"]),
+                    "achieved_rate": m["request_throughput"],
+                    "cpu_ms_per_request": m.get("cpu_ms_per_request"),
                 }
             )
     sat = raw["saturation"]
@@ -147,6 +188,7 @@ def derive(raw: dict[str, Any]) -> dict[str, Any]:
             "max_request_rate": m["request_throughput"],
             "ratio_to_direct": _ratio(m["request_throughput"], base_rate),
             "failed": m["failed"],
+            "cpu_ms_per_request": m.get("cpu_ms_per_request"),
         }
         for name, m in sat.items()
     }
@@ -161,8 +203,8 @@ def format_report(derived: dict[str, Any]) -> str:
     """Markdown tables of the derived numbers."""
     lines = [
         "| router | rate (req/s) | added TTFT p50 / p99 (ms) | added E2EL p50 / p99 (ms) "
-        "| E2EL p50 / p99 vs direct |",
-        "|---|---|---|---|---|",
+        "| E2EL p50 / p99 vs direct | achieved req/s | router CPU ms/request |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, rows in derived["added"].items():
         for r in rows:
@@ -170,17 +212,18 @@ def format_report(derived: dict[str, Any]) -> str:
                 f"| {name} | {r['rate']:g} | {r['added_ttft_ms_p50']:.2f} / "
                 f"{r['added_ttft_ms_p99']:.2f} | {r['added_e2el_ms_p50']:.2f} / "
                 f"{r['added_e2el_ms_p99']:.2f} | {_fmt(r['e2el_p50_ratio'])} / "
-                f"{_fmt(r['e2el_p99_ratio'])} |"
+                f"{_fmt(r['e2el_p99_ratio'])} | {r.get('achieved_rate', 0):.1f} "
+                f"| {_ms(r.get('cpu_ms_per_request'))} |"
             )
     lines += [
         "",
-        "| target | sustained req/s (closed loop) | vs direct | failed |",
-        "|---|---|---|---|",
+        "| target | sustained req/s (closed loop) | vs direct | failed | CPU ms/request |",
+        "|---|---|---|---|---|",
     ]
     for name, s in derived["saturation"].items():
         lines.append(
             f"| {name} | {s['max_request_rate']:.1f} | {_fmt(s['ratio_to_direct'])} "
-            f"| {s['failed']} |"
+            f"| {s['failed']} | {_ms(s.get('cpu_ms_per_request'))} |"
         )
     return "\n".join(lines)
 
@@ -189,22 +232,41 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start the processes, measure, stop them; returns raw and derived numbers."""
     logs = log_dir or Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     logs.mkdir(parents=True, exist_ok=True)
     p_port, d_port, r_port, v_port = free_ports(4)
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    fake_cpus, router_cpus = _cpu_split(spec.pin)
+    pgids: dict[str, int] = {}
+
+    def started(name: str, process: ManagedProcess) -> None:
+        stack.enter_context(process)
+        if process.pid is not None:
+            pgids[name] = process.pid
+
     with ExitStack() as stack:
-        stack.enter_context(_fake("fake-prefill", p_port, logs, PREFILL_ENGINE_ID))
-        stack.enter_context(_fake("fake-decode", d_port, logs))
+        started("prefill", _fake("fake-prefill", p_port, logs, PREFILL_ENGINE_ID, fake_cpus))
+        started("direct", _fake("fake-decode", d_port, logs, cpus=fake_cpus))
         targets = {"direct": Target(d_url, MODEL)}
         if "ours" in spec.routers:
             config = router_config(MODEL, p_url, d_url, identity=FAKE_PREFILL_IDENTITY)
-            stack.enter_context(our_router(config, r_port, logs))
+            started("ours", our_router(config, r_port, logs, cpus=router_cpus))
             targets["ours"] = Target(f"http://127.0.0.1:{r_port}", MODEL)
         if "vllm-router" in spec.routers:
-            stack.enter_context(vllm_router(p_url, d_url, v_port, logs))
+            started("vllm-router", vllm_router(p_url, d_url, v_port, logs, cpus=router_cpus))
             targets["vllm-router"] = Target(f"http://127.0.0.1:{v_port}", MODEL)
-        raw = asyncio.run(measure(targets, spec))
-    return {"spec": spec.__dict__, "logs": str(logs), "raw": raw, "derived": derive(raw)}
+        raw = asyncio.run(measure(targets, spec, pgids))
+    cpus = {"fakes": fake_cpus, "routers": router_cpus}
+    return {
+        "spec": spec.__dict__,
+        "cpus": cpus,
+        "logs": str(logs),
+        "raw": raw,
+        "derived": derive(raw),
+    }

@@ -15,14 +15,19 @@ ROUTERS = ("ours", "vllm-router")
 
 
 def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rates", default="25,50,100", help="comma-separated req/s")
-    parser.add_argument("--seconds-per-rate", type=float, default=8.0)
+    parser.add_argument("--rates", default="100,250,500", help="comma-separated req/s")
+    parser.add_argument("--seconds-per-rate", type=float, default=6.0)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--saturation-concurrency", type=int, default=32)
     parser.add_argument("--saturation-requests", type=int, default=1000)
     parser.add_argument("--routers", default=",".join(ROUTERS), help="subset of ours,vllm-router")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="do not pin the fakes to the first CPU and the routers to the last",
+    )
     parser.add_argument("--log-dir", type=Path, help="child process logs (default: a temp dir)")
     parser.add_argument("--result-file", type=Path, help="write JSON results here")
     parser.add_argument("--markdown-file", type=Path, help="write the markdown tables here")
@@ -43,6 +48,7 @@ def overhead_command(args: argparse.Namespace) -> int:
         saturation_requests=args.saturation_requests,
         routers=routers,
         seed=args.seed,
+        pin=not args.no_pin,
     )
     try:
         load_before = os.getloadavg()

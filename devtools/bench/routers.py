@@ -21,6 +21,11 @@ def _python() -> str:
     return sys.executable
 
 
+def pinned(argv: list[str], cpus: str | None) -> list[str]:
+    """``argv`` run on the CPUs ``cpus`` (``taskset -c`` list, e.g. "1"); as is if ``None``."""
+    return argv if cpus is None else ["taskset", "-c", cpus, *argv]
+
+
 def router_config(
     model: str,
     prefill_url: str,
@@ -45,22 +50,34 @@ def router_config(
 
 
 def our_router(
-    config: dict[str, Any], port: int, logs: Path, ready_timeout_s: float = 60.0
+    config: dict[str, Any],
+    port: int,
+    logs: Path,
+    ready_timeout_s: float = 60.0,
+    cpus: str | None = None,
 ) -> ManagedProcess:
-    """Our router as a process (``disagg-router serve``), ready once both pools are usable."""
+    """Our router as a process (``disagg-router serve``), ready once both pools are usable;
+    pinned to ``cpus`` when given."""
     path = logs / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     argv = [_python(), "-m", "router.cli", "serve", "--config", str(path)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    argv = pinned(argv, cpus)
     ready = f"http://127.0.0.1:{port}/ready"
     log = logs / f"router-{port}.log"
     return ManagedProcess("router", argv, ready, log, ready_timeout_s=ready_timeout_s)
 
 
 def vllm_router(
-    prefill_url: str, decode_url: str, port: int, logs: Path, ready_timeout_s: float = 60.0
+    prefill_url: str,
+    decode_url: str,
+    port: int,
+    logs: Path,
+    ready_timeout_s: float = 60.0,
+    cpus: str | None = None,
 ) -> ManagedProcess:
-    """``vllm-router`` in vLLM P/D mode (NIXL pull protocol) over one P and one D."""
+    """``vllm-router`` in vLLM P/D mode (NIXL pull protocol) over one P and one D; pinned to
+    ``cpus`` when given."""
     exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     argv = [
         exe,
@@ -88,4 +105,6 @@ def vllm_router(
     ]
     ready = f"http://127.0.0.1:{port}/health"
     log = logs / f"vllm-router-{port}.log"
-    return ManagedProcess("vllm-router", argv, ready, log, ready_timeout_s=ready_timeout_s)
+    return ManagedProcess(
+        "vllm-router", pinned(argv, cpus), ready, log, ready_timeout_s=ready_timeout_s
+    )

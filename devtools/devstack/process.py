@@ -102,14 +102,30 @@ def group_alive(pgid: int) -> bool:
     return any(_live_member(entry, pgid) for entry in entries if entry.isdigit())
 
 
-def _live_member(pid: str, pgid: int) -> bool:
+def _stat_fields(pid: str) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, ...); [] if gone."""
     try:
         stat = (_PROC / pid / "stat").read_text()
     except OSError:
-        return False
+        return []
     # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-    fields = stat[stat.rfind(")") + 2 :].split()
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def _live_member(pid: str, pgid: int) -> bool:
+    fields = _stat_fields(pid)
     return len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X")
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU time (user + system, seconds) used so far by the live processes of group ``pgid``
+    (a child started here and the processes it forked, e.g. uvicorn's workers)."""
+    total = 0
+    for entry in os.listdir(_PROC):
+        fields = _stat_fields(entry) if entry.isdigit() else []
+        if len(fields) > 12 and fields[2] == str(pgid):
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def read_log_tail(path: Path, lines: int = 40) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from bench.overhead import derive
 from bench.report import headline_point, markdown_table, render
 
 
@@ -70,3 +71,31 @@ def test_render_writes_summary_table_and_plots(tmp_path: Path) -> None:
 def test_markdown_marks_failures_and_gaps() -> None:
     table = markdown_table(ROWS, ["ours", "pull", "aggregated"])
     assert "| 2048 | 8 | 900 / 1800 | 30.0 | 5000 / 10000 (2 failed) | 50.0 | - | - |" in table
+
+
+def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> None:
+    def m(e2el_p50: float, rate: float = 1.0) -> dict[str, float]:
+        keys = ("median_ttft_ms", "p99_ttft_ms", "median_e2el_ms", "p99_e2el_ms")
+        values = (e2el_p50, 2 * e2el_p50, e2el_p50, 2 * e2el_p50)
+        return {
+            "completed": 10,
+            "failed": 0,
+            "request_throughput": rate,
+            **dict(zip(keys, values, strict=True)),
+        }
+
+    raw = {
+        "fixed_rate": [
+            {"rate": 100.0, "targets": {"direct": m(1.0), "ours": m(2.0)}},
+            {"rate": 500.0, "targets": {"direct": m(1.0), "ours": m(4.0), "vllm-router": m(1.5)}},
+        ],
+        "saturation": {"direct": m(0, 400.0), "ours": m(0, 240.0)},
+    }
+    (tmp_path / "overhead.json").write_text(json.dumps({"derived": derive(raw)}))
+    summary = render(tmp_path, "disagg-bench overhead")
+    assert summary["router_added_ms_p50"] == pytest.approx(3.0)
+    assert summary["router_added_ms_p99"] == pytest.approx(6.0)
+    assert summary["vllm_router_added_ms_p99"] == pytest.approx(1.0)
+    assert summary["router_throughput_over_direct"] == pytest.approx(0.6)
+    assert summary["vllm_router_throughput_over_direct"] is None
+    assert "at 500 req/s" in (tmp_path / "results.md").read_text()
