@@ -1,5 +1,9 @@
 """``disagg-router`` console script: ``serve`` and ``check-config``.
 
+``serve --workers N`` (N > 1) runs N router processes on one listening socket (uvicorn's
+workers); each worker builds its own app from the config file named in ``$DISAGG_ROUTER_CONFIG``
+(:func:`worker_app`). What that means for per-process state: docs/router.md, "Several workers".
+
 The development tools (``disagg-demo``, ``disagg-bench``) are console scripts of the separate
 ``disagg-router-devtools`` distribution (``devtools/``); the server knows nothing of them.
 """
@@ -8,12 +12,38 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from router.config import DisaggregationConfig, PoolConfig, RouterSettings
 from router.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+CONFIG_ENV = "DISAGG_ROUTER_CONFIG"
+"""The config file a worker process of ``serve --workers N`` loads."""
+LOG_LEVEL_ENV = "DISAGG_ROUTER_LOG_LEVEL"
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def worker_app() -> FastAPI:
+    """The app of one worker process of ``serve --workers N`` (a uvicorn app factory): the
+    config file named in ``$DISAGG_ROUTER_CONFIG``, reloaded from there like ``serve``'s."""
+    from router.app import create_app
+    from router.config import load_config
+
+    _configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"))
+    path = Path(os.environ[CONFIG_ENV])
+    return create_app(load_config(path), config_path=path)
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
@@ -70,11 +100,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"invalid config {args.config}: {exc.message}", file=sys.stderr)
         return 1
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _configure_logging(args.log_level)
+    if args.workers > 1:
+        # uvicorn starts the workers by importing the factory; they find the file here.
+        os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
+        os.environ[LOG_LEVEL_ENV] = args.log_level
+        app: FastAPI | str = "router.cli:worker_app"
+    else:
+        app = create_app(settings, config_path=Path(args.config))
     uvicorn.run(
-        create_app(settings, config_path=Path(args.config)),
+        app,
+        factory=args.workers > 1,
+        workers=args.workers,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -82,6 +119,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
     )
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="router processes sharing the port (default 1); each keeps its own in-flight "
+        "counts, health, breaker and policy state (docs/router.md, 'Several workers')",
+    )
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")
