@@ -1,13 +1,15 @@
 """The router's ASGI app: OpenAI-compatible endpoints in front of the P and D pools.
 
-Who calls it: ``disagg-router serve`` (via uvicorn) and tests. ``create_app(settings,
+Who calls it: ``disagg-router serve`` (via :mod:`router.server`) and tests. ``create_app(settings,
 transport=...)`` builds one app; its lifespan builds the app's one :class:`Runtime` (the shared
 ``httpx.AsyncClient`` with explicit timeouts and an optional injected transport, its own metrics
-registry, the per-model pools), runs the first health check / identity discovery, starts the
-periodic monitor and the load-signal scraper, and closes everything on shutdown. Built with the
-config file's path (``disagg-router serve``), it also reloads that file on SIGHUP and, with
-``reload.watch``, whenever the file changes (:mod:`router.reload`).
-All :class:`RouterError` are translated to OpenAI-style JSON here and only here.
+registry, the per-model pools, the tracer, the start/stop state) and starts the health monitor
+and the load-signal scraper in the background, so ``/health`` answers at once while slow
+instances are still being checked (``/ready`` says what is missing). Built with the config
+file's path (``disagg-router serve``), it also reloads that file on SIGHUP and, with
+``reload.watch``, whenever the file changes (:mod:`router.reload`). Every response carries
+``X-Request-Id``; every :class:`RouterError` is translated to OpenAI-style JSON here and only
+here.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from router.backends import BackendState
+from router.bounds import read_body
 from router.config import RouterSettings
+from router.context import RequestContext
 from router.dispatch import Dispatch
 from router.errors import (
     AuthenticationError,
@@ -41,12 +45,14 @@ from router.errors import (
     error_payload,
     outcome_label,
 )
+from router.guard import RequestGuard
 from router.health import HealthMonitor
 from router.load_signals import run_scraper
 from router.orchestrator import open_dispatch
 from router.reload import ConfigReloader
+from router.reqlog import log_request
 from router.runtime import Runtime, open_runtime
-from router.validation import parse_client_request
+from router.validation import ClientRequest, parse_client_request
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -60,8 +66,25 @@ def _runtime(request: Request) -> Runtime:
     return runtime
 
 
-def _error_response(exc: RouterError) -> JSONResponse:
-    return JSONResponse(error_payload(exc), status_code=exc.status)
+def _settings(request: Request) -> RouterSettings:
+    """The config in force: the runtime's (hot reload may replace it), else the app's initial."""
+    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+    if runtime is not None:
+        return runtime.settings
+    initial: RouterSettings = request.app.state.settings
+    return initial
+
+
+def _ctx(request: Request) -> RequestContext:
+    ctx: RequestContext = getattr(request.state, "ctx", None) or RequestContext()
+    return ctx
+
+
+def _error_response(exc: RouterError, headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
+    return JSONResponse(error_payload(exc), status_code=exc.status, headers=headers)
 
 
 def _authorize(request: Request, keys: list[str]) -> None:
@@ -143,7 +166,6 @@ def _lifespan(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_runtime(settings, transport) as runtime:
             monitor = HealthMonitor(runtime)
-            await monitor.check_all()
             tasks = [
                 asyncio.create_task(monitor.run()),
                 asyncio.create_task(
@@ -180,7 +202,7 @@ def _lifespan(
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error leaves the app as OpenAI-style JSON."""
+    """Every error leaves the app as OpenAI-style JSON with the request id."""
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
@@ -191,52 +213,112 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(ClientRequestError(str(exc.detail), None, status=exc.status_code))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error", exc_info=exc)
-        return _error_response(RouterError("internal router error; see the router log"))
+        err = RouterError("internal router error; see the router log")
+        return _error_response(err, {"X-Request-Id": _ctx(request).request_id})
 
 
-def _record(runtime: Runtime, endpoint: str, outcome: str) -> None:
-    runtime.metrics.requests.labels(runtime.settings.mode, endpoint, outcome).inc()
-
-
-def _settings(request: Request) -> RouterSettings:
-    """The config in force: the runtime's (hot reload may replace it), else the app's initial."""
+def _finish(
+    request: Request,
+    endpoint: str,
+    outcome: str,
+    status: int,
+    req: ClientRequest | None = None,
+    dispatch: Dispatch | None = None,
+) -> None:
+    """Count and log the end of one generation request."""
     runtime: Runtime | None = getattr(request.app.state, "runtime", None)
-    if runtime is not None:
-        return runtime.settings
-    initial: RouterSettings = request.app.state.settings
-    return initial
+    if runtime is None:
+        return
+    runtime.metrics.requests.labels(runtime.settings.mode, endpoint, outcome).inc()
+    if not runtime.settings.logging.requests:
+        return
+    log_request(
+        _ctx(request),
+        endpoint=endpoint,
+        model=req.model if req else None,
+        outcome=outcome,
+        status=status,
+        prefill=dispatch.prefill.label if dispatch and dispatch.prefill else None,
+        decode=dispatch.decode.label if dispatch else None,
+        dispatch_id=dispatch.request_id if dispatch else None,
+        timings=dispatch.timings if dispatch else None,
+    )
+
+
+async def _admitted_request(request: Request, chat: bool) -> tuple[Runtime, ClientRequest]:
+    """Checks before any upstream traffic: running and not draining, key, bounded body, input."""
+    runtime = _runtime(request)
+    settings = runtime.settings
+    if runtime.lifecycle.draining:
+        raise RouterNotReady(
+            "the router is shutting down", retry_after=settings.admission.retry_after
+        )
+    _authorize(request, settings.api_keys)
+    raw = await read_body(request, settings.limits)
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    req = parse_client_request(raw, chat, settings.model_names, headers, settings.limits)
+    started = runtime.lifecycle.initial_check_done
+    if not started.is_set():  # the first health check is bounded; so is this wait
+        await asyncio.wait({asyncio.ensure_future(started.wait())}, timeout=5.0)
+    return runtime, req
 
 
 async def _generate(request: Request, chat: bool) -> Response:
     """One generation request: validate, open a dispatch, then stream or answer in one piece."""
-    settings = _settings(request)
     endpoint = "chat" if chat else "completions"
     accepted = time.monotonic()
+    req: ClientRequest | None = None
     try:
-        _authorize(request, settings.api_keys)
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        req = parse_client_request(await request.body(), chat, settings.model_names, headers)
-        rt = _runtime(request)
-        dispatch = await _unless_disconnected(request, open_dispatch(rt, req))
+        rt, req = await _admitted_request(request, chat)
+        dispatch = await _unless_disconnected(request, open_dispatch(rt, req, _ctx(request)))
     except RouterError as exc:
-        runtime = getattr(request.app.state, "runtime", None)
-        if runtime is not None:
-            _record(runtime, endpoint, outcome_label(exc))
+        _finish(request, endpoint, outcome_label(exc), exc.status, req)
         return _error_response(exc)
     if req.stream:
-        rt.metrics.ttft.labels(settings.mode).observe(time.monotonic() - accepted)
-        return _DispatchStream(dispatch, lambda d: _record(rt, endpoint, d.outcome))
+        rt.metrics.ttft.labels(rt.settings.mode).observe(time.monotonic() - accepted)
+        return _DispatchStream(
+            dispatch, lambda d: _finish(request, endpoint, d.outcome, 200, req, d)
+        )
     try:
         answer = await _unless_disconnected(request, dispatch.json_response())
     except RouterError as exc:
-        _record(rt, endpoint, outcome_label(exc))
-        return _error_response(exc)
+        _finish(request, endpoint, outcome_label(exc), exc.status, req, dispatch)
+        return _error_response(exc, {"X-Request-Id": dispatch.request_id})
     finally:
         await dispatch.close()
-    _record(rt, endpoint, "ok")
+    _finish(request, endpoint, "ok", 200, req, dispatch)
     return JSONResponse(answer, headers={"X-Request-Id": dispatch.request_id})
+
+
+def _readiness(runtime: Runtime) -> JSONResponse:
+    """200 when every model has a usable P and D (checked, healthy, breaker closed, identity known
+    in push mode) and the router is not draining; the body says what is missing otherwise."""
+    models = {}
+    for name, found in runtime.routing.table.models.items():
+        p = [b.label for b in found.prefill.usable() if b.checked]
+        d = [b.label for b in found.decode.usable() if b.checked]
+        models[name] = {"ready": bool(p and d), "prefill": p, "decode": d}
+    first = next(iter(models.values()))  # top-level prefill/decode: the first model's
+    draining = runtime.lifecycle.draining
+    missing = {
+        f"{b.role} {b.label}": why
+        for pool in runtime.pools
+        for b in pool.backends
+        if (why := b.missing(pool.require_identity)) is not None
+    }
+    status = 200 if all(m["ready"] for m in models.values()) and not draining else 503
+    body = {
+        "ready": status == 200,
+        "mode": runtime.settings.mode,
+        "prefill": first["prefill"],
+        "decode": first["decode"],
+        "models": models,
+        "draining": draining,
+        "missing": missing,
+    }
+    return JSONResponse(body, status_code=status)
 
 
 def _routes() -> APIRouter:
@@ -268,22 +350,7 @@ def _routes() -> APIRouter:
 
     @api.get("/ready")
     async def ready(request: Request) -> JSONResponse:
-        runtime = _runtime(request)
-        models = {}
-        for name, found in runtime.routing.table.models.items():
-            p = [b.label for b in found.prefill.usable()]
-            d = [b.label for b in found.decode.usable()]
-            models[name] = {"ready": bool(p and d), "prefill": p, "decode": d}
-        ok = all(m["ready"] for m in models.values())
-        first = next(iter(models.values()))  # top-level prefill/decode: the first model's
-        body = {
-            "ready": ok,
-            "mode": runtime.settings.mode,
-            "prefill": first["prefill"],
-            "decode": first["decode"],
-            "models": models,
-        }
-        return JSONResponse(body, status_code=200 if ok else 503)
+        return _readiness(_runtime(request))
 
     @api.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
@@ -301,11 +368,20 @@ def create_app(
     ``config_path``: the file ``settings`` came from, reloaded on SIGHUP (and, with
     ``reload.watch``, on change).
 
-    The app's :class:`Runtime` (client, metrics, pools) exists while its lifespan runs.
+    The app's :class:`Runtime` (client, metrics, pools, tracer, lifecycle) exists while its
+    lifespan runs. Interactive API docs exist only with ``limits.docs: true``.
     """
-    app = FastAPI(title="disagg-router", lifespan=_lifespan(settings, transport, config_path))
+    docs = settings.limits.docs
+    app = FastAPI(
+        title="disagg-router",
+        lifespan=_lifespan(settings, transport, config_path),
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.settings = settings
     app.state.runtime = None
     _add_error_handlers(app)
     app.include_router(_routes())
+    app.add_middleware(RequestGuard, limits=settings.limits)
     return app

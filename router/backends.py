@@ -1,9 +1,10 @@
 """Runtime state of one upstream vLLM instance (a P or D backend).
 
-Who mutates it: the load-signal scraper (``signals``), the dispatch (``in_flight`` around each
-leg, ``mark_failed`` when an instance cannot be reached) and the health monitor (``healthy``;
-the discovered identity goes through :func:`router.health.learn_identity`). All mutation
-happens on the router's event loop, so no locking is needed. Policies only read it.
+Who mutates it: the load-signal scraper (``signals``), the dispatch (``in_flight`` and an
+admission slot around each leg, the leg's outcome into the ``breaker``) and the health monitor
+(``healthy``, ``checked``, breaker probes; the discovered identity goes through
+:func:`router.health.learn_identity`). All mutation happens on the router's event loop, so no
+locking is needed. Policies only read it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from router.config import InstanceConfig, PushIdentity
+from router.admission import Gate
+from router.breaker import Breaker
+from router.config import AdmissionConfig, BreakerConfig, InstanceConfig, PushIdentity
 
 Role = Literal["prefill", "decode"]
 
@@ -39,6 +42,9 @@ class BackendState:
     last_error: str | None = field(default=None)
     model: str = ""  # the served model name of the pool this backend belongs to
     signals: LoadSignals | None = None  # last scraped vLLM load signals (power_of_two)
+    checked: bool = False  # a health check has completed (passed or failed) at least once
+    gate: Gate = field(default_factory=lambda: Gate(AdmissionConfig()))
+    breaker: Breaker = field(default_factory=lambda: Breaker(BreakerConfig()))
 
     @property
     def url(self) -> str:
@@ -56,6 +62,23 @@ class BackendState:
     @property
     def needs_discovery(self) -> bool:
         return self.role == "prefill" and self.config.identity is None
+
+    @property
+    def routable(self) -> bool:
+        """Healthy by the last active check and not taken out by its breaker."""
+        return self.healthy and self.breaker.closed
+
+    def missing(self, require_identity: bool) -> str | None:
+        """Why this backend cannot take traffic now (None when it can)."""
+        if not self.checked:
+            return "not checked yet"
+        if not self.healthy:
+            return f"unhealthy: {self.last_error}"
+        if not self.breaker.closed:
+            return f"breaker {self.breaker.state}: {self.breaker.last_error}"
+        if require_identity and self.identity is None:
+            return "identity not discovered yet"
+        return None
 
     def mark_failed(self, reason: str) -> None:
         """Take the backend out of rotation until the next successful health check."""

@@ -11,7 +11,6 @@ The development tools (``disagg-demo``, ``disagg-bench``) are console scripts of
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -29,21 +28,17 @@ CONFIG_ENV = "DISAGG_ROUTER_CONFIG"
 LOG_LEVEL_ENV = "DISAGG_ROUTER_LOG_LEVEL"
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-
-
 def worker_app() -> FastAPI:
     """The app of one worker process of ``serve --workers N`` (a uvicorn app factory): the
     config file named in ``$DISAGG_ROUTER_CONFIG``, reloaded from there like ``serve``'s."""
     from router.app import create_app
     from router.config import load_config
+    from router.reqlog import configure_logging
 
-    _configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"))
     path = Path(os.environ[CONFIG_ENV])
-    return create_app(load_config(path), config_path=path)
+    settings = load_config(path)
+    configure_logging(settings.logging, os.environ.get(LOG_LEVEL_ENV, "info"))
+    return create_app(settings, config_path=path)
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
@@ -92,31 +87,34 @@ def effective_table(settings: RouterSettings) -> str:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from router.app import create_app
     from router.config import load_config
+    from router.reqlog import configure_logging
+    from router.server import serve
 
     try:
         settings = load_config(args.config)
     except ConfigError as exc:
         print(f"invalid config {args.config}: {exc.message}", file=sys.stderr)
         return 1
-    _configure_logging(args.log_level)
-    if args.workers > 1:
-        # uvicorn starts the workers by importing the factory; they find the file here.
-        os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
-        os.environ[LOG_LEVEL_ENV] = args.log_level
-        app: FastAPI | str = "router.cli:worker_app"
-    else:
-        app = create_app(settings, config_path=Path(args.config))
+    configure_logging(settings.logging, args.log_level)
+    if args.workers == 1:
+        serve(settings, args.host, args.port, args.log_level, config_path=Path(args.config))
+        return 0
+    # uvicorn starts the workers by importing the factory; they find the file here. Each worker
+    # stops with uvicorn's own graceful shutdown, bounded by drain.timeout (no 503 phase).
+    os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
+    os.environ[LOG_LEVEL_ENV] = args.log_level
     uvicorn.run(
-        app,
-        factory=args.workers > 1,
+        "router.cli:worker_app",
+        factory=True,
         workers=args.workers,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=int(settings.drain.timeout),
+        h11_max_incomplete_event_size=settings.limits.max_header_bytes,
     )
     return 0
 

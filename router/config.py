@@ -227,6 +227,74 @@ class HealthConfig(_Frozen):
     )
 
 
+class AdmissionConfig(_Frozen):
+    """Per-instance admission: at most ``max_in_flight`` legs at once on one instance; up to
+    ``queue_size`` more wait at most ``max_wait`` seconds for a slot; beyond that a 429 with
+    ``Retry-After: retry_after``."""
+
+    max_in_flight: int = Field(default=256, ge=1)
+    queue_size: int = Field(default=512, ge=0)
+    max_wait: float = Field(default=10.0, gt=0)
+    retry_after: int = Field(default=1, ge=1, description="seconds, sent as Retry-After")
+
+
+class BreakerConfig(_Frozen):
+    """Passive health: ``failure_threshold`` consecutive failed legs (5xx, timeouts, refused
+    connections, protocol errors) open an instance's breaker for ``backoff`` seconds, doubling on
+    each failed half-open trial up to ``max_backoff``; an unreachable instance opens it at once."""
+
+    failure_threshold: int = Field(default=3, ge=1)
+    backoff: float = Field(default=1.0, gt=0)
+    max_backoff: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BreakerConfig:
+        if self.max_backoff < self.backoff:
+            raise ValueError("max_backoff must be >= backoff")
+        return self
+
+
+class LimitsConfig(_Frozen):
+    """Client-side bounds. ``max_body_bytes``: larger bodies get 413. ``body_timeout``: seconds
+    to receive the whole body (408 after). ``max_header_bytes``: the request line plus headers
+    (431 after). ``max_json_depth``: nesting of the JSON body. ``max_tokens``: the largest
+    ``max_tokens``/``max_completion_tokens`` accepted. ``docs``: serve /docs, /redoc and
+    /openapi.json."""
+
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    body_timeout: float = Field(default=30.0, gt=0)
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    max_json_depth: int = Field(default=32, ge=4)
+    max_tokens: int = Field(default=1_000_000, ge=1)
+    docs: bool = False
+
+
+class DrainConfig(_Frozen):
+    """On SIGTERM/SIGINT: /ready answers 503 and new requests 503 at once; requests in flight get
+    ``timeout`` seconds to finish, then their legs are cancelled."""
+
+    timeout: float = Field(default=30.0, gt=0)
+
+
+class LoggingConfig(_Frozen):
+    """``format``: text or json (one object per line: request id, model, P, D, outcome, stage
+    timings on the request summary lines). ``requests``: log one summary line per request."""
+
+    format: Literal["text", "json"] = "text"
+    requests: bool = True
+
+
+class TracingConfig(_Frozen):
+    """OpenTelemetry tracing (needs the ``tracing`` extra); off by default and then free.
+    ``endpoint``: OTLP/HTTP traces URL. W3C ``traceparent`` is propagated to both legs."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = Field(default="disagg-router", min_length=1)
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    export_timeout: float = Field(default=10.0, gt=0)
+
+
 class DisaggregationConfig(_Frozen):
     """Per model: whether a request uses a P at all.
 
@@ -307,7 +375,13 @@ class RouterSettings(_Frozen):
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
     api_keys: list[str] = Field(default_factory=list)
-    retry_on_fresh_pair: bool = False
+    retry_on_fresh_pair: bool = True
+    admission: AdmissionConfig = AdmissionConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    limits: LimitsConfig = LimitsConfig()
+    drain: DrainConfig = DrainConfig()
+    logging: LoggingConfig = LoggingConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @field_validator("models")
     @classmethod

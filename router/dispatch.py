@@ -21,11 +21,14 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from router.admission import Slot
 from router.backends import BackendState
 from router.config import PushIdentity
+from router.context import RequestContext
 from router.errors import (
     NoBackendAvailable,
     RouterError,
+    RouterNotReady,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
@@ -44,6 +47,7 @@ from router.rewrite import (
     strip_client_fields,
 )
 from router.runtime import Runtime
+from router.tracing import Span, span_attributes
 from router.upstream import open_sse, post_json
 from router.validation import ClientRequest
 
@@ -56,12 +60,6 @@ class _End:
 
 _END = _End()
 DecodeItem = str | dict[str, Any] | RouterError | _End
-
-
-def _note_failure(backend: BackendState, exc: UpstreamError) -> None:
-    """What a leg's failure means for its instance: unreachable ones leave rotation."""
-    if exc.unreachable:
-        backend.mark_failed(exc.message)
 
 
 def sse_error_event(exc: RouterError) -> bytes:
@@ -82,12 +80,15 @@ class Dispatch:
         request: ClientRequest,
         prefill: BackendState | None,
         decode: BackendState,
+        ctx: RequestContext | None = None,
+        request_id: str | None = None,
     ) -> None:
         self.runtime = runtime
         self.request = request
         self.prefill = prefill
         self.decode = decode
-        self.request_id = new_request_id()
+        self.ctx = ctx or RequestContext()
+        self.request_id = request_id or new_request_id()
         self.transfer_id = self.request_id
         self.started = time.monotonic()
         self.outcome = "in_progress"
@@ -96,19 +97,67 @@ class Dispatch:
         self._d_task: asyncio.Task[None] | None = None
         self._sent_identity: PushIdentity | None = None
         self._first: DecodeItem = _END
+        self._slots: dict[str, Slot] = {}
+        self.timings: dict[str, float] = {}  # stage -> seconds since ``started``
+
+    def _mark(self, stage: str) -> None:
+        self.timings.setdefault(stage, round(time.monotonic() - self.started, 6))
+
+    # ---- passive health and admission -------------------------------------------------------
+
+    def _leg_failed(self, backend: BackendState, exc: UpstreamError) -> None:
+        """Feed a leg's failure to its instance's breaker (a 4xx is not the instance's fault)."""
+        if exc.instance_fault and backend.breaker.record_failure(exc.message, trip=exc.unreachable):
+            log.warning("%s %s taken out by its breaker: %s", backend.role, backend.label, exc)
+            self.runtime.metrics.breaker_open.labels(backend.role, backend.label).set(1)
+
+    def _leg_ok(self, backend: BackendState) -> None:
+        if not backend.breaker.closed or backend.breaker.failures:
+            backend.breaker.record_success()
+            self.runtime.metrics.breaker_open.labels(backend.role, backend.label).set(0)
+
+    async def _admit(self, backend: BackendState) -> None:
+        m = self.runtime.metrics
+        queue = m.admission_queue.labels(backend.role, backend.label)
+        queued = not backend.gate.has_room()
+        if queued:
+            queue.inc()
+        try:
+            slot, waited = await backend.gate.acquire(backend.label)
+        except RouterError:
+            m.admission_rejected.labels(backend.role, backend.label).inc()
+            raise
+        finally:
+            if queued:
+                queue.dec()
+        m.admission_wait.labels(backend.role).observe(waited)
+        self._slots[backend.role] = slot
 
     # ---- legs -------------------------------------------------------------------------------
 
     @contextmanager
-    def _track(self, backend: BackendState) -> Iterator[None]:
+    def _track(self, backend: BackendState) -> Iterator[Span]:
+        """Around one leg: in-flight count, its trace span, its admission slot released after."""
         gauge = self.runtime.metrics.in_flight.labels(backend.role, backend.label)
         backend.in_flight += 1
         gauge.set(backend.in_flight)
+        span = self.ctx.trace.child(
+            backend.role, span_attributes(backend=backend.label, request_id=self.request_id)
+        )
+        error: str | None = "cancelled"
         try:
-            yield
+            yield span
+            error = None
+        except RouterError as exc:
+            error = exc.message
+            raise
         finally:
+            span.end(error)
             backend.in_flight -= 1
             gauge.set(backend.in_flight)
+            slot = self._slots.get(backend.role)
+            if slot is not None:
+                slot.release()
 
     async def _prefill_leg(self, prefill: BackendState) -> dict[str, Any]:
         """P leg: 1 token, not streamed; returns P's answer after checking its kv params."""
@@ -117,7 +166,7 @@ class Dispatch:
         outcome = "error"
         start = time.monotonic()
         try:
-            with self._track(prefill):
+            with self._track(prefill) as span:
                 try:
                     data = await asyncio.wait_for(
                         post_json(
@@ -127,6 +176,7 @@ class Dispatch:
                             self.request.path,
                             body,
                             self.request_id,
+                            span.headers(),
                         ),
                         t.prefill,
                     )
@@ -136,6 +186,8 @@ class Dispatch:
                         "prefill", prefill.label, f"no answer within {t.prefill:g}s"
                     ) from exc
             self._check_prefill_answer(prefill, data)
+            self._leg_ok(prefill)
+            self._mark("prefill_done")
             outcome = "ok"
             log.debug(
                 "dispatch %s: prefill %s answered in %.3fs",
@@ -148,7 +200,7 @@ class Dispatch:
             outcome = "cancelled"
             raise
         except UpstreamError as exc:
-            _note_failure(prefill, exc)
+            self._leg_failed(prefill, exc)
             raise
         finally:
             self.runtime.metrics.prefill_duration.labels(prefill.label, outcome).observe(
@@ -194,22 +246,24 @@ class Dispatch:
             start = time.monotonic()
             first = self.runtime.metrics.decode_first_token.labels(self.decode.label)
             args = (self.runtime.client, self.decode, "decode", self.request.path, body)
-            with self._track(self.decode):
+            with self._track(self.decode) as span:
                 if self.request.stream:
-                    async with open_sse(*args, self.request_id) as payloads:
+                    async with open_sse(*args, self.request_id, span.headers()) as payloads:
                         async for payload in payloads:
                             if start:
                                 first.observe(time.monotonic() - start)
                                 start = 0.0
+                                self._leg_ok(self.decode)
                             self._queue.put_nowait(payload)
                 else:
-                    answer = await post_json(*args, self.request_id)
+                    answer = await post_json(*args, self.request_id, span.headers())
                     first.observe(time.monotonic() - start)
+                    self._leg_ok(self.decode)
                     self._queue.put_nowait(answer)
             self._queue.put_nowait(_END)
         except RouterError as exc:
             if isinstance(exc, UpstreamError):
-                _note_failure(self.decode, exc)
+                self._leg_failed(self.decode, exc)
             self._queue.put_nowait(exc)
 
     async def _decode_body(self) -> dict[str, Any]:
@@ -247,6 +301,27 @@ class Dispatch:
             self._sent_identity.engine_id if self._sent_identity else "-",
             self.decode.label,
         )
+        self.runtime.lifecycle.enter(self)
+        if prefill is not None:
+            await self._admit(prefill)
+        await self._admit(self.decode)
+        self._mark("admitted")
+        first_token = self.ctx.trace.child("first_token", {"request_id": self.request_id})
+        try:
+            await self._until_first_token()
+        except RouterError as exc:
+            first_token.end(exc.message)
+            raise
+        first_token.end()
+
+    def abort(self, reason: str) -> None:
+        """End this dispatch early (router stopping): its client gets an error now, before or
+        after the commit point; the legs are cancelled by ``close()`` as always."""
+        self._queue.put_nowait(RouterNotReady(reason))
+
+    async def _until_first_token(self) -> None:
+        settings = self.runtime.settings
+        prefill = self.prefill
         if prefill is not None:
             self._p_task = asyncio.create_task(self._prefill_leg(prefill))
         self._d_task = asyncio.create_task(self._decode_leg())
@@ -264,7 +339,9 @@ class Dispatch:
                     p_busy = self._p_task is not None and not self._p_task.done()
                     backend = prefill if p_busy and prefill is not None else self.decode
                     leg = "prefill" if backend is prefill else "decode"
-                    raise UpstreamTimeout(leg, backend.label, f"no first token within {limit:g}s")
+                    exc = UpstreamTimeout(leg, backend.label, f"no first token within {limit:g}s")
+                    self._leg_failed(backend, exc)
+                    raise exc
                 done, _ = await asyncio.wait(
                     waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED
                 )
@@ -278,6 +355,7 @@ class Dispatch:
                     if isinstance(item, RouterError):
                         raise item
                     self._first = item
+                    self._mark("first_token")
                     log.debug(
                         "dispatch %s: first token after %.3fs",
                         self.request_id,
@@ -366,6 +444,9 @@ class Dispatch:
             if not task.done():
                 task.cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
+        for slot in self._slots.values():
+            slot.release()
+        self.runtime.lifecycle.leave(self)
         p_result = results[-1] if self._p_task is not None else None
         if isinstance(p_result, UpstreamError) and self.outcome == "ok":
             log.warning("dispatch %s: prefill failed after commit: %s", self.request_id, p_result)

@@ -17,6 +17,7 @@ class RouterError(Exception):
     error_type: str = "internal_error"
     code: str | None = None
     param: str | None = None
+    retry_after: int | None = None  # seconds; sent as ``Retry-After`` when set
 
     def __init__(
         self,
@@ -26,9 +27,11 @@ class RouterError(Exception):
         error_type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
+        self.retry_after = self.retry_after if retry_after is None else retry_after
         self.status = self.status if status is None else status
         self.error_type = self.error_type if error_type is None else error_type
         self.param = self.param if param is None else param
@@ -68,10 +71,32 @@ class NoBackendAvailable(RouterError):
 
 
 class RouterNotReady(RouterError):
-    """The router's runtime is not up (starting or stopping)."""
+    """The router's runtime is not up (starting), or it is draining before it stops."""
 
     status = 503
     error_type = "service_unavailable"
+
+
+class Overloaded(RouterError):
+    """No slot on an instance within the admission bounds (queue full or wait too long)."""
+
+    status = 429
+    error_type = "rate_limit_exceeded"
+    code = "rate_limit_exceeded"
+
+
+class PayloadTooLarge(RouterError):
+    """The request body exceeds ``limits.max_body_bytes``."""
+
+    status = 413
+    error_type = "invalid_request_error"
+
+
+class BodyTimeout(RouterError):
+    """The request body did not arrive within ``limits.body_timeout``."""
+
+    status = 408
+    error_type = "invalid_request_error"
 
 
 class UpstreamError(RouterError):
@@ -198,5 +223,9 @@ def outcome_label(exc: RouterError) -> str:
         AuthenticationError: "unauthorized",
         NoBackendAvailable: "no_backend",
         ClientDisconnected: "client_disconnected",
+        Overloaded: "overloaded",
+        RouterNotReady: "not_ready",
+        PayloadTooLarge: "invalid_request",
+        BodyTimeout: "invalid_request",
     }
     return labels.get(type(exc), "error")

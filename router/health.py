@@ -1,10 +1,12 @@
 """Periodic health checks and prefill identity discovery.
 
-Who calls it: the app lifespan (one :class:`HealthMonitor` per runtime): ``check_all()`` once at
-start, then ``run()`` as a background task until shutdown. ``/health`` is bounded by
-``timeouts.health``, an identity probe (a real 1-token prefill, slow on a fresh or busy instance)
-by ``timeouts.discovery``; failed checks take the backend out of rotation, a passing one puts it
-back.
+Who calls it: the app lifespan (one :class:`HealthMonitor` per runtime) runs ``run()`` as a
+background task until shutdown: the first check of every backend at once (the router serves
+``/health`` meanwhile; ``/ready`` says what is still missing), then periodic checks, and a
+half-open probe of every backend whose breaker is open and whose backoff has passed.
+``/health`` is bounded by ``timeouts.health``, an identity probe (a real 1-token prefill, slow on
+a fresh or busy instance) and a breaker probe by ``timeouts.discovery``; failed checks take the
+backend out of rotation, a passing one puts it back.
 
 Discovery (push mode, prefill instances without a configured identity): a 1-token prefill probe
 with ``do_remote_decode: true`` makes vLLM answer with ``kv_transfer_params`` carrying its engine
@@ -82,6 +84,39 @@ class HealthMonitor:
             raise ValueError("probe answer has no kv_transfer_params")
         return identity_from_kv(kv)
 
+    async def probe_generation(self, backend: BackendState) -> None:
+        """The half-open probe: a real 1-token request (on P an identity probe, which our
+        connector answers without pinning blocks); raises like a leg would."""
+        if backend.role == "prefill":
+            identity = await self.probe_identity(backend)
+            if backend.needs_discovery and self.settings.mode == "push":
+                learn_identity(self.runtime, backend, identity)
+            return
+        rid = new_request_id()
+        body = {
+            "model": backend.model or self.settings.model_names[0],
+            "prompt": self.settings.health.discovery_prompt,
+            "max_tokens": 1,
+        }
+        await post_json(self.client, backend, "decode", "/v1/completions", body, rid)
+
+    async def probe_breaker(self, backend: BackendState) -> bool:
+        """Probe an open breaker (bounded by ``timeouts.discovery``); True if it closed."""
+        breaker = backend.breaker
+        breaker.begin_probe()
+        labels = (backend.role, backend.label)
+        try:
+            await asyncio.wait_for(self.probe_generation(backend), self.settings.timeouts.discovery)
+        except (UpstreamError, ValueError, TimeoutError) as exc:
+            breaker.record_failure(repr(exc))
+            self.metrics.breaker_probes.labels(*labels, "failed").inc()
+            log.warning("%s %s half-open probe failed: %r", backend.role, backend.label, exc)
+            return False
+        breaker.record_success()
+        self.metrics.breaker_probes.labels(*labels, "ok").inc()
+        log.info("%s %s back in rotation (half-open probe passed)", backend.role, backend.label)
+        return True
+
     async def _check(self, backend: BackendState) -> None:
         t = self.settings.timeouts
         resp = await asyncio.wait_for(
@@ -128,6 +163,7 @@ class HealthMonitor:
             backend.healthy = True
             backend.failed_checks = 0
             backend.last_error = None
+        backend.checked = True
         self.metrics.healthy.labels(backend.role, backend.label).set(1 if backend.healthy else 0)
         return backend.healthy
 
@@ -140,18 +176,23 @@ class HealthMonitor:
         await asyncio.gather(*(self.check(b) for b in backends))
 
     async def run(self) -> None:
-        """Check forever (cancel to stop): every backend each ``health.interval``; unhealthy ones
-        (still starting, or marked failed after a connect error) each ``unhealthy_interval``,
-        so they rejoin quickly."""
+        """Check forever (cancel to stop): all backends at once first, then every backend each
+        ``health.interval``; unhealthy ones (still starting, or failing) each
+        ``unhealthy_interval``, so they rejoin quickly; open breakers once their backoff passed."""
         h = self.settings.health
-        tick = min(h.interval, h.unhealthy_interval)
-        last_full = time.monotonic()
+        tick = min(h.interval, h.unhealthy_interval, self.settings.breaker.backoff)
+        await self.check_all()
+        self.runtime.lifecycle.initial_check_done.set()
+        last_full = last_down = time.monotonic()
         while True:
             await asyncio.sleep(tick)
-            if time.monotonic() - last_full >= h.interval - tick / 2:
-                last_full = time.monotonic()
-                await self.check_all()
-                continue
-            down = [b for b in self.runtime.backends() if not b.healthy]
-            if down:
-                await asyncio.gather(*(self.check(b) for b in down))
+            now = time.monotonic()
+            work = [self.probe_breaker(b) for b in self.runtime.backends() if b.breaker.probe_due()]
+            if now - last_full >= h.interval - tick / 2:
+                last_full = last_down = now
+                work += [self.check(b) for b in self.runtime.backends()]
+            elif now - last_down >= h.unhealthy_interval - tick / 2:
+                last_down = now
+                work += [self.check(b) for b in self.runtime.backends() if not b.healthy]
+            if work:
+                await asyncio.gather(*work)

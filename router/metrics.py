@@ -123,10 +123,41 @@ class RouterMetrics:
             ["result"],
             registry=registry,
         )
+        self.breaker_open = Gauge(
+            "disagg_router_backend_breaker_open",
+            "1 while the backend's circuit breaker keeps it out of rotation",
+            ["role", "backend"],
+            registry=registry,
+        )
+        self.admission_queue = Gauge(
+            "disagg_router_admission_queue_length",
+            "Legs waiting for an admission slot on the backend",
+            ["role", "backend"],
+            registry=registry,
+        )
+        self.admission_wait = Histogram(
+            "disagg_router_admission_wait_seconds",
+            "Time a leg waited for an admission slot",
+            ["role"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.admission_rejected = Counter(
+            "disagg_router_admission_rejected",
+            "Legs refused admission (queue full or wait too long)",
+            ["role", "backend"],
+            registry=registry,
+        )
+        self.breaker_probes = Counter(
+            "disagg_router_breaker_probes",
+            "Half-open probes of an open breaker by outcome",
+            ["role", "backend", "outcome"],
+            registry=registry,
+        )
 
     def forget_backend(self, role: str, label: str) -> None:
         """Drop the per-backend series of an instance that left its pool."""
-        for gauge in (self.in_flight, self.healthy):
+        for gauge in (self.in_flight, self.healthy, self.breaker_open, self.admission_queue):
             with contextlib.suppress(KeyError):
                 gauge.remove(role, label)
 

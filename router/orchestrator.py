@@ -4,9 +4,10 @@ configured.
 Who calls it: the app's generation endpoints. The request's ``model`` picks its pools and its
 disaggregation rule from the current routing table (read once: a reload during the request does
 not move it). The rule decides whether a P is used at all (:func:`decide`); P (if any) and D are
-both chosen before any leg starts. A retry happens only when ``retry_on_fresh_pair`` is set, the
-failure is retryable (not a 4xx from vLLM) and nothing has been sent to the client yet (we are
-still before the commit point); the retry avoids the backend that failed and uses a fresh
+both chosen before any leg starts. A retry happens only when ``retry_on_fresh_pair`` is set (the
+default), the failure is retryable (not a 4xx from vLLM) and nothing has been sent to the client
+yet (we are still before the commit point); the retry never re-picks the instance that failed,
+whatever the policy (no other usable instance: the first failure is the answer), and uses a fresh
 request id. The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
 """
 
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import logging
 
+from router.context import RequestContext
 from router.dispatch import Dispatch
-from router.errors import UpstreamError
+from router.errors import NoBackendAvailable, UpstreamError
 from router.policies import RoutingInput
 from router.prompt_keys import estimated_tokens
 from router.routing import ModelPools
@@ -40,21 +42,35 @@ def decide(found: ModelPools, routed: RoutingInput) -> str:
     return DISAGGREGATED
 
 
-async def open_dispatch(runtime: Runtime, request: ClientRequest) -> Dispatch:
+async def open_dispatch(
+    runtime: Runtime, request: ClientRequest, ctx: RequestContext | None = None
+) -> Dispatch:
     """An opened dispatch (first token in hand); the caller must ``close()`` it.
 
     Raises the last attempt's :class:`RouterError`; failed attempts are closed here.
+    ``ctx``: the client request's ids; the first attempt uses ``ctx.request_id``.
     """
+    ctx = ctx or RequestContext()
     found = runtime.model(request.model)
     routed = RoutingInput(request.body, request.chat, request.headers)
     decision = decide(found, routed)
     runtime.metrics.routing_decisions.labels(request.model, decision).inc()
     attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
     avoid: set[str] = set()
+    failure: UpstreamError | None = None
     for attempt in range(1, attempts + 1):
-        prefill = found.prefill.choose(avoid, routed) if decision == DISAGGREGATED else None
-        decode = found.decode.choose(avoid, routed)
-        dispatch = Dispatch(runtime, request, prefill, decode)
+        strict = failure is not None
+        try:
+            prefill = (
+                found.prefill.choose(avoid, routed, strict) if decision == DISAGGREGATED else None
+            )
+            decode = found.decode.choose(avoid, routed, strict)
+        except NoBackendAvailable:
+            if failure is not None:
+                raise failure from None
+            raise
+        rid = ctx.request_id if attempt == 1 else None
+        dispatch = Dispatch(runtime, request, prefill, decode, ctx, rid)
         log.info(
             "request %s model=%s route=%s prefill=%s decode=%s",
             dispatch.request_id,
@@ -78,6 +94,7 @@ async def open_dispatch(runtime: Runtime, request: ClientRequest) -> Dispatch:
             )
             runtime.metrics.retries.inc()
             avoid.add(exc.backend)
+            failure = exc
         finally:
             if not opened:
                 await dispatch.close()

@@ -20,8 +20,16 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from router.admission import Gate
 from router.backends import BackendState, Role
-from router.config import InstanceConfig, LoadSignalsConfig, PoolConfig
+from router.breaker import Breaker
+from router.config import (
+    AdmissionConfig,
+    BreakerConfig,
+    InstanceConfig,
+    LoadSignalsConfig,
+    PoolConfig,
+)
 from router.errors import NoBackendAvailable
 from router.policies import NO_INPUT, Policy, RoutingInput, make_policy
 
@@ -45,11 +53,16 @@ class Pool:
         model: str = "",
         signals: LoadSignalsConfig | None = None,
         checked: bool = True,
+        admission: AdmissionConfig | None = None,
+        breaker: BreakerConfig | None = None,
     ) -> None:
         """``checked`` False: every backend starts unhealthy until its first health check
-        passes (a pool created while serving, e.g. for a model added by a reload)."""
+        passes (a pool created while serving, e.g. for a model added by a reload).
+        ``admission``/``breaker``: the settings of each backend's admission gate and breaker."""
         self.role = role
         self.model = model
+        self._admission = admission or AdmissionConfig()
+        self._breaker = breaker or BreakerConfig()
         self.require_identity = require_identity
         self.config = config
         self.backends = [self._backend(i, checked) for i in config.instances]
@@ -57,30 +70,43 @@ class Pool:
         self._policy: Policy = make_policy(config, signals)
 
     def _backend(self, instance: InstanceConfig, checked: bool) -> BackendState:
-        backend = BackendState(config=instance, role=self.role, model=self.model)
+        backend = BackendState(
+            config=instance,
+            role=self.role,
+            model=self.model,
+            gate=Gate(self._admission),
+            breaker=Breaker(self._breaker),
+        )
         if not checked:
             backend.healthy = False
             backend.last_error = "not checked yet"
         return backend
 
     def usable(self) -> list[BackendState]:
-        """Healthy backends (with a push identity where required), in pool order."""
+        """Routable backends (healthy, breaker closed; with a push identity where required), in
+        pool order."""
         return [
             b
             for b in self.backends
-            if b.healthy and (not self.require_identity or b.identity is not None)
+            if b.routable and (not self.require_identity or b.identity is not None)
         ]
 
     def choose(
-        self, exclude: Collection[str] = (), request: RoutingInput = NO_INPUT
+        self,
+        exclude: Collection[str] = (),
+        request: RoutingInput = NO_INPUT,
+        strict: bool = False,
     ) -> BackendState:
         """Pick a usable backend for ``request``, avoiding labels in ``exclude`` when any other
-        is usable; :class:`NoBackendAvailable` when none is usable."""
+        is usable (``strict``: never one of them); backends with a free admission slot come
+        first. :class:`NoBackendAvailable` when there is no candidate."""
         usable = self.usable()
-        if not usable:
-            raise NoBackendAvailable(f"no usable {self.role} instance")
         fresh = [b for b in usable if b.label not in exclude]
-        return self._policy.choose(fresh or usable, request)
+        candidates = fresh if strict else (fresh or usable)
+        if not candidates:
+            raise NoBackendAvailable(f"no usable {self.role} instance")
+        roomy = [b for b in candidates if b.gate.has_room()]
+        return self._policy.choose(roomy or candidates, request)
 
     def set_instances(self, instances: Sequence[InstanceConfig]) -> MembershipChange:
         """Make ``instances`` the pool's members (matched by label); the one membership update.

@@ -73,6 +73,8 @@ def _pool(
         model=route.model,
         signals=settings.load_signals,
         checked=not serving,
+        admission=settings.admission,
+        breaker=settings.breaker,
     )
     return pool, MembershipChange(tuple(pool.backends), ()) if serving else None
 

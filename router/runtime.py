@@ -11,26 +11,31 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client import CollectorRegistry
 
 from router.backends import BackendState
 from router.config import RouterSettings
+from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics
 from router.pools import Pool
 from router.routing import LiveRouting, ModelPools
+from router.tracing import NoTracer, Tracer, make_tracer
 from router.transport import AiohttpTransport
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """Shared objects of one app run (one client, one metrics registry, the routing table)."""
+    """Shared objects of one app run (one client, one metrics registry, the routing table, the
+    tracer, the start/stop state)."""
 
     client: httpx.AsyncClient
     metrics: RouterMetrics
     routing: LiveRouting
+    tracer: Tracer = field(default_factory=NoTracer)
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     @property
     def settings(self) -> RouterSettings:
@@ -43,12 +48,14 @@ class Runtime:
         settings: RouterSettings,
         client: httpx.AsyncClient,
         metrics: RouterMetrics | None = None,
+        tracer: Tracer | None = None,
     ) -> Runtime:
         """A runtime with fresh pools (and a fresh metrics registry unless one is given)."""
         return cls(
             client=client,
             metrics=metrics or RouterMetrics(CollectorRegistry()),
             routing=LiveRouting(settings),
+            tracer=tracer or NoTracer(),
         )
 
     @property
@@ -89,6 +96,11 @@ def http_client(
 async def open_runtime(
     settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
 ) -> AsyncIterator[Runtime]:
-    """A runtime whose client is closed on exit; ``transport`` replaces the network (tests)."""
-    async with http_client(settings, transport) as client:
-        yield Runtime.create(settings, client)
+    """A runtime whose client (and tracer) are closed on exit; ``transport`` replaces the
+    network (tests)."""
+    tracer = make_tracer(settings.tracing)
+    try:
+        async with http_client(settings, transport) as client:
+            yield Runtime.create(settings, client, tracer=tracer)
+    finally:
+        tracer.shutdown()

@@ -10,7 +10,7 @@ side effect: what a failure means for the instance's health is decided by the ca
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -30,9 +30,12 @@ from router.errors import (
 from router.sse import StreamEndedEarly, aiter_data
 
 
-def leg_headers(backend: BackendState, request_id: str) -> dict[str, str]:
-    """Headers for one leg: the dispatch id as ``X-Request-Id``, plus the instance's API key."""
-    headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+def leg_headers(
+    backend: BackendState, request_id: str, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Headers for one leg: the dispatch id as ``X-Request-Id``, the instance's API key, and
+    ``extra`` (trace context)."""
+    headers = {**(extra or {}), "X-Request-Id": request_id, "Content-Type": "application/json"}
     if backend.config.api_key:
         headers["Authorization"] = f"Bearer {backend.config.api_key}"
     return headers
@@ -67,11 +70,14 @@ async def post_json(
     path: str,
     body: dict[str, Any],
     request_id: str,
+    headers: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """POST ``body`` and return the JSON object answered; HTTP errors raise."""
     try:
         resp = await client.post(
-            backend.url + path, content=_encode(body), headers=leg_headers(backend, request_id)
+            backend.url + path,
+            content=_encode(body),
+            headers=leg_headers(backend, request_id, headers),
         )
     except httpx.HTTPError as exc:
         raise _translate(exc, leg, backend) from exc
@@ -94,6 +100,7 @@ async def open_sse(
     path: str,
     body: dict[str, Any],
     request_id: str,
+    headers: Mapping[str, str] | None = None,
 ) -> AsyncIterator[AsyncIterator[str]]:
     """POST a streamed request; yields an iterator over SSE ``data:`` payloads (closed on exit).
 
@@ -101,7 +108,10 @@ async def open_sse(
     raises an :class:`UpstreamError`.
     """
     request = client.build_request(
-        "POST", backend.url + path, content=_encode(body), headers=leg_headers(backend, request_id)
+        "POST",
+        backend.url + path,
+        content=_encode(body),
+        headers=leg_headers(backend, request_id, headers),
     )
     try:
         resp = await client.send(request, stream=True)

@@ -1,9 +1,12 @@
 """Validation of client requests before any upstream traffic.
 
 Who calls it: the app, on the raw body of ``/v1/completions`` and ``/v1/chat/completions``.
-It checks only what the router itself relies on (JSON object, model, prompt/messages, stream,
-token limits, ``n``); everything else is left for vLLM to judge (its 4xx is passed through).
-Raises :class:`ClientRequestError` naming the offending field; never returns a partial result.
+It checks what the router itself relies on (JSON object, model, prompt/messages, stream, token
+limits, ``n``) and what must never reach an instance: a body that is not UTF-8, nested deeper than
+``limits.max_json_depth``, non-finite numbers (``NaN``, ``Infinity``, ``1e999``), wrongly typed
+sampling parameters, absurd token counts. Everything else is left for vLLM to judge (its 4xx is
+passed through). Raises :class:`ClientRequestError` naming the offending field; never returns a
+partial result and never raises anything else.
 """
 
 from __future__ import annotations
@@ -13,7 +16,87 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.config import LimitsConfig
 from router.errors import ClientRequestError
+
+# Sampling parameters whose JSON type the router checks (vLLM would reject others with a 400
+# after the request already cost a P leg): name -> (accepted Python types, description).
+_NUMBER = (int, float)
+_TYPED_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "temperature": (_NUMBER, "a number"),
+    "top_p": (_NUMBER, "a number"),
+    "min_p": (_NUMBER, "a number"),
+    "presence_penalty": (_NUMBER, "a number"),
+    "frequency_penalty": (_NUMBER, "a number"),
+    "repetition_penalty": (_NUMBER, "a number"),
+    "length_penalty": (_NUMBER, "a number"),
+    "top_k": ((int,), "an integer"),
+    "seed": ((int,), "an integer"),
+    "min_tokens": ((int,), "an integer"),
+    "top_logprobs": ((int,), "an integer"),
+    "echo": ((bool,), "a boolean"),
+    "ignore_eos": ((bool,), "a boolean"),
+    "logit_bias": ((dict,), "an object"),
+    "user": ((str,), "a string"),
+}
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:32]} is out of range")
+    return value
+
+
+def _depth(value: Any, limit: int) -> bool:
+    """True when ``value`` nests containers no deeper than ``limit`` (iterative, no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return False
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((c, depth + 1) for c in children)
+    return True
+
+
+def _load(raw: bytes, max_depth: int) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ClientRequestError(f"request body is not UTF-8: {exc.reason}", None) from exc
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError as exc:
+        raise ClientRequestError(
+            f"request body nests deeper than {max_depth} levels", None
+        ) from exc
+    except ValueError as exc:
+        raise ClientRequestError(f"request body is not valid JSON: {exc}", None) from exc
+    if not _depth(body, max_depth):
+        raise ClientRequestError(f"request body nests deeper than {max_depth} levels", None)
+    return body
+
+
+def _check_types(body: dict[str, Any]) -> None:
+    for key, (types, what) in _TYPED_FIELDS.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) and bool not in types:
+            raise ClientRequestError(f"{key} must be {what}", key)
+        if not isinstance(value, types):
+            raise ClientRequestError(f"{key} must be {what}", key)
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))
+    ):
+        raise ClientRequestError("stop must be a string or an array of strings", "stop")
 
 
 @dataclass(frozen=True)
@@ -66,15 +149,18 @@ def _check_messages(messages: Any) -> None:
 
 
 def parse_client_request(
-    raw: bytes, chat: bool, models: Collection[str], headers: Mapping[str, str] | None = None
+    raw: bytes,
+    chat: bool,
+    models: Collection[str],
+    headers: Mapping[str, str] | None = None,
+    limits: LimitsConfig | None = None,
 ) -> ClientRequest:
     """Parse and check one request body; :class:`ClientRequestError` on the first problem.
 
-    ``headers`` (names lower-cased) are kept for the routing policies."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ClientRequestError(f"request body is not valid JSON: {exc}", None) from exc
+    ``headers`` (names lower-cased) are kept for the routing policies; ``limits`` bound the body
+    (defaults: :class:`LimitsConfig`)."""
+    limits = limits or LimitsConfig()
+    body = _load(raw, limits.max_json_depth)
     if not isinstance(body, dict):
         raise ClientRequestError("request body must be a JSON object", None)
     model = body.get("model")
@@ -100,8 +186,11 @@ def parse_client_request(
         raise ClientRequestError("stream must be a boolean", "stream")
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
-        if value is not None and (not _is_int(value) or value < 1):
-            raise ClientRequestError(f"{key} must be an integer >= 1", key)
+        if value is not None and (not _is_int(value) or not 1 <= value <= limits.max_tokens):
+            raise ClientRequestError(
+                f"{key} must be an integer between 1 and {limits.max_tokens}", key
+            )
+    _check_types(body)
     n = body.get("n")
     if n is not None and n != 1:
         raise ClientRequestError("only n=1 is supported in disaggregated mode", "n")

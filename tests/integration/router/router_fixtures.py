@@ -13,6 +13,7 @@ import httpx
 from httpx_sse import EventSource
 
 from devstack.fake_vllm import UvicornThread
+from devstack.waiting import wait_until as shared_wait_until
 from router.app import create_app
 from router.config import RouterSettings, settings_from_mapping
 
@@ -54,15 +55,27 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0
         time.sleep(0.02)
 
 
+def _all_checked(url: str) -> bool:
+    missing = httpx.get(f"{url}/ready", timeout=5).json()["missing"]
+    return "not checked yet" not in missing.values()
+
+
+def checked_wait(url: str) -> None:
+    """Until the router at ``url`` has checked every backend once."""
+    shared_wait_until(lambda: _all_checked(url), 15.0, "the router's first health checks")
+
+
 @contextmanager
 def running_router(
     settings: RouterSettings, config_path: Path | None = None
 ) -> Iterator[UvicornThread]:
     """A router app for ``settings`` served on a free loopback port (``config_path``: the file
-    it reloads)."""
+    it reloads), once it has checked every backend (the checks run in the background after start;
+    ``/ready`` lists the backends not checked yet)."""
     server = UvicornThread(create_app(settings, config_path=config_path))
     server.start()
     try:
+        checked_wait(server.url)
         yield server
     finally:
         server.stop()

@@ -194,7 +194,7 @@ def test_retry_once_on_a_fresh_pair(fake: dict[str, FakeVllmServer]) -> None:
 
 def test_no_retry_without_flag(fake: dict[str, FakeVllmServer]) -> None:
     p0, p1, d = fake["p0"], fake["p1"], fake["d0"]
-    settings = make_settings([p0.url, p1.url], [d.url])
+    settings = make_settings([p0.url, p1.url], [d.url], retry_on_fresh_pair=False)
     with running_router(settings) as router:
         p0.state.reset(FakeBehavior(fail_status=500))
         p1.state.reset()

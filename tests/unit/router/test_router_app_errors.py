@@ -24,8 +24,12 @@ async def test_unexpected_error_is_json_500(monkeypatch: pytest.MonkeyPatch) -> 
             "decode": {"instances": [{"url": "http://127.0.0.1:9"}]},
         }
     )
-    transport = httpx.ASGITransport(app=create_app(settings), raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+    app = create_app(settings)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://router") as client,
+    ):
         resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
     assert resp.status_code == 500
     assert resp.json()["error"]["message"].startswith("internal router error")

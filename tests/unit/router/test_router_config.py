@@ -57,7 +57,7 @@ def test_defaults_are_finite() -> None:
     s = settings_from_mapping(_base())
     t = s.timeouts
     assert all(0 < v < 3600 for v in (t.connect, t.prefill, t.first_token, t.total, t.health))
-    assert s.retry_on_fresh_pair is False
+    assert s.retry_on_fresh_pair is True
     assert s.api_keys == []
 
 

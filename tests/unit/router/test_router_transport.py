@@ -6,24 +6,13 @@ import json
 from typing import Any
 
 import httpx
+from mock_upstream import KV, D, P, answer
 
 from devstack.fake_vllm import UvicornThread
 from router.app import create_app
 from router.config import settings_from_mapping
 from router.health import HealthMonitor
 from router.runtime import Runtime
-
-P, D = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
-KV = {
-    "do_remote_prefill": True,
-    "remote_engine_id": "eng",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5600,
-    "tp_size": 1,
-    "pp_size": 1,
-    "remote_request_id": "cmpl-x-0-12345678",
-    "remote_block_ids": [[1]],
-}
 
 
 def _settings(mode: str) -> Any:
@@ -39,16 +28,6 @@ def _settings(mode: str) -> Any:
     )
 
 
-def _answer(text: str, kv: dict[str, Any] | None) -> dict[str, Any]:
-    return {
-        "id": "cmpl-x",
-        "object": "text_completion",
-        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        "kv_transfer_params": kv,
-    }
-
-
 def test_pull_mode_through_a_mock_transport() -> None:
     seen: list[tuple[str, dict[str, Any]]] = []
 
@@ -58,8 +37,8 @@ def test_pull_mode_through_a_mock_transport() -> None:
         body = json.loads(request.content)
         seen.append((f"{request.url.scheme}://{request.url.host}:{request.url.port}", body))
         if body["kv_transfer_params"].get("do_remote_decode"):
-            return httpx.Response(200, json=_answer("a", KV))
-        return httpx.Response(200, json=_answer(" decoded", None))
+            return httpx.Response(200, json=answer("a", KV))
+        return httpx.Response(200, json=answer(" decoded", None))
 
     app = create_app(_settings("pull"), transport=httpx.MockTransport(handler))
     with UvicornThread(app) as server:
@@ -81,7 +60,7 @@ def test_connect_error_is_503_and_takes_the_backend_out() -> None:
             return httpx.Response(200)
         if request.url.port == 9102:
             raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(200, json=_answer("a", KV))
+        return httpx.Response(200, json=answer("a", KV))
 
     app = create_app(_settings("pull"), transport=httpx.MockTransport(handler))
     with UvicornThread(app) as server:
@@ -105,7 +84,7 @@ async def test_slow_health_checks_take_a_backend_out_only_after_the_threshold() 
                 raise httpx.ConnectError("refused", request=request)
             if mode["decode"] == "slow":
                 raise httpx.ReadTimeout("slow", request=request)
-        return httpx.Response(200, json=_answer("a", KV))
+        return httpx.Response(200, json=answer("a", KV))
 
     settings = settings_from_mapping(
         {

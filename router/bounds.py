@@ -1,0 +1,52 @@
+"""Transport bounds on what a client sends: body size and time, header size.
+
+Who calls it: the app (:func:`read_body` for generation requests) and :class:`RequestGuard`
+(every HTTP request). Every limit comes from ``limits`` in the config; nothing is read without a
+size and a time bound. Violations are :class:`~router.errors.RouterError` (413, 408, 431).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import ClientDisconnect, Request
+
+from router.config import LimitsConfig
+from router.errors import BodyTimeout, ClientDisconnected, PayloadTooLarge, RouterError
+
+
+class HeadersTooLarge(RouterError):
+    status = 431
+    error_type = "invalid_request_error"
+
+
+def check_headers(headers: list[tuple[bytes, bytes]], limits: LimitsConfig) -> None:
+    """:class:`HeadersTooLarge` when the headers exceed ``limits.max_header_bytes``."""
+    size = sum(len(k) + len(v) + 4 for k, v in headers)
+    if size > limits.max_header_bytes:
+        raise HeadersTooLarge(f"request headers exceed {limits.max_header_bytes} bytes")
+
+
+async def _read(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_body(request: Request, limits: LimitsConfig) -> bytes:
+    """The whole body, at most ``max_body_bytes`` (413), within ``body_timeout`` seconds (408);
+    :class:`ClientDisconnected` if the client goes away (or stops short) meanwhile."""
+    try:
+        return await asyncio.wait_for(_read(request, limits.max_body_bytes), limits.body_timeout)
+    except TimeoutError as exc:
+        raise BodyTimeout(f"request body not received within {limits.body_timeout:g}s") from exc
+    except ClientDisconnect as exc:
+        raise ClientDisconnected("client disconnected while sending the body") from exc

@@ -1,0 +1,65 @@
+"""The outermost layer of every HTTP request: header bound, request id, trace span.
+
+Who calls it: the app wraps itself in one :class:`RequestGuard`. For each request it checks the
+header size (431 in OpenAI error form), builds the :class:`~router.context.RequestContext`
+(router's id, the client's ``X-Request-Id`` when safe, a request span continuing the client's W3C
+``traceparent`` when tracing is on) into ``request.state.ctx``, and puts ``X-Request-Id`` on the
+response unless the handler set one (the dispatch id that answered).
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.bounds import HeadersTooLarge, check_headers
+from router.config import LimitsConfig
+from router.context import RequestContext, safe_client_id
+from router.errors import error_payload
+from router.tracing import NO_SPAN, Span
+
+
+class RequestGuard:
+    """ASGI middleware (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, limits: LimitsConfig) -> None:
+        self.app = app
+        self.limits = limits
+
+    def _span(self, scope: Scope, headers: Headers) -> Span:
+        runtime = getattr(scope["app"].state, "runtime", None)
+        if runtime is None or not scope["path"].startswith("/v1/"):
+            return NO_SPAN
+        span: Span = runtime.tracer.request_span(f"{scope['method']} {scope['path']}", headers)
+        return span
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        span = self._span(scope, headers)
+        ctx = RequestContext(client_id=safe_client_id(headers.get("x-request-id")), trace=span)
+        span.set("request_id", ctx.request_id)
+        scope.setdefault("state", {})["ctx"] = ctx
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                out = MutableHeaders(scope=message)
+                if "x-request-id" not in out:
+                    out["X-Request-Id"] = ctx.request_id
+                span.set("http.status_code", str(message["status"]))
+            await send(message)
+
+        try:
+            check_headers(scope["headers"], self.limits)
+        except HeadersTooLarge as exc:
+            response = JSONResponse(error_payload(exc), status_code=exc.status)
+            await response(scope, receive, send_with_id)
+            span.end(exc.message)
+            return
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            span.end()

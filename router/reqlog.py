@@ -1,0 +1,77 @@
+"""Logging setup and the one summary line per client request.
+
+Who calls it: ``disagg-router serve`` (:func:`configure_logging`) and the app
+(:func:`log_request` when a generation request ends). With ``logging.format: json`` every log
+record is one JSON object per line; the summary record carries the request id (and the client's
+own id when it sent a safe one), model, P, D, outcome, HTTP status and stage timings as fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from router.config import LoggingConfig
+from router.context import RequestContext
+
+log = logging.getLogger("router.requests")
+
+_SUMMARY = "request_summary"  # attribute of a record that carries the summary fields
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message, the summary fields if any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        out.update(getattr(record, _SUMMARY, {}))
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"), default=str)
+
+
+def configure_logging(config: LoggingConfig, level: str) -> None:
+    """Root logging for the server process: text or JSON lines on stderr at ``level``."""
+    handler = logging.StreamHandler()
+    if config.format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def log_request(
+    ctx: RequestContext,
+    *,
+    endpoint: str,
+    model: str | None,
+    outcome: str,
+    status: int,
+    prefill: str | None = None,
+    decode: str | None = None,
+    dispatch_id: str | None = None,
+    timings: dict[str, float] | None = None,
+) -> None:
+    """The summary line of one generation request (INFO; WARNING for a 5xx)."""
+    fields: dict[str, Any] = {
+        "request_id": dispatch_id or ctx.request_id,
+        "client_request_id": ctx.client_id,
+        "endpoint": endpoint,
+        "model": model,
+        "prefill": prefill,
+        "decode": decode,
+        "outcome": outcome,
+        "status": status,
+        "timings": timings or {},
+    }
+    level = logging.WARNING if status >= 500 else logging.INFO
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, {}))
+    log.log(level, "request %s", text, extra={_SUMMARY: fields})

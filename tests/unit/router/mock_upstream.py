@@ -1,0 +1,51 @@
+"""A P/D pair of vLLM instances as an ``httpx.MockTransport`` handler, for app tests without
+servers: the instance URLs, P's ``kv_transfer_params`` and vLLM-shaped answers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+P, D = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
+KV = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "eng",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+    "pp_size": 1,
+    "remote_request_id": "cmpl-x-0-12345678",
+    "remote_block_ids": [[1]],
+}
+
+
+def answer(text: str, kv: dict[str, Any] | None) -> dict[str, Any]:
+    """A non-streamed completions answer with ``kv`` as its ``kv_transfer_params``."""
+    return {
+        "id": "cmpl-x",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        "kv_transfer_params": kv,
+    }
+
+
+class Upstream:
+    """Answers like vLLM P and D (health, JSON, SSE); counts generation requests (not probes)."""
+
+    def __init__(self) -> None:
+        self.generations = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        body = json.loads(request.content)
+        if not body["kv_transfer_params"].get("identity_probe"):
+            self.generations += 1
+        if body.get("stream"):
+            chunk = {"id": "x", "choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+            sse = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+            return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json=answer("a", KV))
