@@ -21,13 +21,15 @@ Role = Literal["prefill", "decode"]
 
 @dataclass(frozen=True)
 class LoadSignals:
-    """One scrape of vLLM's gauges: queued and running requests, KV cache usage (0..1), and
-    when it was taken (``time.monotonic()``); see :mod:`router.load_signals`."""
+    """One scrape of vLLM's gauges: queued and running requests, KV cache usage (0..1), when it
+    was taken (``time.monotonic()``) and this router's own legs in flight on the instance at that
+    moment; see :mod:`router.load_signals`."""
 
     waiting: float
     running: float
     kv_usage: float
     at: float
+    own_in_flight: int = 0
 
 
 @dataclass

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -53,17 +54,20 @@ def parse_signals(text: str, model: str, at: float) -> LoadSignals | None:
 
 
 def backend_load(backend: BackendState, now: float, stale_after: float) -> float:
-    """The load ``power_of_two`` compares: in-flight legs, or more when vLLM reports more.
+    """The load ``power_of_two`` compares: this router's legs in flight now, plus the requests
+    vLLM reported beyond this router's own at the last scrape, plus KV cache usage.
 
-    With fresh signals: ``max(in_flight, running + waiting) + waiting + kv_usage`` (the max
-    avoids counting this router's own legs twice while still seeing other routers' load; a queue
-    counts again because queued requests wait for the ones running; KV usage breaks ties toward
-    the emptier cache). Stale (older than ``stale_after``) or missing signals: ``in_flight``.
+    With fresh signals: ``in_flight + max(0, running + waiting - own_in_flight_at_scrape) +
+    kv_usage``. The middle term is the load other routers (or clients) put on the instance; this
+    router's own share is always the live count, never a stale one, so choices do not herd onto
+    one instance between two scrapes. KV usage (0..1) breaks ties toward the emptier cache.
+    Stale (older than ``stale_after``) or missing signals: ``in_flight`` alone.
     """
     s = backend.signals
     if s is None or now - s.at > stale_after:
         return float(backend.in_flight)
-    return max(float(backend.in_flight), s.running + s.waiting) + s.waiting + s.kv_usage
+    others = max(0.0, s.running + s.waiting - s.own_in_flight)
+    return backend.in_flight + others + s.kv_usage
 
 
 async def scrape(client: httpx.AsyncClient, backend: BackendState, timeout: float) -> None:
@@ -78,7 +82,10 @@ async def scrape(client: httpx.AsyncClient, backend: BackendState, timeout: floa
         log.debug("%s %s: no load signals (%r)", backend.role, backend.label, exc)
         backend.signals = None
         return
-    backend.signals = parse_signals(resp.text, backend.model, time.monotonic())
+    signals = parse_signals(resp.text, backend.model, time.monotonic())
+    if signals is not None:
+        signals = replace(signals, own_in_flight=backend.in_flight)
+    backend.signals = signals
 
 
 async def run_scraper(

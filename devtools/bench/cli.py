@@ -10,6 +10,7 @@ import argparse
 from collections.abc import Sequence
 
 from bench.overhead_cmd import add_overhead_arguments, overhead_command
+from bench.routing_cmd import add_routing_arguments, routing_command
 from bench.run_cmd import add_run_arguments, run_command
 from bench.scenarios_cmd import (
     add_report_arguments,
@@ -21,7 +22,8 @@ from bench.transfer_cmd import add_transfer_arguments, transfer_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``run``/``overhead``/``transfer``/``scenarios`` subcommands to ``parser``."""
+    """Add the ``run``/``overhead``/``transfer``/``scenarios``/``report``/``routing``
+    subcommands to ``parser``."""
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_run_arguments(sub.add_parser("run", help="one load-generator run"))
     add_overhead_arguments(
@@ -35,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_report_arguments(
         sub.add_parser("report", help="re-render table, plots and summary.json from JSON")
+    )
+    add_routing_arguments(
+        sub.add_parser(
+            "routing",
+            help="routing policies vs their baselines (fakes + real vLLM CPU) + summary keys",
+        )
     )
 
 
@@ -51,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         return scenarios_command(args)
     if command == "report":
         return report_command(args)
+    if command == "routing":
+        return routing_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 

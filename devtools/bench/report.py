@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.routing import SUMMARY_KEYS, routing_summary
+
 Rows = list[dict[str, Any]]
 
 
@@ -143,6 +145,14 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
         if ratio is not None
         else "no transfer results (transfer.json missing or one kind failed)"
     )
+    routing = _load(out_dir / "routing.json") or {}
+    for key, value in routing_summary(routing).items():
+        summary[key] = value
+        notes[key] = (
+            f"disagg-bench routing, part {SUMMARY_KEYS[key]} (routing.json)"
+            if value is not None
+            else "no routing results for this part (routing.json)"
+        )
     summary["measured_at"] = time.strftime("%Y-%m-%d", time.gmtime())
     summary["machine"] = machine()
     return summary, notes

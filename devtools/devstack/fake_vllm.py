@@ -54,11 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-id", default=None)
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--prefill-delay", type=float, default=0.0)
+    parser.add_argument(
+        "--prefill-slots", type=int, default=None, help="concurrent prefills (others queue)"
+    )
     args = parser.parse_args(argv)
     identity = PushIdentity(engine_id=args.engine_id) if args.engine_id else PushIdentity()
     state = FakeVllmState(
         model=args.model,
-        behavior=FakeBehavior(prefill_delay_s=args.prefill_delay, token_delay_s=args.token_delay),
+        behavior=FakeBehavior(
+            prefill_delay_s=args.prefill_delay,
+            token_delay_s=args.token_delay,
+            prefill_slots=args.prefill_slots,
+        ),
         identity=identity,
     )
     uvicorn.run(

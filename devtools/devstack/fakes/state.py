@@ -8,6 +8,7 @@ mutation goes through the lock, so test threads and the server thread may use it
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -45,6 +46,9 @@ class FakeBehavior:
     """
 
     prefill_delay_s: float = 0.0
+    #: at most this many prefill delays run at once, the others queue (reported as waiting in
+    #: ``/metrics``), like an engine whose prefill is compute bound; None: no limit
+    prefill_slots: int | None = None
     token_delay_s: float = 0.0
     fail_status: int | None = None
     hang: bool = False
@@ -142,6 +146,8 @@ class FakeVllmState:
         self._lock = threading.Lock()
         self.requests: list[RecordedRequest] = []
         self.in_flight = 0
+        self.waiting = 0  # requests queued for a prefill slot
+        self._gates: dict[int, asyncio.Semaphore] = {}
         self.cancelled = 0
         self.completed = 0
         self._served = itertools.count()
@@ -185,6 +191,15 @@ class FakeVllmState:
                 return False
             b.fail_times -= 1
             return True
+
+    def prefill_gate(self, slots: int) -> asyncio.Semaphore:
+        """The semaphore bounding concurrent prefills to ``slots`` (used on the app's loop)."""
+        return self._gates.setdefault(slots, asyncio.Semaphore(slots))
+
+    def queued(self, delta: int) -> None:
+        """Count a request entering (+1) or leaving (-1) the prefill queue."""
+        with self._lock:
+            self.waiting += delta
 
     def _enter(self) -> None:
         with self._cond:

@@ -227,9 +227,10 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         lines = [
             "# TYPE vllm:num_requests_running gauge",
-            f'vllm:num_requests_running{{model_name="{state.model}"}} {float(state.in_flight)}',
+            f'vllm:num_requests_running{{model_name="{state.model}"}} '
+            f"{float(state.in_flight - state.waiting)}",
             "# TYPE vllm:num_requests_waiting gauge",
-            f'vllm:num_requests_waiting{{model_name="{state.model}"}} 0.0',
+            f'vllm:num_requests_waiting{{model_name="{state.model}"}} {float(state.waiting)}',
         ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
@@ -293,6 +294,23 @@ async def _record(state: FakeVllmState, request: Request) -> tuple[RecordedReque
     return rec, body
 
 
+async def _prefill(state: FakeVllmState, gen: _Generation, request: Request) -> bool:
+    """The prefill delay, queued for one of ``prefill_slots`` when set; True if the client left."""
+    slots = state.behavior.prefill_slots
+    if not slots or not gen.prefill_delay():
+        return await _sleep_or_disconnect(request, gen.prefill_delay())
+    gate = state.prefill_gate(slots)
+    state.queued(+1)
+    try:
+        await gate.acquire()
+    finally:
+        state.queued(-1)
+    try:
+        return await _sleep_or_disconnect(request, gen.prefill_delay())
+    finally:
+        gate.release()
+
+
 async def _before_first_token(
     state: FakeVllmState, gen: _Generation, request: Request, rid: str
 ) -> tuple[str, Response] | None:
@@ -305,7 +323,7 @@ async def _before_first_token(
         return ("cancelled" if gone else "error"), _error(500, "hang cap reached")
     if failing and b.fail_status is not None:
         return "error", _error(b.fail_status, "injected failure")
-    if await _sleep_or_disconnect(request, gen.prefill_delay()):
+    if await _prefill(state, gen, request):
         return "cancelled", _error(499, "client disconnected")
     kv_wait = await _wait_for_remote_kv(state, gen, request, rid)
     if kv_wait is not None:

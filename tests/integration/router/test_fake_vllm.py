@@ -97,3 +97,29 @@ def test_models_health_metrics() -> None:
         metrics = httpx.get(f"{srv.url}/metrics").text
     assert 'vllm:num_requests_running{model_name="m1"} 0.0' in metrics
     assert "vllm:num_requests_waiting" in metrics
+
+
+def test_prefill_slots_queue_requests_and_report_them_waiting() -> None:
+    """With one prefill slot the second request waits for the first, and /metrics says so."""
+    state = FakeVllmState(behavior=FakeBehavior(prefill_delay_s=0.5, prefill_slots=1))
+    with fake_vllm(state) as srv:
+        body = {"model": "fake-model", "prompt": "x", "max_tokens": 1}
+        answers: list[int] = []
+        threads = [
+            threading.Thread(
+                target=lambda: answers.append(
+                    httpx.post(f"{srv.url}/v1/completions", json=body, timeout=10).status_code
+                )
+            )
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        assert state.wait_for(lambda s: s.waiting == 1 and s.in_flight == 2)
+        gauges = httpx.get(f"{srv.url}/metrics").text
+        for t in threads:
+            t.join()
+    assert 'vllm:num_requests_waiting{model_name="fake-model"} 1.0' in gauges
+    assert 'vllm:num_requests_running{model_name="fake-model"} 1.0' in gauges
+    assert answers == [200, 200]
+    assert state.waiting == 0

@@ -42,11 +42,14 @@ def test_load_uses_fresh_signals_and_falls_back_to_in_flight() -> None:
     (b,) = _backends(1)
     b.in_flight = 1
     assert backend_load(b, now=10.0, stale_after=6.0) == 1.0  # no signals
-    b.signals = LoadSignals(waiting=2.0, running=3.0, kv_usage=0.25, at=8.0)
-    assert backend_load(b, now=10.0, stale_after=6.0) == 5.0 + 2.0 + 0.25
+    # vLLM saw 5 requests while 2 of them were ours: 3 come from elsewhere
+    b.signals = LoadSignals(waiting=2.0, running=3.0, kv_usage=0.25, at=8.0, own_in_flight=2)
+    assert backend_load(b, now=10.0, stale_after=6.0) == 1.0 + 3.0 + 0.25
     assert backend_load(b, now=20.0, stale_after=6.0) == 1.0  # stale
-    b.in_flight = 9
-    assert backend_load(b, now=10.0, stale_after=6.0) == 9.0 + 2.0 + 0.25  # own legs dominate
+    b.in_flight = 9  # our own legs count live, never as of the scrape
+    assert backend_load(b, now=10.0, stale_after=6.0) == 9.0 + 3.0 + 0.25
+    b.signals = LoadSignals(waiting=0.0, running=1.0, kv_usage=0.0, at=8.0, own_in_flight=4)
+    assert backend_load(b, now=10.0, stale_after=6.0) == 9.0  # nothing from elsewhere
 
 
 def test_power_of_two_spreads_equal_instances() -> None:

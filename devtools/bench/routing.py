@@ -1,0 +1,274 @@
+"""``disagg-bench routing``: what the routing policies buy, each against its baseline, same run.
+
+Three parts (each selectable):
+
+- ``uneven`` (fake vLLM instances in this process, no inference; D waits for its P's KV as in
+  push mode): two prefill fakes whose prefill is compute bound (one slot each, so requests queue,
+  reported as waiting in ``/metrics``), one twice as slow as the other, behind our router;
+  ``power_of_two`` vs ``round_robin`` for P at the same Poisson load: p99 TTFT. Key:
+  ``p99_ttft_p2c_over_round_robin_uneven``.
+- ``prefix`` (real vLLM CPU, 2P1D with our connector, vLLM prefix caching on): conversations,
+  each a long system prompt of its own plus growing user turns, Poisson arrivals, turns of a
+  round in shuffled order; ``prefix_affinity`` vs ``round_robin`` for P, each on fresh prompts:
+  mean and p99 TTFT and P's prefix-cache hit rate (vLLM's ``prefix_cache_hits/queries``). Key:
+  ``ttft_prefix_affinity_over_round_robin`` (mean TTFT).
+- ``light`` (real vLLM CPU, same stack plus one aggregated instance on one core): short prompts
+  at a light rate; our router with conditional disaggregation (every prompt under the threshold,
+  so D serves alone on its one core) vs the aggregated instance directly. Key:
+  ``ttft_conditional_over_aggregated_light`` (mean TTFT).
+
+Who calls it: :mod:`bench.routing_cmd`. Results: ``routing.json`` (every number), a short
+``routing.md`` and the three keys merged into ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.client import Target
+from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
+from bench.loadgen import LoadSpec, make_client, run_load
+from bench.routers import our_router
+from devstack.fake_vllm import (
+    FakeBehavior,
+    FakeVllmServer,
+    FakeVllmState,
+    KvFabric,
+    PushIdentity,
+)
+from devstack.ports import free_port
+from devstack.vllm_server import read_metrics_text
+
+FAKE_MODEL = "fake-model"
+PARTS = ("uneven", "prefix", "light")
+
+
+@dataclass(frozen=True)
+class RoutingBenchSpec:
+    """Every knob of the three parts (defaults: a few minutes in all on a 2-core machine)."""
+
+    parts: tuple[str, ...] = PARTS
+    uneven_prefill_s: float = 0.1  # the fast P's prefill; the slow one takes twice as long
+    uneven_rate: float = 8.0
+    uneven_requests: int = 240
+    conversations: int = 6
+    turns: int = 4
+    system_len: int = 2048
+    turn_len: int = 64
+    prefix_rate: float = 0.5
+    light_input_len: int = 512
+    light_rate: float = 0.5
+    light_requests: int = 16
+    output_len: int = 16
+    seed: int = 0
+
+
+def _load(rate: float, seed: int, warmups: int = 1) -> LoadSpec:
+    return LoadSpec(
+        request_rate=rate,
+        seed=seed,
+        num_warmups=warmups,
+        show_progress=False,
+        percentiles=(50.0, 99.0),
+        time_limit_s=600.0,
+    )
+
+
+def _run(url: str, model: str, requests: Sequence[BenchRequest], load: LoadSpec) -> dict[str, Any]:
+    """One load run against ``url``; TTFT summary (ms) and completion counts."""
+
+    async def go() -> dict[str, Any]:
+        async with make_client() as client:
+            result = await run_load(client, Target(url, model), requests, load)
+        m = result.metrics
+        return {
+            "completed": m.completed,
+            "failed": m.failed,
+            "mean_ttft_ms": m.ttft.mean_ms,
+            "p50_ttft_ms": m.ttft.percentile(50.0),
+            "p99_ttft_ms": m.ttft.percentile(99.0),
+        }
+
+    return asyncio.run(go())
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
+    ok = a.get("completed") and b.get("completed") and not a["failed"] and not b["failed"]
+    return a[key] / b[key] if ok and b[key] > 0 else None
+
+
+# ---- uneven backends (fakes) -------------------------------------------------------------------
+
+
+def _fake(name: str, fabric: KvFabric, prefill_s: float, slots: int | None) -> FakeVllmServer:
+    """A fake P (``prefill_s`` > 0, one identity each) or D; all share ``fabric``, so D waits
+    for its P's KV as vLLM does."""
+    behavior = FakeBehavior(prefill_delay_s=prefill_s, prefill_slots=slots)
+    identity = PushIdentity(engine_id=f"engine-{name}")
+    return FakeVllmServer(FakeVllmState(FAKE_MODEL, behavior, identity, fabric=fabric))
+
+
+def _uneven_config(p_urls: Sequence[str], d_url: str, policy: str) -> dict[str, Any]:
+    return {
+        "models": [FAKE_MODEL],
+        "prefill": {"policy": policy, "instances": [{"url": u} for u in p_urls]},
+        "decode": {"instances": [{"url": d_url}]},
+        "load_signals": {"interval": 0.25, "stale_after": 1.0},
+        "health": {"interval": 5.0},
+    }
+
+
+def run_uneven(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
+    """power_of_two vs round_robin over a fast and a twice-as-slow prefill fake."""
+    requests = make_token_prompts(
+        SyntheticSpec(spec.uneven_requests, input_len=64, output_len=4, seed=spec.seed)
+    )
+    runs: dict[str, Any] = {}
+    fabric = KvFabric()
+    with ExitStack() as stack:
+        fast = stack.enter_context(_fake("p-fast", fabric, spec.uneven_prefill_s, 1))
+        slow = stack.enter_context(_fake("p-slow", fabric, 2 * spec.uneven_prefill_s, 1))
+        decode = stack.enter_context(_fake("d", fabric, 0.0, None))
+        for policy in ("round_robin", "power_of_two"):
+            port = free_port()
+            config = _uneven_config([fast.url, slow.url], decode.url, policy)
+            with our_router(config, port, logs):
+                load = _load(spec.uneven_rate, spec.seed)
+                runs[policy] = _run(f"http://127.0.0.1:{port}", FAKE_MODEL, requests, load)
+    return {
+        "runs": runs,
+        "p99_ttft_p2c_over_round_robin_uneven": _ratio(
+            runs["power_of_two"], runs["round_robin"], "p99_ttft_ms"
+        ),
+    }
+
+
+# ---- real vLLM: shared prefixes and light load ---------------------------------------------------
+
+
+def conversation_requests(spec: RoutingBenchSpec, seed: int) -> list[BenchRequest]:
+    """Conversations as token-id prompts: round ``t`` holds turn ``t`` of every conversation
+    (system prompt plus ``t + 1`` user turns), in a shuffled order."""
+    rng = random.Random(seed)
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(16, 4096) for _ in range(n)]
+
+    systems = [draw(spec.system_len) for _ in range(spec.conversations)]
+    turns = [[draw(spec.turn_len) for _ in range(spec.turns)] for _ in systems]
+    out: list[BenchRequest] = []
+    for t in range(spec.turns):
+        order = list(range(spec.conversations))
+        rng.shuffle(order)
+        for k in order:
+            ids = systems[k] + [i for turn in turns[k][: t + 1] for i in turn]
+            out.append(BenchRequest(tuple(ids), len(ids), spec.output_len))
+    return out
+
+
+def _cache_counters(urls: Sequence[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for url in urls:
+        values = read_metrics_text(httpx.get(url + "/metrics", timeout=10.0).text)
+        hits += values.get("vllm:prefix_cache_hits_total", 0.0)
+        queries += values.get("vllm:prefix_cache_queries_total", 0.0)
+    return hits, queries
+
+
+@contextmanager
+def _router_for(stack: Any, logs: Path, **overrides: dict[str, Any]) -> Iterator[str]:
+    config = stack.router_config()
+    config["timeouts"] = {"health": 60.0, "first_token": 120.0, "prefill": 120.0}
+    for section, values in overrides.items():
+        config[section] = {**config.get(section, {}), **values}
+    port = free_port()
+    with our_router(config, port, logs, ready_timeout_s=180.0):
+        yield f"http://127.0.0.1:{port}"
+
+
+def run_prefix(spec: RoutingBenchSpec, stack: Any, logs: Path) -> dict[str, Any]:
+    """prefix_affinity vs round_robin for P on shared-prefix conversations (fresh prompts each)."""
+    p_urls = [p.url for p in stack.prefill]
+    runs: dict[str, Any] = {}
+    for i, policy in enumerate(("round_robin", "prefix_affinity")):
+        requests = conversation_requests(spec, seed=spec.seed + 100 + i)
+        with _router_for(stack, logs, prefill={"policy": policy}) as url:
+            hits0, queries0 = _cache_counters(p_urls)
+            run = _run(url, stack.model_name, requests, _load(spec.prefix_rate, spec.seed, 0))
+            hits1, queries1 = _cache_counters(p_urls)
+        run["prefill_prefix_cache_hit_rate"] = (hits1 - hits0) / max(queries1 - queries0, 1.0)
+        runs[policy] = run
+    return {
+        "runs": runs,
+        "ttft_prefix_affinity_over_round_robin": _ratio(
+            runs["prefix_affinity"], runs["round_robin"], "mean_ttft_ms"
+        ),
+        "p99_ttft_prefix_affinity_over_round_robin": _ratio(
+            runs["prefix_affinity"], runs["round_robin"], "p99_ttft_ms"
+        ),
+    }
+
+
+def run_light(spec: RoutingBenchSpec, stack: Any, logs: Path) -> dict[str, Any]:
+    """Conditional disaggregation (D alone for short prompts) vs the aggregated instance."""
+    requests = make_token_prompts(
+        SyntheticSpec(
+            spec.light_requests, spec.light_input_len, spec.output_len, seed=spec.seed + 7
+        )
+    )
+    load = _load(spec.light_rate, spec.seed)
+    runs = {"aggregated": _run(stack.aggregated[0].url, stack.model_name, requests, load)}
+    rule = {"min_prompt_tokens": spec.light_input_len * 2}
+    with _router_for(stack, logs, disaggregation=rule) as url:
+        runs["conditional"] = _run(url, stack.model_name, requests, load)
+    return {
+        "runs": runs,
+        "ttft_conditional_over_aggregated_light": _ratio(
+            runs["conditional"], runs["aggregated"], "mean_ttft_ms"
+        ),
+    }
+
+
+def run_real(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
+    """The real-vLLM parts on one 2P1D stack with our connector plus one aggregated instance."""
+    from devstack.stack import StackOptions, start_stack
+
+    options = StackOptions(kind="ours", topology="2p1d", with_aggregated=True)
+    out: dict[str, Any] = {}
+    with start_stack(options, logs) as stack:
+        stack.warm_up()
+        if "light" in spec.parts:
+            out["light"] = run_light(spec, stack, logs)
+        if "prefix" in spec.parts:
+            out["prefix"] = run_prefix(spec, stack, logs)
+    return out
+
+
+def run_routing(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
+    """Run the selected parts; the result holds the spec, every run and the ratios."""
+    out: dict[str, Any] = {"spec": asdict(spec)}
+    if "uneven" in spec.parts:
+        out["uneven"] = run_uneven(spec, logs)
+    if {"prefix", "light"} & set(spec.parts):
+        out.update(run_real(spec, logs))
+    return out
+
+
+SUMMARY_KEYS = {
+    "ttft_prefix_affinity_over_round_robin": "prefix",
+    "ttft_conditional_over_aggregated_light": "light",
+    "p99_ttft_p2c_over_round_robin_uneven": "uneven",
+}
+
+
+def routing_summary(result: dict[str, Any]) -> dict[str, float | None]:
+    """The summary.json keys of a routing result (None for a part that did not run)."""
+    return {key: result.get(part, {}).get(key) for key, part in SUMMARY_KEYS.items()}

@@ -1,0 +1,82 @@
+"""``disagg-bench routing``: run the routing benchmark and write its artefacts.
+
+Writes ``routing.json`` (every run), ``routing.md`` (the table) and merges the three ratios into
+``summary.json`` in ``--out-dir``. The real-vLLM parts start vLLM: run them under
+``flock /tmp/vllm-e2e.lock``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from bench.results import write_json
+from bench.routing import PARTS, RoutingBenchSpec, routing_summary, run_routing
+
+DEFAULT_OUT = Path("docs/benchmarks")
+
+
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"subset of {PARTS}")
+    for f in fields(RoutingBenchSpec):
+        if f.name != "parts":
+            parser.add_argument(
+                f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default
+            )
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--work-dir", type=Path, help="instance and router logs (default: temp)")
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def render_markdown(result: dict[str, Any], command: str) -> str:
+    """The routing table: per part, each run's TTFT (ms) and the ratio against its baseline."""
+    lines = ["# Routing benchmark", "", f"Command: `{command}`", ""]
+    lines += ["| part | run | completed | mean TTFT ms | p99 TTFT ms | P prefix-cache hit rate |"]
+    lines += ["|---|---|---|---|---|---|"]
+    for part in PARTS:
+        for name, run in result.get(part, {}).get("runs", {}).items():
+            rate = run.get("prefill_prefix_cache_hit_rate")
+            lines.append(
+                f"| {part} | {name} | {run['completed']}/{run['completed'] + run['failed']} | "
+                f"{_fmt(run['mean_ttft_ms'])} | {_fmt(run['p99_ttft_ms'])} | {_fmt(rate, 2)} |"
+            )
+    lines += ["", "| key | value | goal |", "|---|---|---|"]
+    goals = {"ttft_prefix_affinity_over_round_robin": "<= 0.6"}
+    goals |= {"ttft_conditional_over_aggregated_light": "<= 1.10"}
+    goals |= {"p99_ttft_p2c_over_round_robin_uneven": "<= 0.8"}
+    for key, value in routing_summary(result).items():
+        lines.append(f"| `{key}` | {_fmt(value, 3)} | {goals[key]} |")
+    return "\n".join(lines) + "\n"
+
+
+def routing_command(args: argparse.Namespace) -> int:
+    values = {f.name: getattr(args, f.name) for f in fields(RoutingBenchSpec) if f.name != "parts"}
+    parts = tuple(p for p in args.parts.split(",") if p)
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        print(f"--parts: unknown {sorted(unknown)}; choose from {PARTS}", file=sys.stderr)
+        return 2
+    spec = RoutingBenchSpec(parts=parts, **values)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-routing-"))
+    work.mkdir(parents=True, exist_ok=True)
+    command = "disagg-bench " + shlex.join(sys.argv[1:])
+    result = {"command": command, **run_routing(spec, work)}
+    out: Path = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "routing.json", result)
+    (out / "routing.md").write_text(render_markdown(result, command))
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary.update({k: v for k, v in routing_summary(result).items() if v is not None})
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    print(render_markdown(result, command))
+    return 0
