@@ -11,21 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """An extra-config field has a bad value; the message names the field."""
-
-
-def _parse_bool(raw: Any) -> bool:
-    """JSON booleans, or the strings true/false/1/0 (case-insensitive)."""
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("true", "1"):
-        return True
-    if text in ("false", "0"):
-        return False
-    raise ValueError("must be true or false")
+from connector.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -61,30 +47,37 @@ class ConnectorConfig:
     """Both: start NIXL's UCX progress thread (it busy-polls a core in nixl 1.5.1; see
     ``connector.nixl_backend``). Off: the connector's own threads drive progress."""
 
+    def __post_init__(self) -> None:
+        """Every duration is > 0 and the port is a port number (0: any free port)."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("float", float) and not value > 0:
+                raise ConfigError(f"{field.name}: must be > 0, got {value!r}")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(
+                f"side_channel_port: must be a port number, got {self.side_channel_port!r}"
+            )
+
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
-        """Build from vLLM's ``kv_connector_extra_config``; unknown keys are ignored."""
-        values: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):
-            if field.name not in extra:
-                continue
-            raw = extra[field.name]
-            try:
-                if field.type in ("bool", bool):
-                    value: Any = _parse_bool(raw)
-                elif field.type in ("float", float):
-                    value = float(raw)
-                    if value <= 0:
-                        raise ValueError("must be > 0")
-                elif field.type in ("int", int):
-                    value = int(raw)
-                    if not 0 <= value < 65536:
-                        raise ValueError("must be a port number")
-                else:
-                    value = str(raw)
-            except (TypeError, ValueError) as exc:
+        """Build from vLLM's ``kv_connector_extra_config`` (unknown keys are ignored).
+
+        Values are coerced as JSON and environment strings need (``"2.5"``, ``"true"``,
+        ``"18299"``); a bad one raises :class:`ConfigError` naming the field. pydantic does the
+        coercion; it is imported here only, so the transfer core runs without it.
+        """
+        from pydantic import TypeAdapter, ValidationError
+
+        try:
+            config: ConnectorConfig = TypeAdapter(cls).validate_python(dict(extra))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(str(part) for part in err["loc"])
+            if not field:  # raised by __post_init__, which names the field itself
                 raise ConfigError(
-                    f"kv_connector_extra_config.{field.name}: invalid value {raw!r} ({exc})"
+                    f"kv_connector_extra_config.{err['msg'].removeprefix('Value error, ')}"
                 ) from exc
-            values[field.name] = value
-        return cls(**values)
+            raise ConfigError(
+                f"kv_connector_extra_config.{field}: invalid value {err['input']!r} ({err['msg']})"
+            ) from exc
+        return config

@@ -85,15 +85,15 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 vllm_config.cache_config.block_size,
             )
         else:
-            from connector.worker import PushWorker
+            from connector.worker import PushWorker, WorkerSetup
 
-            self._worker = PushWorker(
-                engine_id,
-                self._config,
+            setup = WorkerSetup(
+                engine_id=engine_id,
                 is_producer=bool(ktc.is_kv_producer),
                 is_consumer=bool(ktc.is_kv_consumer),
                 num_blocks=int(kv_cache_config.num_blocks),
             )
+            self._worker = PushWorker(setup, self._config)
 
     # ---- scheduler side ----------------------------------------------------------------------
     def _sched(self) -> PushScheduler:

@@ -1,69 +1,87 @@
-"""The one place that imports NIXL: a small typed wrapper around ``nixl_agent`` on DRAM.
+"""The one place that imports NIXL: :class:`NixlEndpoint`, a typed wrapper around ``nixl_agent``.
 
-Who calls it: :mod:`connector.producer` and :mod:`connector.consumer` (one endpoint per worker).
-Thread safety: NIXL agents tolerate calls from several threads, but the connector keeps every
-call for one endpoint behind :attr:`NixlEndpoint.lock` so the writer/monitor thread and the side
-channel never interleave descriptor preparation.
+Who calls it: the worker (one endpoint per worker), the device check and the transfer benchmark.
+It implements :class:`connector.endpoint.Endpoint` on ``DRAM`` (host KV caches).
 
-Only ``DRAM`` is exercised here (CPU KV caches). ``VRAM`` registration is the same calls with
-``mem_type="VRAM"`` and is untested on these machines.
+Thread safety: NIXL agents tolerate calls from several threads, but every call for one endpoint
+runs behind :attr:`NixlEndpoint.lock` so the writer/receiver threads and the side channel never
+interleave descriptor preparation. Every NIXL failure surfaces as
+:class:`~connector.errors.TransferError`.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
-from typing import Any, Literal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
 
-from connector.layout import descriptors
-from connector.protocol import LayoutSpec
-
-try:  # guarded import: the package stays importable (and unit-testable) without NIXL
-    from nixl._api import nixl_agent, nixl_agent_config
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    _NIXL_IMPORT_ERROR: ImportError | None = _exc
-else:
-    _NIXL_IMPORT_ERROR = None
-
-XferState = Literal["DONE", "PROC", "ERR"]
+from connector.endpoint import XferState
+from connector.errors import NixlUnavailableError, TransferError
+from connector.layout import LayoutSpec, descriptors
 
 
-class NixlUnavailableError(RuntimeError):
-    """NIXL is not installed or could not be loaded."""
+def _load_nixl() -> tuple[ModuleType | None, ImportError | None]:
+    """NIXL's Python API: the ``nixl`` meta package, else a CUDA wheel installed alone
+    (``nixl-cu13``/``nixl-cu12``, as carried to a bare GPU machine)."""
+    error: ImportError | None = None
+    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(name), None
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            error = error or exc
+    return None, error
+
+
+_API, _NIXL_IMPORT_ERROR = _load_nixl()
+_NIXL_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, ValueError, TypeError)
+if _API is not None:
+    _bindings = importlib.import_module(_API.__name__.rsplit(".", 1)[0] + "._bindings")
+    _NIXL_ERRORS += tuple(
+        cls
+        for cls in vars(_bindings).values()
+        if isinstance(cls, type) and issubclass(cls, Exception)
+    )
 
 
 def nixl_available() -> bool:
     """Whether the NIXL Python bindings import on this machine."""
-    return _NIXL_IMPORT_ERROR is None
+    return _API is not None
+
+
+@contextmanager
+def _nixl(what: str) -> Iterator[None]:
+    """Turn NIXL's exceptions (plain ``Exception`` subclasses of its bindings) into
+    :class:`TransferError`."""
+    try:
+        yield
+    except _NIXL_ERRORS as exc:
+        raise TransferError(f"NIXL {what} failed: {exc}") from exc
 
 
 class NixlEndpoint:
     """One NIXL agent (UCX backend) with the local KV layout registered and prepared.
 
-    Contract: create once per worker, :meth:`close` once. ``remote`` handles are cached per
-    remote agent name (``prepare_remote`` is idempotent per agent).
+    Contract: create once per worker, :meth:`close` once. Remote descriptor lists are cached
+    per remote agent name (``prepare_remote`` is idempotent per agent).
     """
 
-    def __init__(
-        self,
-        name: str,
-        layout: LayoutSpec,
-        mem_type: str = "DRAM",
-        *,
-        progress_thread: bool = False,
-    ) -> None:
+    def __init__(self, name: str, layout: LayoutSpec, *, progress_thread: bool = False) -> None:
         """``progress_thread``: start NIXL's own UCX progress thread. Off by default: nixl 1.5.1's
         Python API hard-codes that thread's delay to 0, so it polls without sleeping and burns a
         whole core per agent; our writer and receiver threads already drive UCX progress through
         ``check_xfer_state`` and ``get_new_notifs`` at their own (bounded) cadence."""
-        if _NIXL_IMPORT_ERROR is not None:
+        if _API is None:
             raise NixlUnavailableError(f"NIXL is not importable: {_NIXL_IMPORT_ERROR}")
-        self.name = name
-        self.layout = layout
-        self.mem_type = mem_type
+        self._name = name
+        self._layout = layout
         self.lock = threading.RLock()
-        self._agent: Any = nixl_agent(
-            name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
-        )
+        with _nixl("agent creation"):
+            self._agent: Any = _API.nixl_agent(
+                name, _API.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+            )
         spans = sorted(
             {
                 (r.addr, (r.num_blocks - 1) * r.block_stride + r.block_bytes)
@@ -71,24 +89,33 @@ class NixlEndpoint:
                 if r.num_blocks > 0
             }
         )
-        self._reg = self._agent.register_memory(
-            [(addr, length, 0, "") for addr, length in spans], mem_type
-        )
-        local = self._agent.get_xfer_descs(descriptors(layout), mem_type)
-        self._local_handle: Any = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local)
+        with _nixl("DRAM registration"):
+            self._reg = self._agent.register_memory(
+                [(addr, length, 0, "") for addr, length in spans], "DRAM"
+            )
+            local = self._agent.get_xfer_descs(descriptors(layout), "DRAM")
+            self._local_handle: Any = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local)
         self._remote_handles: dict[str, Any] = {}
         self._unread: list[bytes] = []
 
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def layout(self) -> LayoutSpec:
+        return self._layout
+
     def metadata(self) -> bytes:
         """This agent's metadata, for a peer's :meth:`prepare_remote`."""
-        with self.lock:
+        with self.lock, _nixl("metadata"):
             return bytes(self._agent.get_agent_metadata())
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's agent metadata (enough to send it notifications); returns its name."""
-        with self.lock:
+        with self.lock, _nixl("add_remote_agent"):
             name = self._agent.add_remote_agent(metadata)
-            return name.decode() if isinstance(name, bytes) else str(name)
+        return name.decode() if isinstance(name, bytes) else str(name)
 
     def prepare_remote(self, agent_name: str, metadata: bytes, layout: LayoutSpec) -> None:
         """Load a peer and prepare a descriptor list over its ``layout`` (once per agent)."""
@@ -97,20 +124,21 @@ class NixlEndpoint:
                 return
             loaded = self.add_peer(metadata)
             if loaded != agent_name:
-                raise ValueError(f"agent metadata names {loaded!r}, expected {agent_name!r}")
-            remote = self._agent.get_xfer_descs(descriptors(layout), self.mem_type)
-            self._remote_handles[agent_name] = self._agent.prep_xfer_dlist(agent_name, remote)
+                raise TransferError(f"agent metadata names {loaded!r}, expected {agent_name!r}")
+            with _nixl("remote descriptor list"):
+                remote = self._agent.get_xfer_descs(descriptors(layout), "DRAM")
+                self._remote_handles[agent_name] = self._agent.prep_xfer_dlist(agent_name, remote)
 
     def connect(self, agent_name: str) -> None:
         """Open the backend connection to a loaded peer now (else the first use pays for it)."""
-        with self.lock:
+        with self.lock, _nixl("make_connection"):
             self._agent.make_connection(agent_name)
 
     def write(
         self, agent_name: str, local_ids: list[int], remote_ids: list[int], notif: bytes
     ) -> Any:
         """Post a WRITE of local descriptors into the peer's; ``notif`` arrives after the data."""
-        with self.lock:
+        with self.lock, _nixl("WRITE"):
             handle = self._agent.make_prepped_xfer(
                 "WRITE",
                 self._local_handle,
@@ -122,22 +150,22 @@ class NixlEndpoint:
             state = self._agent.transfer(handle)
             if state == "ERR":
                 self._agent.release_xfer_handle(handle)
-                raise RuntimeError("NIXL rejected the WRITE")
+                raise TransferError("NIXL rejected the WRITE")
             return handle
 
     def state(self, handle: Any) -> XferState:
-        with self.lock:
+        with self.lock, _nixl("check_xfer_state"):
             state = str(self._agent.check_xfer_state(handle))
         if state not in ("DONE", "PROC", "ERR"):
             return "ERR"
         return state  # type: ignore[return-value]
 
     def release(self, handle: Any) -> None:
-        with self.lock:
+        with self.lock, _nixl("release_xfer_handle"):
             self._agent.release_xfer_handle(handle)
 
     def send_notif(self, agent_name: str, message: bytes) -> None:
-        with self.lock:
+        with self.lock, _nixl("send_notif"):
             self._agent.send_notif(agent_name, message)
 
     def take_notifs(self) -> list[bytes]:
@@ -158,11 +186,12 @@ class NixlEndpoint:
             self._collect_notifs()
 
     def _collect_notifs(self) -> None:
-        raw: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        with _nixl("get_new_notifs"):
+            raw: dict[str, list[bytes]] = self._agent.get_new_notifs()
         self._unread.extend(m for msgs in raw.values() for m in msgs)
 
     def forget_peer(self, agent_name: str) -> None:
-        with self.lock:
+        with self.lock, _nixl("remove_remote_agent"):
             handle = self._remote_handles.pop(agent_name, None)
             if handle is not None:
                 self._agent.release_dlist_handle(handle)
@@ -172,5 +201,6 @@ class NixlEndpoint:
         with self.lock:
             for name in list(self._remote_handles):
                 self.forget_peer(name)
-            self._agent.release_dlist_handle(self._local_handle)
-            self._agent.deregister_memory(self._reg)
+            with _nixl("deregistration"):
+                self._agent.release_dlist_handle(self._local_handle)
+                self._agent.deregister_memory(self._reg)

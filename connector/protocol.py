@@ -17,58 +17,14 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
+
+from connector.errors import ProtocolError
+from connector.layout import LayoutSpec
 
 PROTOCOL_VERSION = 1
 NOTIF_PREFIX = b"DPC1:"
 MAX_FRAME_BYTES = 64 * 1024 * 1024
-
-
-class ProtocolError(ValueError):
-    """A message is malformed or speaks an unknown protocol version."""
-
-
-@dataclass(frozen=True)
-class RegionSpec:
-    """One registered memory region holding ``num_blocks`` equally sized KV blocks."""
-
-    addr: int
-    block_stride: int
-    block_bytes: int
-    num_blocks: int
-
-
-@dataclass(frozen=True)
-class LayoutSpec:
-    """The KV memory layout of one worker; P and D must agree on region count and block bytes."""
-
-    regions: tuple[RegionSpec, ...]
-    blocks_per_logical: int = 1
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "regions": [asdict(r) for r in self.regions],
-            "blocks_per_logical": self.blocks_per_logical,
-        }
-
-    @classmethod
-    def from_json(cls, raw: Any) -> LayoutSpec:
-        try:
-            regions = tuple(RegionSpec(**r) for r in raw["regions"])
-            return cls(regions=regions, blocks_per_logical=int(raw["blocks_per_logical"]))
-        except (KeyError, TypeError) as exc:
-            raise ProtocolError(f"bad layout: {exc}") from exc
-
-    def compatible_with(self, other: LayoutSpec) -> str | None:
-        """``None`` if a block of ``self`` can be written into ``other``; else why not."""
-        if len(self.regions) != len(other.regions):
-            return f"region count differs: {len(self.regions)} vs {len(other.regions)}"
-        if self.blocks_per_logical != other.blocks_per_logical:
-            return "physical blocks per logical block differ"
-        for i, (a, b) in enumerate(zip(self.regions, other.regions, strict=True)):
-            if a.block_bytes != b.block_bytes:
-                return f"region {i} block bytes differ: {a.block_bytes} vs {b.block_bytes}"
-        return None
 
 
 @dataclass(frozen=True)
@@ -89,11 +45,21 @@ class Registration:
     """How long D will wait; P never *starts* a WRITE after this (from receipt)."""
 
 
+ReplyStatus = Literal["accepted", "failed", "cancelled", "in_flight", "unknown", "pong"]
+_REPLY_STATUSES = get_args(ReplyStatus)
+
+
 @dataclass(frozen=True)
 class Reply:
-    """P -> D answer on the side channel."""
+    """P -> D answer on the side channel.
 
-    status: Literal["accepted", "failed", "cancelled", "in_flight", "unknown", "pong"]
+    ``register``: ``accepted`` or ``failed`` (with the reason, e.g. an incompatible layout).
+    ``cancel``: ``cancelled`` (no WRITE was or will be posted), ``in_flight`` (a WRITE is
+    landing; wait for its notification) or ``unknown`` (P holds nothing for the key).
+    ``ping``: ``pong``.
+    """
+
+    status: ReplyStatus
     reason: str = ""
 
 
@@ -119,6 +85,7 @@ def _check_version(obj: Any) -> dict[str, Any]:
 
 
 def encode_request(kind: str, body: dict[str, Any]) -> bytes:
+    """A side-channel request frame of ``kind`` (``register``, ``cancel``, ``ping``)."""
     return json.dumps({"v": PROTOCOL_VERSION, "type": kind, **body}).encode()
 
 
@@ -152,6 +119,7 @@ def decode_request(data: bytes) -> tuple[str, dict[str, Any]]:
 
 
 def registration_from_body(body: dict[str, Any]) -> Registration:
+    """The :class:`Registration` in a decoded ``register`` body; raises :class:`ProtocolError`."""
     try:
         return Registration(
             transfer_key=str(body["transfer_key"]),
@@ -175,14 +143,15 @@ def encode_reply(reply: Reply) -> bytes:
 
 
 def decode_reply(data: bytes) -> Reply:
+    """Decode P's answer; raises :class:`ProtocolError` for a bad or foreign one."""
     try:
         obj = _check_version(json.loads(data))
     except json.JSONDecodeError as exc:
         raise ProtocolError(f"reply is not JSON: {exc}") from exc
     status = obj.get("status")
-    if status not in ("accepted", "failed", "cancelled", "in_flight", "unknown", "pong"):
+    if status not in _REPLY_STATUSES:
         raise ProtocolError(f"unknown reply status {status!r}")
-    return Reply(status=status, reason=str(obj.get("reason", "")))
+    return Reply(status=cast(ReplyStatus, status), reason=str(obj.get("reason", "")))
 
 
 def encode_notification(note: Notification) -> bytes:

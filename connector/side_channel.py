@@ -12,13 +12,10 @@ import struct
 import threading
 from collections.abc import Callable
 
-from connector.protocol import MAX_FRAME_BYTES, ProtocolError
+from connector.errors import ProtocolError, SideChannelError, SideChannelRefusedError
+from connector.protocol import MAX_FRAME_BYTES
 
 _HEADER = struct.Struct("!I")
-
-
-class SideChannelError(ConnectionError):
-    """The peer could not be reached or answered nothing usable within the bound."""
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -43,12 +40,18 @@ def recv_frame(sock: socket.socket) -> bytes:
 
 
 def request(host: str, port: int, payload: bytes, timeout_s: float) -> bytes:
-    """Send one frame to ``host:port`` and return the reply frame; bounded by ``timeout_s``."""
+    """Send one frame to ``host:port`` and return the reply frame; bounded by ``timeout_s``.
+
+    Raises :class:`SideChannelRefusedError` when nothing listens there, and
+    :class:`SideChannelError` for any other failure (timeout, reset, truncated reply).
+    """
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.settimeout(timeout_s)
             send_frame(sock, payload)
             return recv_frame(sock)
+    except ConnectionRefusedError as exc:
+        raise SideChannelRefusedError(f"side channel {host}:{port}: {exc}") from exc
     except OSError as exc:
         raise SideChannelError(f"side channel {host}:{port}: {exc}") from exc
 

@@ -1,7 +1,7 @@
 """Worker side of the connector (runs in vLLM's worker, next to the KV cache tensors).
 
-Who calls it: the facade, from vLLM's worker hooks. It turns the KV cache tensors into a
-:class:`~connector.protocol.LayoutSpec`, owns the NIXL endpoint and the transfer core
+Who calls it: the facade, from vLLM's worker hooks. It describes the KV cache tensors as a
+:class:`~connector.layout.LayoutSpec`, owns the NIXL endpoint and the transfer core
 (:class:`PushProducer` on P, :class:`PushConsumer` on D) and forwards each step's metadata to
 them. It never blocks the engine thread on the network.
 """
@@ -9,64 +9,33 @@ them. It never blocks the engine thread on the network.
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from connector.config import ConnectorConfig
 from connector.consumer import PushConsumer
+from connector.layout import layout_from_kv_caches
 from connector.metadata import PushConnectorMetadata
 from connector.nixl_backend import NixlEndpoint
 from connector.producer import PushProducer
-from connector.protocol import LayoutSpec, RegionSpec
 from connector.records import TransferRecord
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
 
-class LayoutError(ValueError):
-    """The KV cache tensors have a layout the connector cannot describe as blocks."""
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What the worker needs to know about its vLLM instance."""
 
-
-def layout_from_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> LayoutSpec:
-    """Describe per-layer KV tensors as regions of equally sized, contiguous blocks.
-
-    The block dimension is dim 0 (CPU: ``[blocks, heads, block_size, 2*head]``) or dim 1 with a
-    small outer dim (``[2, blocks, ...]``: one region per outer index). Layers are ordered by
-    name so P and D (same model) produce the same region order.
-    """
-    regions: list[RegionSpec] = []
-    per_logical = 0
-    for name in sorted(kv_caches):
-        t = kv_caches[name]
-        dim = 0 if t.shape[0] % num_blocks == 0 and t.shape[0] >= num_blocks else 1
-        if t.dim() <= dim + 1 or t.shape[dim] % num_blocks:
-            raise LayoutError(f"{name}: cannot find a block dimension in shape {tuple(t.shape)}")
-        tail = t.shape[dim + 1 :]
-        expected = 1
-        for size, stride in zip(reversed(tail), reversed(t.stride()[dim + 1 :]), strict=True):
-            if stride != expected:
-                raise LayoutError(f"{name}: block interior is not contiguous")
-            expected *= size
-        elem = t.element_size()
-        k = t.shape[dim] // num_blocks
-        if per_logical and k != per_logical:
-            raise LayoutError("layers disagree on physical blocks per logical block")
-        per_logical = k
-        outer = 1 if dim == 0 else t.shape[0]
-        for o in range(outer):
-            base = t.data_ptr() + (o * t.stride(0) * elem if dim == 1 else 0)
-            regions.append(
-                RegionSpec(
-                    addr=base,
-                    block_stride=t.stride(dim) * elem,
-                    block_bytes=math.prod(tail) * elem,
-                    num_blocks=t.shape[dim],
-                )
-            )
-    return LayoutSpec(regions=tuple(regions), blocks_per_logical=max(per_logical, 1))
+    engine_id: str
+    is_producer: bool
+    is_consumer: bool
+    num_blocks: int
+    """Blocks of vLLM's block manager (``kv_cache_config.num_blocks``)."""
 
 
 @dataclass
@@ -83,19 +52,9 @@ class WorkerStep:
 class PushWorker:
     """Per-worker transfer state; see the module docstring."""
 
-    def __init__(
-        self,
-        engine_id: str,
-        config: ConnectorConfig,
-        is_producer: bool,
-        is_consumer: bool,
-        num_blocks: int,
-    ) -> None:
-        self.engine_id = engine_id
+    def __init__(self, setup: WorkerSetup, config: ConnectorConfig) -> None:
+        self.setup = setup
         self.config = config
-        self.is_producer = is_producer
-        self.is_consumer = is_consumer
-        self.num_blocks = num_blocks
         self.endpoint: NixlEndpoint | None = None
         self.producer: PushProducer | None = None
         self.consumer: PushConsumer | None = None
@@ -103,15 +62,16 @@ class PushWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV memory with NIXL and start the transfer core (once)."""
-        layout = layout_from_kv_caches(kv_caches, self.num_blocks)
-        name = f"dpc-{self.engine_id}-{uuid.uuid4().hex[:8]}"
+        s = self.setup
+        layout = layout_from_kv_caches(kv_caches, s.num_blocks)
+        name = f"dpc-{s.engine_id}-{uuid.uuid4().hex[:8]}"
         self.endpoint = NixlEndpoint(name, layout, progress_thread=self.config.nixl_progress_thread)
-        if self.is_producer:
-            self.producer = PushProducer(self.endpoint, self.engine_id, self.config)
+        if s.is_producer:
+            self.producer = PushProducer(self.endpoint, s.engine_id, self.config)
             logger.info(
                 "P side channel on %s:%d", self.config.side_channel_host, self.producer.port
             )
-        if self.is_consumer:
+        if s.is_consumer:
             self.consumer = PushConsumer(self.endpoint, self.config)
         logger.info(
             "NIXL agent %s: %d regions x %d blocks",
@@ -123,26 +83,18 @@ class PushWorker:
     def start_step(self, meta: PushConnectorMetadata) -> None:
         """Hand this step's decisions to the transfer core (non-blocking)."""
         if self.consumer is not None:
-            for reg in meta.registrations:
-                self._recv_blocks[reg.d_request_id] = reg.block_ids
-                self.consumer.register(
-                    reg.d_request_id,
-                    reg.transfer_key,
-                    reg.p_engine_id,
-                    reg.host,
-                    reg.port,
-                    reg.block_ids,
-                    reg.first_block,
-                )
+            for spec in meta.registrations:
+                self._recv_blocks[spec.d_request_id] = spec.block_ids
+                self.consumer.register(spec)
             for rid in meta.cancels:
                 self.consumer.cancel(rid)
-            for kc in meta.key_cancels:
-                self.consumer.cancel_key(kc.transfer_key, kc.host, kc.port)
+            for cancel in meta.key_cancels:
+                self.consumer.cancel_key(cancel)
         if self.producer is not None:
             for fin in meta.finished_prefills:
-                self.producer.add_finished(fin.transfer_key, fin.p_request_id, fin.block_ids)
-            for ab in meta.failed_prefills:
-                self.producer.abort(ab.transfer_key, ab.reason)
+                self.producer.add_finished(fin)
+            for abort in meta.failed_prefills:
+                self.producer.abort(abort)
 
     def collect(self) -> WorkerStep:
         """Completions since the last call (each request id reported once)."""

@@ -69,9 +69,8 @@ class _Endpoint:
                 for b in range(spec.blocks_per_write)
             ]
         else:
-            from connector.layout import descriptor_ids
+            from connector.layout import LayoutSpec, RegionSpec, descriptor_ids
             from connector.nixl_backend import NixlEndpoint
-            from connector.protocol import LayoutSpec, RegionSpec
 
             region_bytes = spec.blocks_per_region * spec.block_bytes
             self.layout = LayoutSpec(
@@ -100,7 +99,7 @@ class _Endpoint:
         if self.kind == "bare":
             self.impl.connect(hello["metadata"], hello["addr"])
         else:
-            from connector.protocol import LayoutSpec
+            from connector.layout import LayoutSpec
 
             remote = LayoutSpec.from_json(hello["layout"])
             self.impl.prepare_remote(peer_name, hello["metadata"], remote)

@@ -35,7 +35,7 @@ def _buffer(spec: TransferSpec) -> Any:
 
 
 def _layout(spec: TransferSpec, addr: int) -> Any:
-    from connector.protocol import LayoutSpec, RegionSpec
+    from connector.layout import LayoutSpec, RegionSpec
 
     region_bytes = spec.blocks_per_region * spec.block_bytes
     return LayoutSpec(
@@ -82,6 +82,7 @@ def _p_process(kind: PathKind, spec: TransferSpec, d: Connection) -> None:
     from connector.config import ConnectorConfig
     from connector.nixl_backend import NixlEndpoint
     from connector.producer import PushProducer
+    from connector.specs import SendSpec
 
     ep = NixlEndpoint("bench-p", _layout(spec, addr))
     cfg = ConnectorConfig(side_channel_port=0, lease_s=300.0, registration_ttl_s=300.0)
@@ -89,7 +90,7 @@ def _p_process(kind: PathKind, spec: TransferSpec, d: Connection) -> None:
     d.send({"port": producer.port})
     while (msg := d.recv()) != "stop":
         t0 = time.monotonic()
-        producer.add_finished(f"k{msg}", f"p{msg}", blocks)
+        producer.add_finished(SendSpec(f"p{msg}", f"k{msg}", blocks))
         d.send(t0)
         producer.take_released()
     producer.close()
@@ -123,13 +124,14 @@ def _d_process(kind: PathKind, spec: TransferSpec, p: Connection, report: Connec
         from connector.config import ConnectorConfig
         from connector.consumer import PushConsumer
         from connector.nixl_backend import NixlEndpoint
+        from connector.specs import RecvSpec
 
         ep = NixlEndpoint("bench-d", _layout(spec, addr))
         consumer = PushConsumer(ep, ConnectorConfig(transfer_timeout_s=120.0))
         port = p.recv()["port"]
         blocks = tuple(range(spec.blocks_per_write))
         for i in range(total):
-            consumer.register(f"r{i}", f"k{i}", _P_ENGINE, "127.0.0.1", port, blocks, 0)
+            consumer.register(RecvSpec(f"r{i}", f"k{i}", _P_ENGINE, "127.0.0.1", port, blocks, 0))
             time.sleep(_REGISTRATION_LEAD_S)
             p.send(i)
             t0 = p.recv()

@@ -17,6 +17,7 @@ from nixl_layouts import make_regions
 from connector.config import ConnectorConfig
 from connector.nixl_backend import NixlEndpoint
 from connector.producer import PushProducer
+from connector.specs import SendAbort, SendSpec
 
 
 def main() -> None:
@@ -31,10 +32,10 @@ def main() -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "finish":
-            producer.add_finished(cmd["key"], cmd["request_id"], tuple(cmd["blocks"]))
+            producer.add_finished(SendSpec(cmd["request_id"], cmd["key"], tuple(cmd["blocks"])))
             print(json.dumps({"ok": True}), flush=True)
         elif cmd["cmd"] == "abort":
-            producer.abort(cmd["key"], cmd["reason"])
+            producer.abort(SendAbort(cmd["key"], cmd["reason"]))
             print(json.dumps({"ok": True}), flush=True)
         elif cmd["cmd"] == "released":
             print(json.dumps({"released": sorted(producer.take_released())}), flush=True)

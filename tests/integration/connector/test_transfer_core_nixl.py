@@ -21,6 +21,7 @@ import pytest
 from connector.config import ConnectorConfig
 from connector.consumer import PushConsumer
 from connector.nixl_backend import NixlEndpoint, nixl_available
+from connector.specs import RecvSpec
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="no NIXL")]
 
@@ -133,7 +134,9 @@ def test_registration_after_finish_writes_many_blocks(
     producer.call(cmd="finish", key="k1", request_id="p-req-1", blocks=p_blocks)
     d_blocks = list(range(95, 55, -1))  # reversed, non-contiguous destination
     consumer.consumer.register(
-        "d-req-1", "k1", "p-engine", "127.0.0.1", producer.port, tuple(d_blocks), first_block=0
+        RecvSpec(
+            "d-req-1", "k1", "p-engine", "127.0.0.1", producer.port, tuple(d_blocks), first_block=0
+        )
     )
     consumer.wait("d-req-1")
     assert "d-req-1" not in consumer.failed
@@ -153,7 +156,7 @@ def test_registration_before_finish_and_prefix_hit(
 ) -> None:
     # D already has the first 3 blocks cached: it asks only for the tail.
     consumer.consumer.register(
-        "d-req-2", "k2", "p-engine", "127.0.0.1", producer.port, (7, 8), first_block=3
+        RecvSpec("d-req-2", "k2", "p-engine", "127.0.0.1", producer.port, (7, 8), first_block=3)
     )
     time.sleep(0.2)
     assert consumer.consumer.pending_count() == 1
@@ -165,7 +168,7 @@ def test_registration_before_finish_and_prefix_hit(
 
 def test_abort_on_p_sends_fail_notification(producer: ProducerProcess, consumer: Consumer) -> None:
     consumer.consumer.register(
-        "d-req-3", "k3", "p-engine", "127.0.0.1", producer.port, (1, 2), first_block=0
+        RecvSpec("d-req-3", "k3", "p-engine", "127.0.0.1", producer.port, (1, 2), first_block=0)
     )
     time.sleep(0.2)
     producer.call(cmd="abort", key="k3", reason="prefill failed")
@@ -176,7 +179,7 @@ def test_abort_on_p_sends_fail_notification(producer: ProducerProcess, consumer:
     assert consumer.consumer.take_records()[0].reason == "P failed: prefill failed"
     # A registration arriving after the abort is refused at once.
     consumer.consumer.register(
-        "d-req-4", "k3", "p-engine", "127.0.0.1", producer.port, (3,), first_block=0
+        RecvSpec("d-req-4", "k3", "p-engine", "127.0.0.1", producer.port, (3,), first_block=0)
     )
     consumer.wait("d-req-4", timeout=3.0)
     assert "d-req-4" in consumer.failed
@@ -197,7 +200,9 @@ def test_timeout_when_p_never_finishes() -> None:
     p = ProducerProcess()
     c = Consumer(transfer_timeout_s=1.0, liveness_interval_s=0.2)
     try:
-        c.consumer.register("d-req-6", "k6", "p-engine", "127.0.0.1", p.port, (1,), 0)
+        c.consumer.register(
+            RecvSpec("d-req-6", "k6", "p-engine", "127.0.0.1", p.port, (1,), first_block=0)
+        )
         took = c.wait("d-req-6", timeout=5.0)
         assert "d-req-6" in c.failed
         assert 0.9 < took < 3.0
@@ -213,7 +218,9 @@ def test_timeout_when_p_never_finishes() -> None:
 
 def test_p_death_fails_waiting_transfer_fast(consumer: Consumer) -> None:
     p = ProducerProcess()
-    consumer.consumer.register("d-req-7", "k7", "p-engine", "127.0.0.1", p.port, (1,), 0)
+    consumer.consumer.register(
+        RecvSpec("d-req-7", "k7", "p-engine", "127.0.0.1", p.port, (1,), first_block=0)
+    )
     time.sleep(0.3)
     p.proc.kill()
     p.proc.wait()
@@ -225,7 +232,9 @@ def test_p_death_fails_waiting_transfer_fast(consumer: Consumer) -> None:
 def test_d_cancel_before_write_releases_both_sides(
     producer: ProducerProcess, consumer: Consumer
 ) -> None:
-    consumer.consumer.register("d-req-8", "k8", "p-engine", "127.0.0.1", producer.port, (1, 2), 0)
+    consumer.consumer.register(
+        RecvSpec("d-req-8", "k8", "p-engine", "127.0.0.1", producer.port, (1, 2), first_block=0)
+    )
     time.sleep(0.2)
     consumer.consumer.cancel("d-req-8")
     consumer.wait("d-req-8", timeout=3.0)
@@ -238,9 +247,13 @@ def test_d_cancel_before_write_releases_both_sides(
 def test_wrong_engine_and_unreachable_p_fail_registration(
     producer: ProducerProcess, consumer: Consumer
 ) -> None:
-    consumer.consumer.register("d-req-9", "k9", "other-engine", "127.0.0.1", producer.port, (1,), 0)
+    consumer.consumer.register(
+        RecvSpec("d-req-9", "k9", "other-engine", "127.0.0.1", producer.port, (1,), first_block=0)
+    )
     consumer.wait("d-req-9", timeout=3.0)
     assert "d-req-9" in consumer.failed
-    consumer.consumer.register("d-req-10", "k10", "p-engine", "127.0.0.1", 1, (1,), 0)
+    consumer.consumer.register(
+        RecvSpec("d-req-10", "k10", "p-engine", "127.0.0.1", 1, (1,), first_block=0)
+    )
     consumer.wait("d-req-10", timeout=3.0)
     assert "d-req-10" in consumer.failed

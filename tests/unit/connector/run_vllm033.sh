@@ -27,4 +27,5 @@ fi
 "$V033/bin/python" -c 'import vllm; assert vllm.__version__.startswith("0.33"), vllm.__version__'
 PYTHONPATH="$ROOT" "$V033/bin/python" -m pytest -q -p no:cacheprovider \
     tests/unit/connector/test_scheduler.py tests/unit/connector/test_facade_api.py \
-    tests/unit/connector/test_protocol.py tests/unit/connector/test_producer.py
+    tests/unit/connector/test_protocol.py tests/unit/connector/test_producer.py \
+    tests/unit/connector/test_consumer.py

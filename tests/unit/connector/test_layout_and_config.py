@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.config import ConfigError, ConnectorConfig
+from connector.config import ConnectorConfig
+from connector.errors import ConfigError, LayoutError
 from connector.facade import resolve_config
-from connector.layout import descriptor_ids, descriptors, physical_blocks, transfer_bytes
-from connector.protocol import LayoutSpec, RegionSpec
-from connector.worker import LayoutError, layout_from_kv_caches
+from connector.layout import (
+    LayoutSpec,
+    RegionSpec,
+    descriptor_ids,
+    descriptors,
+    layout_from_kv_caches,
+    physical_blocks,
+    transfer_bytes,
+)
 
 
 def test_descriptors_are_region_major_and_ids_match_blocks() -> None:

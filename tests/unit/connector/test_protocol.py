@@ -6,12 +6,11 @@ import json
 
 import pytest
 
+from connector.errors import ProtocolError
+from connector.layout import LayoutSpec, RegionSpec
 from connector.protocol import (
     PROTOCOL_VERSION,
-    LayoutSpec,
     Notification,
-    ProtocolError,
-    RegionSpec,
     Registration,
     Reply,
     decode_notification,

@@ -1,0 +1,348 @@
+"""P's transfer decisions, without threads, sockets or NIXL (driven by :mod:`connector.producer`).
+
+:class:`ProducerState` matches finished prefills with D's registrations, plans the WRITEs (their
+descriptors and notification), judges posted WRITEs, runs the leases and says whom to notify of
+a failure. Every method is thread-safe and takes its time from the injected clock, so the unit
+tests drive it step by step with a fake clock.
+
+Invariants: P's blocks for a request are reported released exactly once: when its WRITE is
+done or failed, when its lease runs out without a registration, or at once when P failed it.
+A WRITE is never *planned* after D's budget for it has passed, and D's ``cancel`` is answered
+``cancelled`` only when no WRITE for that key has been planned.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from connector.config import ConnectorConfig
+from connector.endpoint import XferState
+from connector.errors import ProtocolError
+from connector.layout import LayoutSpec, descriptor_ids, transfer_bytes
+from connector.protocol import (
+    Notification,
+    Registration,
+    Reply,
+    decode_request,
+    encode_notification,
+    encode_reply,
+    registration_from_body,
+)
+from connector.records import TransferRecord
+from connector.specs import SendAbort, SendSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Registered:
+    reg: Registration
+    received_at: float
+    start_by: float
+
+
+@dataclass
+class Write:
+    """One WRITE of P's blocks into D's: planned by the state, posted by the writer thread."""
+
+    key: str
+    fin: SendSpec
+    entry: _Registered
+    local_ids: list[int] = field(default_factory=list)
+    remote_ids: list[int] = field(default_factory=list)
+    notif: bytes = b""
+    num_blocks: int = 0
+    num_bytes: int = 0
+    handle: object | None = None
+    posted_at: float = 0.0
+
+    @property
+    def reg(self) -> Registration:
+        return self.entry.reg
+
+
+@dataclass(frozen=True)
+class WriterWork:
+    """What the writer thread does with the endpoint in one step."""
+
+    connect: list[Registration]
+    """D agents to load and connect to ahead of their first WRITE."""
+    writes: list[Write]
+    """WRITEs to post: budget and block counts checked, descriptors computed."""
+
+
+class ProducerState:
+    """P's bookkeeping and decisions; see the module docstring."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        layout: LayoutSpec,
+        config: ConnectorConfig,
+        clock: Callable[[], float],
+    ) -> None:
+        self._engine_id = engine_id
+        self._layout = layout
+        self._cfg = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._finished: dict[str, tuple[SendSpec, float]] = {}  # key -> (spec, lease end)
+        self._registered: dict[str, _Registered] = {}
+        self._failed: dict[str, tuple[str, float]] = {}  # key -> (reason, forget_at)
+        self._cancelled: dict[str, float] = {}  # key -> forget_at
+        self._ready: dict[str, Write] = {}
+        self._inflight: dict[str, Write] = {}
+        self._released: set[str] = set()
+        self._records: list[TransferRecord] = []
+        self._outbox: list[tuple[Registration, str]] = []  # fail notifications to send
+        self._warm: dict[str, Registration] = {}  # D agents to connect to ahead of the WRITE
+        self._known_agents: set[str] = set()
+
+    # ---- engine thread -------------------------------------------------------------------
+    def add_finished(self, spec: SendSpec) -> None:
+        """P finished this prefill; its blocks stay pinned until released."""
+        key = spec.transfer_key
+        lease_end = self._clock() + self._cfg.lease_s
+        with self._lock:
+            if key in self._cancelled or key in self._failed:
+                self._released.add(spec.p_request_id)
+                return
+            entry = self._registered.pop(key, None)
+            if entry is None:
+                self._finished[key] = (spec, lease_end)
+            else:
+                self._ready[key] = Write(key, spec, entry)
+
+    def abort(self, spec: SendAbort) -> None:
+        """P failed or aborted this prefill: tell a registered D now, a later one on arrival."""
+        with self._lock:
+            forget_at = self._clock() + self._cfg.registration_ttl_s
+            self._failed[spec.transfer_key] = (spec.reason, forget_at)
+            entry = self._registered.pop(spec.transfer_key, None)
+            if entry is not None:
+                self._outbox.append((entry.reg, spec.reason))
+
+    def take_released(self) -> set[str]:
+        """P request ids whose blocks vLLM may free now (each reported once)."""
+        with self._lock:
+            out, self._released = self._released, set()
+        return out
+
+    def take_records(self) -> list[TransferRecord]:
+        with self._lock:
+            out, self._records = self._records, []
+        return out
+
+    def pending_count(self) -> int:
+        """Prefills whose blocks P still holds for a D."""
+        with self._lock:
+            return len(self._finished) + len(self._ready) + len(self._inflight)
+
+    # ---- side channel ----------------------------------------------------------------------
+    def handle_request(self, data: bytes) -> bytes:
+        """Answer one side-channel request frame (register / cancel / ping)."""
+        try:
+            kind, body = decode_request(data)
+            if kind == "ping":
+                return encode_reply(Reply("pong"))
+            if kind == "cancel":
+                return encode_reply(self.cancel(str(body["transfer_key"])))
+            if kind == "register":
+                return encode_reply(self.register(registration_from_body(body)))
+            raise ProtocolError(f"unknown request type {kind!r}")
+        except (ProtocolError, KeyError) as exc:
+            logger.warning("side channel: rejected request: %s", exc)
+            return encode_reply(Reply("failed", f"protocol error: {exc}"))
+
+    def register(self, reg: Registration) -> Reply:
+        """D asks for the KV of ``reg.transfer_key``: accept it, or refuse with the reason."""
+        reason = self._refusal(reg)
+        if reason is None:
+            reason = self._accept(reg)
+        if reason is not None:
+            logger.warning(
+                "refused registration of %s from D agent %s: %s",
+                reg.transfer_key,
+                reg.d_agent_name,
+                reason,
+            )
+            return Reply("failed", reason)
+        logger.debug("registration for %s (D request %s)", reg.transfer_key, reg.d_request_id)
+        return Reply("accepted")
+
+    def _refusal(self, reg: Registration) -> str | None:
+        if reg.p_engine_id != self._engine_id:
+            return f"engine id {reg.p_engine_id!r} is not {self._engine_id!r}"
+        why = reg.d_layout.compatible_with(self._layout)
+        if why is not None:
+            return f"incompatible KV layout: {why}"
+        if len(reg.block_ids) != 1:
+            return "only one KV cache group is supported"
+        return None
+
+    def _accept(self, reg: Registration) -> str | None:
+        now = self._clock()
+        entry = _Registered(reg, now, now + reg.budget_s)
+        key = reg.transfer_key
+        with self._lock:
+            if key in self._failed:
+                return self._failed[key][0]
+            if key in self._cancelled:  # D's cancel overtook its registration
+                return "transfer was cancelled by D"
+            if reg.d_agent_name not in self._known_agents:
+                self._warm[reg.d_agent_name] = reg
+            finished = self._finished.pop(key, None)
+            if finished is None:
+                self._registered[key] = entry
+            else:
+                self._ready[key] = Write(key, finished[0], entry)
+        return None
+
+    def cancel(self, key: str) -> Reply:
+        """D gives up on ``key``: ``in_flight`` if a WRITE is planned or posted, else forget it
+        (``cancelled``, or ``unknown`` if P held nothing for it)."""
+        with self._lock:
+            if key in self._inflight:
+                return Reply("in_flight")
+            self._cancelled[key] = self._clock() + self._cfg.registration_ttl_s
+            write = self._ready.pop(key, None)
+            entry = self._registered.pop(key, None)
+            finished = self._finished.pop(key, None)
+            fin = write.fin if write is not None else finished[0] if finished else None
+            if fin is not None:
+                self._released.add(fin.p_request_id)
+        return Reply("cancelled" if (write or entry or fin) else "unknown")
+
+    # ---- writer thread ---------------------------------------------------------------------
+    def plan(self, now: float) -> WriterWork:
+        """Take the agents to connect and the WRITEs to post now; a WRITE that may not start
+        (D's budget passed, P lacks the blocks D asked for) fails here instead."""
+        with self._lock:
+            warm = list(self._warm.values())
+            self._warm.clear()
+            ready = list(self._ready.values())
+            self._ready.clear()
+            for write in ready:
+                self._inflight[write.key] = write  # visible to cancel before the post
+        writes = [w for w in ready if self._prepare(w, now)]
+        return WriterWork(connect=warm, writes=writes)
+
+    def _prepare(self, write: Write, now: float) -> bool:
+        reg = write.reg
+        if now > write.entry.start_by:
+            self.finish(write, ok=False, reason="D's budget passed before the prefill")
+            return False
+        d_blocks = list(reg.block_ids[0])
+        p_blocks = list(write.fin.block_ids[reg.first_block : reg.first_block + len(d_blocks)])
+        if len(p_blocks) != len(d_blocks):
+            reason = f"P has {len(write.fin.block_ids)} blocks, D asked for {reg.first_block}+"
+            self.finish(write, ok=False, reason=reason + str(len(d_blocks)))
+            return False
+        try:
+            write.local_ids = descriptor_ids(self._layout, p_blocks)
+            write.remote_ids = descriptor_ids(reg.d_layout, d_blocks)
+        except ValueError as exc:
+            self.finish(write, ok=False, reason=f"WRITE could not be posted: {exc}")
+            return False
+        write.notif = encode_notification(Notification("done", write.key, reg.d_request_id))
+        write.num_blocks = len(d_blocks)
+        write.num_bytes = transfer_bytes(reg.d_layout, len(d_blocks))
+        return True
+
+    def connected(self, agent_name: str) -> None:
+        """The writer loaded and connected to this D agent."""
+        with self._lock:
+            self._known_agents.add(agent_name)
+
+    def posted(self, write: Write, handle: object) -> None:
+        """The writer posted ``write``; its handle is polled from now on."""
+        write.posted_at = self._clock()
+        write.handle = handle
+
+    def to_poll(self) -> list[Write]:
+        """Posted WRITEs not finished yet."""
+        with self._lock:
+            return [w for w in self._inflight.values() if w.handle is not None]
+
+    def judge(self, write: Write, state: XferState) -> tuple[bool, str] | None:
+        """``(ok, reason)`` once a posted WRITE is over (done, failed, or out of time), else
+        ``None``. The caller releases the handle, then calls :meth:`finish`."""
+        if state == "DONE":
+            return True, ""
+        if state == "ERR":
+            return False, "NIXL reported the WRITE failed"
+        if self._clock() - write.posted_at > self._cfg.max_inflight_s:
+            return False, "WRITE did not complete in time"
+        return None
+
+    def finish(self, write: Write, ok: bool, reason: str = "") -> None:
+        """Record the outcome, release P's blocks and, on failure, queue D's notification."""
+        now = self._clock()
+        if not ok:
+            logger.warning(
+                "transfer %s (P request %s) failed: %s", write.key, write.fin.p_request_id, reason
+            )
+        record = TransferRecord(
+            side="writer",
+            transfer_key=write.key,
+            request_id=write.fin.p_request_id,
+            ok=ok,
+            num_blocks=write.num_blocks if ok else 0,
+            num_bytes=write.num_bytes if ok else 0,
+            write_s=(now - write.posted_at) if write.posted_at else 0.0,
+            registration_to_write_s=now - write.entry.received_at,
+            reason=reason,
+        )
+        with self._lock:
+            self._inflight.pop(write.key, None)
+            self._released.add(write.fin.p_request_id)
+            self._records.append(record)
+            if not ok:
+                self._outbox.append((write.reg, reason))
+
+    def take_notifications(self) -> list[tuple[Registration, bytes]]:
+        """``failed`` notifications to send now, with the registration naming their D."""
+        with self._lock:
+            outbox, self._outbox = self._outbox, []
+        return [
+            (
+                reg,
+                encode_notification(
+                    Notification("failed", reg.transfer_key, reg.d_request_id, why)
+                ),
+            )
+            for reg, why in outbox
+        ]
+
+    def busy(self) -> bool:
+        """Whether WRITEs are planned or in flight (the writer then polls at its fast cadence)."""
+        with self._lock:
+            return bool(self._inflight or self._ready)
+
+    def expire(self, now: float) -> None:
+        """Free prefills whose lease ran out, fail registrations whose prefill never came."""
+        with self._lock:
+            for key, (spec, lease_end) in list(self._finished.items()):
+                if now >= lease_end:
+                    logger.warning(
+                        "lease of %s (P request %s) ran out without a registration",
+                        key,
+                        spec.p_request_id,
+                    )
+                    del self._finished[key]
+                    self._released.add(spec.p_request_id)
+            for key, entry in list(self._registered.items()):
+                if now >= entry.received_at + self._cfg.registration_ttl_s or now > entry.start_by:
+                    del self._registered[key]
+                    self._outbox.append((entry.reg, "P never finished a prefill for this transfer"))
+                    # A prefill finishing later is freed at once instead of after its lease.
+                    self._cancelled[key] = now + self._cfg.registration_ttl_s
+            for key, (_, forget_at) in list(self._failed.items()):
+                if now >= forget_at:
+                    del self._failed[key]
+            for key, forget_at in list(self._cancelled.items()):
+                if now >= forget_at:
+                    del self._cancelled[key]

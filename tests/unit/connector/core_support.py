@@ -1,0 +1,99 @@
+"""Support for the transfer-core unit tests: an in-memory endpoint, a fake clock, a wait helper.
+
+:class:`MemoryEndpoint` implements :class:`connector.endpoint.Endpoint` (mypy checks it, see
+``_conforms``) and behaves like ``NixlEndpoint`` without NIXL's progress thread: a posted WRITE
+reports ``write_state`` (``DONE`` by default) when polled, a sent notification leaves (lands in
+``notifs``) only when ``progress`` runs, and ``take_notifs`` returns what ``deliver`` put in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from connector.endpoint import Endpoint, XferState
+from connector.errors import TransferError
+from connector.layout import LayoutSpec, RegionSpec
+from connector.protocol import Notification, decode_notification
+
+LAYOUT = LayoutSpec(regions=(RegionSpec(0, 64, 64, 32),))
+
+
+class MemoryEndpoint:
+    """See the module docstring; ``fail_writes`` makes every WRITE be refused like NIXL's."""
+
+    def __init__(self, name: str = "p-agent", layout: LayoutSpec = LAYOUT) -> None:
+        self.name = name
+        self.layout = layout
+        self.writes: list[tuple[str, list[int], list[int], Notification]] = []
+        self.notifs: list[tuple[str, Notification]] = []
+        self.unsent: list[tuple[str, Notification]] = []
+        self.inbox: list[bytes] = []
+        self.inbox_lock = threading.Lock()
+        self.peers: set[str] = set()
+        self.fail_writes = False
+        self.write_state: XferState = "DONE"
+
+    def metadata(self) -> bytes:
+        return b"meta:" + self.name.encode()
+
+    def prepare_remote(self, agent_name: str, metadata: bytes, layout: LayoutSpec) -> None:
+        self.peers.add(agent_name)
+
+    def connect(self, agent_name: str) -> None:
+        assert agent_name in self.peers
+
+    def write(
+        self, agent_name: str, local_ids: list[int], remote_ids: list[int], notif: bytes
+    ) -> int:
+        assert agent_name in self.peers
+        if self.fail_writes:
+            raise TransferError("NIXL rejected the WRITE")
+        self.writes.append((agent_name, local_ids, remote_ids, decode_notification(notif)))
+        return len(self.writes)
+
+    def state(self, handle: object) -> XferState:
+        return self.write_state
+
+    def release(self, handle: object) -> None:
+        pass
+
+    def send_notif(self, agent_name: str, message: bytes) -> None:
+        self.unsent.append((agent_name, decode_notification(message)))
+
+    def deliver(self, message: bytes) -> None:
+        """A peer's notification arrives (read by the next ``take_notifs``)."""
+        with self.inbox_lock:
+            self.inbox.append(message)
+
+    def take_notifs(self) -> list[bytes]:
+        with self.inbox_lock:
+            out, self.inbox = self.inbox, []
+        return out
+
+    def progress(self) -> None:
+        self.notifs.extend(self.unsent)
+        self.unsent.clear()
+
+
+def _conforms(endpoint: MemoryEndpoint) -> Endpoint:
+    return endpoint
+
+
+class FakeClock:
+    """A monotonic clock that moves only when a test sets ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
+    """Wait for a state a background thread reaches (fails the test after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)

@@ -1,0 +1,232 @@
+"""D's decisions with a fake clock (ConsumerState), and the PushConsumer threads around them.
+
+The real-NIXL, two-process version of these paths is tests/integration/connector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from core_support import LAYOUT, FakeClock, MemoryEndpoint, until
+
+from connector.config import ConnectorConfig
+from connector.consumer import PushConsumer
+from connector.consumer_state import ConsumerState
+from connector.errors import ProtocolError, SideChannelError, SideChannelRefusedError
+from connector.protocol import (
+    Notification,
+    Reply,
+    decode_request,
+    encode_notification,
+    encode_reply,
+    registration_from_body,
+)
+from connector.specs import KeyCancel, RecvSpec
+
+CFG = ConnectorConfig(transfer_timeout_s=10.0, max_inflight_s=4.0, liveness_interval_s=0.5)
+
+
+def spec(rid: str = "d-1", key: str = "k1", port: int = 5601) -> RecvSpec:
+    return RecvSpec(rid, key, "p0", "10.0.0.1", port, (7, 8, 9), first_block=2)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def state(clock: FakeClock) -> ConsumerState:
+    return ConsumerState(CFG, LAYOUT, "d-agent", b"d-meta", clock)
+
+
+def done(rid: str = "d-1", key: str = "k1") -> bytes:
+    return encode_notification(Notification("done", key, rid))
+
+
+def test_registration_carries_d_agent_layout_and_blocks(state: ConsumerState) -> None:
+    ask = state.register(spec())
+    assert (ask.kind, ask.host, ask.port, ask.d_request_id) == ("register", "10.0.0.1", 5601, "d-1")
+    kind, body = decode_request(ask.payload)
+    reg = registration_from_body(body)
+    assert kind == "register" and reg.transfer_key == "k1" and reg.p_engine_id == "p0"
+    assert (reg.d_agent_name, reg.d_agent_metadata, reg.d_layout) == ("d-agent", b"d-meta", LAYOUT)
+    assert reg.block_ids == ((7, 8, 9),) and reg.first_block == 2
+    assert reg.budget_s == CFG.transfer_timeout_s
+
+
+def test_done_notification_finishes_once_with_a_record(state: ConsumerState) -> None:
+    ask = state.register(spec())
+    assert state.answer(ask, Reply("accepted")) == []
+    assert state.take_results() == (set(), set()) and state.pending_count() == 1
+    state.notifications([done()])
+    assert state.take_results() == ({"d-1"}, set())
+    rec = state.take_records()[0]
+    assert rec.ok and rec.num_blocks == 3 and rec.num_bytes == 3 * 64
+    state.notifications([done()])  # a duplicate is not reported twice
+    assert state.take_results() == (set(), set()) and state.pending_count() == 0
+
+
+def test_refusal_and_unreachable_p_fail_at_once(state: ConsumerState) -> None:
+    refused = state.register(spec("d-1"))
+    assert state.answer(refused, Reply("failed", "incompatible KV layout: dtype differs")) == []
+    gone = state.register(spec("d-2", "k2"))
+    assert state.answer(gone, SideChannelRefusedError("connection refused")) == []
+    assert state.take_results() == ({"d-1", "d-2"}, {"d-1", "d-2"})
+    reasons = {r.request_id: r.reason for r in state.take_records()}
+    assert reasons["d-1"] == "P refused: incompatible KV layout: dtype differs"
+    assert reasons["d-2"].startswith("P unreachable")
+
+
+def test_unconfirmed_registration_is_released_only_through_a_cancel(
+    state: ConsumerState,
+) -> None:
+    ask = state.register(spec())
+    (cancel,) = state.answer(ask, SideChannelError("timed out"))
+    assert cancel.kind == "cancel" and decode_request(cancel.payload)[1]["transfer_key"] == "k1"
+    assert state.take_results() == (set(), set())  # P may have accepted it: nothing freed yet
+    state.answer(cancel, Reply("cancelled"))
+    assert state.take_results() == ({"d-1"}, {"d-1"})
+    assert state.take_records()[0].reason.startswith("registration unconfirmed")
+
+
+def test_timeout_cancels_then_in_flight_waits_for_the_write(
+    state: ConsumerState, clock: FakeClock
+) -> None:
+    state.answer(state.register(spec()), Reply("accepted"))
+    clock.now += 9.9
+    assert [a.kind for a in state.tick(clock.now)] == ["ping"]
+    clock.now += 0.2
+    (cancel,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
+    assert cancel.reason == "timed out waiting for P"
+    assert state.tick(clock.now) == []  # one cancel, not one per tick
+    state.answer(cancel, Reply("in_flight"))
+    clock.now += 3.9  # the WRITE gets max_inflight_s to land
+    assert not any(a.kind == "cancel" for a in state.tick(clock.now))
+    state.notifications([done()])
+    assert state.take_results() == ({"d-1"}, set())
+
+
+def test_timeout_confirmed_by_p_fails_the_transfer(state: ConsumerState, clock: FakeClock) -> None:
+    state.answer(state.register(spec()), Reply("accepted"))
+    clock.now += 10.5
+    (cancel,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
+    state.answer(cancel, Reply("cancelled"))
+    assert state.take_results() == ({"d-1"}, {"d-1"})
+
+
+def test_unanswered_cancel_waits_for_the_hard_bound(state: ConsumerState, clock: FakeClock) -> None:
+    state.answer(state.register(spec()), Reply("accepted"))
+    clock.now += 10.5
+    (cancel,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
+    state.answer(cancel, SideChannelError("timed out"))  # P may be alive and still WRITE
+    state.answer(cancel, ProtocolError("garbage"))
+    clock.now += 3.0
+    state.tick(clock.now)
+    assert state.take_results() == (set(), set())
+    clock.now = 1000.0 + CFG.transfer_timeout_s + CFG.max_inflight_s
+    state.tick(clock.now)
+    assert state.take_results() == ({"d-1"}, {"d-1"})
+    assert state.take_records()[0].reason == "timed out (hard bound)"
+
+
+def test_cancel_refused_means_p_is_gone(state: ConsumerState, clock: FakeClock) -> None:
+    state.answer(state.register(spec()), Reply("accepted"))
+    clock.now += 10.5
+    (cancel,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
+    state.answer(cancel, SideChannelRefusedError("refused"))
+    assert state.take_results() == ({"d-1"}, {"d-1"})
+    assert state.take_records()[0].reason == "timed out waiting for P; P is gone"
+
+
+def test_abort_by_d_is_reported_but_not_as_a_failed_load(state: ConsumerState) -> None:
+    state.answer(state.register(spec()), Reply("accepted"))
+    cancel = state.cancel("d-1")
+    assert cancel is not None and cancel.reason == "aborted by D"
+    assert state.cancel("d-1") is None  # already under way
+    assert state.cancel("unknown") is None
+    state.answer(cancel, Reply("cancelled"))
+    assert state.take_results() == ({"d-1"}, set())
+
+
+def test_two_refused_pings_fail_only_that_ps_transfers(
+    state: ConsumerState, clock: FakeClock
+) -> None:
+    for ask in (state.register(spec("d-1", "k1", 5601)), state.register(spec("d-2", "k2", 5602))):
+        state.answer(ask, Reply("accepted"))
+    pings = state.tick(clock.now)
+    assert sorted((a.kind, a.port) for a in pings) == [("ping", 5601), ("ping", 5602)]
+    assert state.tick(clock.now) == []  # next round after liveness_interval_s
+    by_port = {a.port: a for a in pings}
+    state.answer(by_port[5601], SideChannelRefusedError("refused"))
+    state.answer(by_port[5602], SideChannelError("slow"))
+    assert state.take_results() == (set(), set())  # one miss is not enough
+    state.answer(by_port[5601], SideChannelRefusedError("refused"))
+    state.answer(by_port[5602], SideChannelError("slow"))  # alive but slow: keep waiting
+    assert state.take_results() == ({"d-1"}, {"d-1"})
+    assert state.take_records()[0].reason == "P at 10.0.0.1:5601 is gone"
+
+
+def test_a_pong_resets_the_miss_count(state: ConsumerState, clock: FakeClock) -> None:
+    state.answer(state.register(spec()), Reply("accepted"))
+    (ping,) = state.tick(clock.now)
+    state.answer(ping, SideChannelRefusedError("refused"))
+    state.answer(ping, Reply("pong"))
+    state.answer(ping, SideChannelRefusedError("refused"))
+    assert state.take_results() == (set(), set())
+
+
+def test_fail_notification_and_foreign_ones(state: ConsumerState) -> None:
+    state.answer(state.register(spec()), Reply("accepted"))
+    failed = encode_notification(Notification("failed", "k1", "d-1", "x"))
+    state.notifications([b"cmpl-1:1", failed])  # vLLM's own notification format is ignored
+    assert state.take_results() == ({"d-1"}, {"d-1"})
+    assert state.take_records()[0].reason == "P failed: x"
+
+
+def test_forgetting_a_key_asks_p_to_cancel_it(state: ConsumerState) -> None:
+    ask = state.forget(KeyCancel("k9", "10.0.0.2", 5609))
+    assert (ask.kind, ask.host, ask.port) == ("forget", "10.0.0.2", 5609)
+    kind, body = decode_request(ask.payload)
+    assert kind == "cancel" and body["transfer_key"] == "k9"
+    assert state.answer(ask, SideChannelRefusedError("refused")) == []  # best effort
+    assert state.pending_count() == 0
+
+
+class Transport:
+    """Answers side-channel frames like a live P: accepts registrations, pongs pings."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, str]] = []
+
+    def __call__(self, host: str, port: int, payload: bytes, timeout_s: float) -> bytes:
+        kind, _ = decode_request(payload)
+        self.seen.append((host, port, kind))
+        return encode_reply(Reply("pong" if kind == "ping" else "accepted"))
+
+
+@pytest.fixture
+def consumer() -> Iterator[tuple[PushConsumer, MemoryEndpoint, Transport]]:
+    ep, transport = MemoryEndpoint("d-agent"), Transport()
+    c = PushConsumer(ep, CFG, transport=transport)
+    yield c, ep, transport
+    c.close()
+
+
+def test_consumer_threads_send_registrations_and_read_notifications(
+    consumer: tuple[PushConsumer, MemoryEndpoint, Transport],
+) -> None:
+    c, ep, transport = consumer
+    c.register(spec())
+    until(lambda: ("10.0.0.1", 5601, "register") in transport.seen)
+    until(lambda: ("10.0.0.1", 5601, "ping") in transport.seen)  # the receiver pings P
+    ep.deliver(done())
+    finished: set[str] = set()
+
+    def reported() -> bool:
+        finished.update(c.take_results()[0])
+        return "d-1" in finished
+
+    until(reported)
+    assert c.pending_count() == 0
