@@ -55,7 +55,9 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _pool_cell(pool: PoolConfig) -> str:
-    return f"{len(pool.instances)} x {pool.policy}"
+    """``2 x round_robin`` for a listed pool, ``dns x least_in_flight`` for a discovered one."""
+    source = pool.discovery.source
+    return f"{len(pool.instances) if source == 'static' else source} x {pool.policy}"
 
 
 def _rule_cell(rule: DisaggregationConfig) -> str:

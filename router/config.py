@@ -115,7 +115,9 @@ class KubernetesDiscovery(_Frozen):
     kubeconfig file (``kubeconfig``; null path: the client's default)."""
 
     source: Literal["kubernetes"]
-    namespace: str = Field(min_length=1)
+    namespace: str | None = Field(
+        default=None, min_length=1, description="null: the router pod's own (in_cluster only)"
+    )
     selector: str = Field(min_length=1, description="label selector, e.g. app=vllm,role=decode")
     resource: Literal["endpointslices", "pods"] = "endpointslices"
     port: int | str = Field(description="port number, or (endpointslices) the port's name")
@@ -140,6 +142,8 @@ class KubernetesDiscovery(_Frozen):
     def _port_kind(self) -> KubernetesDiscovery:
         if self.resource == "pods" and not isinstance(self.port, int):
             raise ValueError("resource pods needs a port number")
+        if self.namespace is None and self.auth != "in_cluster":
+            raise ValueError("namespace is required with kubeconfig auth")
         return self
 
 

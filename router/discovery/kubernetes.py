@@ -1,7 +1,8 @@
 """Kubernetes discovery: list, then watch, EndpointSlices or pods selected by labels.
 
-The source lists ``resource`` in ``namespace`` with the label ``selector``, yields the set, then
-watches from the list's resourceVersion and yields the set after every event. A watch that ends
+The source lists ``resource`` in ``namespace`` (default: the router pod's own) with the label
+``selector``, yields the set, then watches from the list's resourceVersion and yields the set after
+every event. A watch that ends
 (its ``watch_timeout``) is resumed from the last resourceVersion; an expired one (410 Gone) is
 answered by a fresh list; any other error yields :class:`Failed` and a relist after
 ``retry_interval``. Objects are read in the API's JSON form (``raw_object``), so the parsing here
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Iterable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -33,7 +35,18 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 _GONE = 410
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 _ERRORS = (ApiException, aiohttp.ClientError, TimeoutError, ConfigException, KeyError, TypeError)
+
+
+def namespace(cfg: KubernetesDiscovery, own: Path = SERVICE_ACCOUNT_NAMESPACE) -> str:
+    """The configured namespace, else the router pod's own (from its service account)."""
+    if cfg.namespace is not None:
+        return cfg.namespace
+    try:
+        return own.read_text().strip()
+    except OSError as exc:
+        raise ConfigException(f"no namespace configured and {own} unreadable") from exc
 
 
 async def api_client(cfg: KubernetesDiscovery) -> Any:
@@ -75,8 +88,9 @@ class KubernetesSource:
         """One list, then watches from its resourceVersion until the version expires (410)."""
         cfg = self.config
         list_call = self._list_call(api)
+        ns = namespace(cfg)
         listed = await list_call(
-            cfg.namespace, label_selector=cfg.selector, _request_timeout=cfg.request_timeout
+            ns, label_selector=cfg.selector, _request_timeout=cfg.request_timeout
         )
         body: Obj = api.sanitize_for_serialization(listed)
         objects = {_key(o): o for o in body.get("items") or []}
@@ -87,7 +101,7 @@ class KubernetesSource:
                 try:
                     async for event in stream.stream(
                         list_call,
-                        cfg.namespace,
+                        ns,
                         label_selector=cfg.selector,
                         resource_version=version,
                         timeout_seconds=int(cfg.watch_timeout),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes_asyncio.config.config_exception import ConfigException
 
 from router.config import DnsDiscovery, KubernetesDiscovery, StaticDiscovery, settings_from_mapping
+from router.discovery.kubernetes import namespace
 from router.errors import ConfigError
 
 
@@ -96,3 +99,16 @@ def test_a_discovered_pool_lists_no_instances() -> None:
         )
     assert err.value.field == "prefill.instances"
     assert "lists no instances" in err.value.message
+
+
+def test_kubernetes_namespace_defaults_to_the_pods_own(tmp_path: Path) -> None:
+    own = tmp_path / "namespace"
+    own.write_text("llm\n")
+    cfg = {"source": "kubernetes", "selector": "a=b", "port": "http"}
+    assert namespace(KubernetesDiscovery.model_validate(cfg), own) == "llm"
+    assert namespace(KubernetesDiscovery.model_validate(cfg | {"namespace": "x"}), own) == "x"
+    with pytest.raises(ConfigException):
+        namespace(KubernetesDiscovery.model_validate(cfg), tmp_path / "missing")
+    with pytest.raises(ConfigError) as err:
+        _settings({"discovery": cfg | {"auth": "kubeconfig"}})
+    assert "namespace is required" in err.value.message
