@@ -20,7 +20,8 @@ import yaml
 from deploy_support import K8S, require_tool
 
 import connector
-from router.config import RouterSettings, settings_from_mapping
+from router.cli import build_parser
+from router.config import KubernetesDiscovery, RouterSettings, settings_from_mapping
 
 KUSTOMIZATIONS = sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization.yaml"))
 K8S_VERSION = "1.37.0"
@@ -70,7 +71,10 @@ def _router_settings(docs: list[dict[str, Any]]) -> RouterSettings:
     config_map = _one(docs, "ConfigMap", "disagg-router-config")
     # The router mounts the generated (hash-suffixed) ConfigMap, not a stale name.
     assert volume["configMap"]["name"] == config_map["metadata"]["name"]
-    assert "--config" in _container(router)["args"]
+    container = _container(router)
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    args = build_parser().parse_args(container["args"])
+    assert args.config == f"{mount['mountPath']}/config.yaml"
     return settings_from_mapping(yaml.safe_load(config_map["data"]["config.yaml"]))
 
 
@@ -85,7 +89,9 @@ def test_renders_and_validates_against_kubernetes_schemas(kustomization: str) ->
     docs = _render(kustomization)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["ConfigMap", "Deployment", "Deployment", "Service", "Service", "Service", "StatefulSet"]
+        ["ConfigMap", "Deployment", "Deployment", "StatefulSet", "Service", "Service", "Service"]
+        + ["PodDisruptionBudget"] * 3
+        + ["ServiceAccount", "Role", "RoleBinding"]
     )
     for doc in docs:
         validator.validate(doc, K8S_VERSION, strict=True)
@@ -105,27 +111,101 @@ def test_validator_rejects_invalid_manifests() -> None:
             validator.validate(bad, K8S_VERSION, strict=True)
 
 
+def _pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
-def test_router_config_lists_every_prefill_and_the_decode_service(kustomization: str) -> None:
+def test_router_discovers_each_engine_pod_through_a_headless_service(kustomization: str) -> None:
     docs = _render(kustomization)
     settings = _router_settings(docs)
-    prefill = _one(docs, "StatefulSet", "disagg-prefill")
-    headless = _one(docs, "Service", prefill["spec"]["serviceName"])
-    assert headless["spec"]["clusterIP"] == "None"
-    pod_labels = prefill["spec"]["template"]["metadata"]["labels"]
-    assert headless["spec"]["selector"].items() <= pod_labels.items()
-    # Each P by its stable StatefulSet DNS name, all replicas, nothing else.
-    name, service = prefill["metadata"]["name"], headless["metadata"]["name"]
-    expected = [f"http://{name}-{i}.{service}:8000" for i in range(prefill["spec"]["replicas"])]
-    assert [i.url for i in settings.prefill.instances] == expected
-    # D through the Service that selects the decode Deployment's pods.
-    decode = _one(docs, "Deployment", "disagg-decode")
-    (d_instance,) = settings.decode.instances
-    decode_service = _one(docs, "Service", "disagg-decode")
-    assert d_instance.url == f"http://{decode_service['metadata']['name']}:8000"
-    d_labels = decode["spec"]["template"]["metadata"]["labels"]
-    assert decode_service["spec"]["selector"].items() <= d_labels.items()
     assert settings.mode == "push"
+    workloads = {
+        "prefill": _one(docs, "StatefulSet", "disagg-prefill"),
+        "decode": _one(docs, "Deployment", "disagg-decode"),
+    }
+    for pool, workload in workloads.items():
+        discovery = getattr(settings, pool).discovery
+        assert isinstance(discovery, KubernetesDiscovery), pool
+        # The router's own namespace, its service account, the slices of one Service.
+        assert (discovery.namespace, discovery.auth) == (None, "in_cluster")
+        assert discovery.resource == "endpointslices"
+        label, _, service_name = discovery.selector.partition("=")
+        assert label == "kubernetes.io/service-name"
+        service = _one(docs, "Service", service_name)
+        assert service["spec"]["clusterIP"] == "None", "headless: one endpoint per pod"
+        assert not service["spec"].get("publishNotReadyAddresses"), "only ready pods are listed"
+        assert service["spec"]["selector"].items() <= _pod_labels(workload).items()
+        (service_port,) = [p for p in service["spec"]["ports"] if p["name"] == discovery.port]
+        container_ports = {p["name"]: p["containerPort"] for p in _container(workload)["ports"]}
+        assert service_port["targetPort"] in container_ports
+        assert discovery.scheme == "http"
+
+
+def test_rbac_grants_exactly_what_discovery_reads() -> None:
+    docs = _render("base")
+    router = _one(docs, "Deployment", "disagg-router")["spec"]["template"]["spec"]
+    account = _one(docs, "ServiceAccount", router["serviceAccountName"])
+    assert router.get("automountServiceAccountToken", True)
+    role = _one(docs, "Role", "disagg-router")
+    resources = {
+        getattr(_router_settings(docs), p).discovery.resource for p in ("prefill", "decode")
+    }
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": sorted(resources),
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    binding = _one(docs, "RoleBinding", "disagg-router")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_routers_are_replicated_budgeted_and_drain(kustomization: str) -> None:
+    docs = _render(kustomization)
+    router = _one(docs, "Deployment", "disagg-router")
+    replicas = router["spec"]["replicas"]
+    assert replicas >= 2
+    assert router["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    budget = _one(docs, "PodDisruptionBudget", "disagg-router")
+    assert budget["spec"]["selector"]["matchLabels"].items() <= _pod_labels(router).items()
+    assert 1 <= budget["spec"]["minAvailable"] < replicas
+    pod = router["spec"]["template"]["spec"]
+    container = _container(router)
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    args = build_parser().parse_args(container["args"])  # the real CLI accepts them
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop > 0
+    assert pre_stop + args.drain_timeout < pod["terminationGracePeriodSeconds"]
+    assert args.drain_timeout >= 60, "streams in flight get time to finish"
+    for name, kind in (("disagg-prefill", "StatefulSet"), ("disagg-decode", "Deployment")):
+        engine_budget = _one(docs, "PodDisruptionBudget", name)
+        engine = _one(docs, kind, name)
+        assert engine_budget["spec"]["maxUnavailable"] == 1
+        assert engine_budget["spec"]["selector"]["matchLabels"] == _pod_labels(engine)
+
+
+@pytest.mark.parametrize(
+    ("kustomization", "prefill", "decode", "routers"),
+    [("base", 1, 1, 2), ("overlays/2p2d", 2, 2, 2), ("overlays/4p4d", 4, 4, 3)],
+)
+def test_xpyd_counts(kustomization: str, prefill: int, decode: int, routers: int) -> None:
+    docs = _render(kustomization)
+    counts = (
+        _one(docs, "StatefulSet", "disagg-prefill")["spec"]["replicas"],
+        _one(docs, "Deployment", "disagg-decode")["spec"]["replicas"],
+        _one(docs, "Deployment", "disagg-router")["spec"]["replicas"],
+    )
+    assert counts == (prefill, decode, routers)
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
