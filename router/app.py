@@ -35,6 +35,7 @@ from router.backends import BackendState
 from router.bounds import read_body
 from router.config import RouterSettings
 from router.context import RequestContext
+from router.discovery.manager import DiscoveryManager
 from router.dispatch import Dispatch
 from router.errors import (
     AuthenticationError,
@@ -166,6 +167,8 @@ def _lifespan(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_runtime(settings, transport) as runtime:
             monitor = HealthMonitor(runtime)
+            discovery = DiscoveryManager(runtime, monitor.check_some)
+            discovery.sync()
             tasks = [
                 asyncio.create_task(monitor.run()),
                 asyncio.create_task(
@@ -180,12 +183,15 @@ def _lifespan(
             reloader = None
             sighup = False
             if config_path is not None:
-                reloader = ConfigReloader(runtime, config_path, monitor.check_some)
+                reloader = ConfigReloader(
+                    runtime, config_path, monitor.check_some, on_applied=discovery.sync
+                )
                 sighup = _on_sighup(reloader)
                 if settings.reload.watch:
                     tasks.append(asyncio.create_task(reloader.watch()))
             app.state.runtime = runtime
             app.state.reloader = reloader
+            app.state.discovery = discovery
             try:
                 yield
             finally:
@@ -195,6 +201,7 @@ def _lifespan(
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                await discovery.close()
                 if reloader is not None:
                     await reloader.close()
 
@@ -292,9 +299,10 @@ async def _generate(request: Request, chat: bool) -> Response:
     return JSONResponse(answer, headers={"X-Request-Id": dispatch.request_id})
 
 
-def _readiness(runtime: Runtime) -> JSONResponse:
+def _readiness(runtime: Runtime, discovery: DiscoveryManager | None) -> JSONResponse:
     """200 when every model has a usable P and D (checked, healthy, breaker closed, identity known
-    in push mode) and the router is not draining; the body says what is missing otherwise."""
+    in push mode) and the router is not draining; the body says what is missing otherwise, and
+    how each discovered pool's discovery fares (a failing one keeps its last set: still ready)."""
     models = {}
     for name, found in runtime.routing.table.models.items():
         p = [b.label for b in found.prefill.usable() if b.checked]
@@ -318,6 +326,11 @@ def _readiness(runtime: Runtime) -> JSONResponse:
         "draining": draining,
         "missing": missing,
     }
+    if discovery is not None and (found_by := discovery.status()):
+        body["discovery"] = {
+            model: {role: state.as_json() for role, state in roles.items()}
+            for model, roles in found_by.items()
+        }
     return JSONResponse(body, status_code=status)
 
 
@@ -350,7 +363,7 @@ def _routes() -> APIRouter:
 
     @api.get("/ready")
     async def ready(request: Request) -> JSONResponse:
-        return _readiness(_runtime(request))
+        return _readiness(_runtime(request), getattr(request.app.state, "discovery", None))
 
     @api.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:

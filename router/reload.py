@@ -38,10 +38,18 @@ CheckBackends = Callable[[Sequence[BackendState]], Coroutine[Any, Any, None]]
 class ConfigReloader:
     """Applies the file at ``path`` to ``runtime``; ``check`` health-checks joining backends."""
 
-    def __init__(self, runtime: Runtime, path: Path, check: CheckBackends) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        path: Path,
+        check: CheckBackends,
+        on_applied: Callable[[], None] = lambda: None,
+    ) -> None:
+        """``on_applied``: called after each applied reload (discovery follows the new pools)."""
         self.runtime = runtime
         self.path = path
         self._check = check
+        self._on_applied = on_applied
         self._tasks: set[asyncio.Task[None]] = set()
 
     def reload(self) -> bool:
@@ -57,6 +65,7 @@ class ConfigReloader:
             )
             return False
         changes = self.runtime.routing.apply(settings)
+        self._on_applied()
         added = [b for c in changes for b in c.added]
         removed = [b for c in changes for b in c.removed]
         for backend in removed:

@@ -165,7 +165,11 @@ def test_rbac_grants_exactly_what_discovery_reads() -> None:
         "kind": "Role",
         "name": role["metadata"]["name"],
     }
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
+    namespace = account["metadata"]["namespace"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": namespace}
+    ]
+    assert {d["metadata"].get("namespace") for d in docs} == {namespace}
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
 
 

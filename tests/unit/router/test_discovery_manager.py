@@ -1,0 +1,85 @@
+"""DiscoveryManager: discovered pools get watchers that feed the pools' membership update; a
+reload that changes a pool's discovery restarts its source; joiners are handed to the check."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import httpx
+
+from router.backends import BackendState
+from router.config import InstanceConfig, PoolConfig, RouterSettings, settings_from_mapping
+from router.discovery.manager import DiscoveryManager
+from router.discovery.source import Found, Update, found
+from router.runtime import Runtime
+
+
+def _settings(decode_name: str) -> RouterSettings:
+    dns = {"source": "dns", "name": decode_name, "port": 8000}
+    return settings_from_mapping(
+        {
+            "models": ["m"],
+            "prefill": {"instances": [{"url": "http://127.0.0.1:1"}]},
+            "decode": {"discovery": dns},
+        }
+    )
+
+
+class Sources:
+    """Scripted sources by DNS name: each yields its sets, then waits."""
+
+    def __init__(self, sets: dict[str, list[Found]]) -> None:
+        self.sets = sets
+        self.started: list[str] = []
+
+    def make(self, pool: PoolConfig) -> Any:
+        name = getattr(pool.discovery, "name")  # noqa: B009 (only dns pools here)
+        self.started.append(name)
+        sets = self.sets[name]
+
+        class Source:
+            kind = "scripted"
+
+            async def updates(self) -> AsyncGenerator[Update, None]:
+                for item in sets:
+                    yield item
+                await asyncio.Event().wait()
+
+        return Source()
+
+
+def _set(*ports: int) -> Found:
+    return found(InstanceConfig(url=f"http://127.0.0.1:{p}") for p in ports)
+
+
+async def test_sets_feed_the_pool_and_a_changed_source_restarts() -> None:
+    joiners: asyncio.Queue[list[str]] = asyncio.Queue()
+
+    async def check(backends: Sequence[BackendState]) -> None:
+        await joiners.put([b.label for b in backends])
+
+    async def next_joiners() -> list[str]:
+        return await asyncio.wait_for(joiners.get(), 5)
+
+    sources = Sources({"a.test": [_set(2), _set(2, 3)], "b.test": [_set(4)]})
+    async with httpx.AsyncClient() as client:
+        runtime = Runtime.create(_settings("a.test"), client)
+        manager = DiscoveryManager(runtime, check, make=sources.make)
+        manager.sync()
+        decode = runtime.pools_for("m")[1]
+        assert await next_joiners() == ["http://127.0.0.1:2"]
+        assert await next_joiners() == ["http://127.0.0.1:3"]
+        assert [b.label for b in decode.backends] == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
+        assert not any(b.healthy for b in decode.backends), "joiners wait for their check"
+        manager.sync()  # nothing changed: the watcher keeps running
+        assert sources.started == ["a.test"]
+        runtime.routing.apply(_settings("b.test"))
+        manager.sync()
+        assert await next_joiners() == ["http://127.0.0.1:4"]
+        assert sources.started == ["a.test", "b.test"]
+        assert [b.label for b in decode.backends] == ["http://127.0.0.1:4"]
+        status = manager.status()["m"]["decode"]
+        assert (status.ok, status.instances) == (True, ("http://127.0.0.1:4",))
+        await manager.close()
