@@ -186,11 +186,11 @@ def test_routers_are_replicated_budgeted_and_drain(kustomization: str) -> None:
     pod = router["spec"]["template"]["spec"]
     container = _container(router)
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
-    args = build_parser().parse_args(container["args"])  # the real CLI accepts them
+    drain = _router_settings(docs).drain.timeout
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pre_stop > 0
-    assert pre_stop + args.drain_timeout < pod["terminationGracePeriodSeconds"]
-    assert args.drain_timeout >= 60, "streams in flight get time to finish"
+    assert pre_stop + drain < pod["terminationGracePeriodSeconds"]
+    assert drain >= 60, "streams in flight get time to finish"
     for name, kind in (("disagg-prefill", "StatefulSet"), ("disagg-decode", "Deployment")):
         engine_budget = _one(docs, "PodDisruptionBudget", name)
         engine = _one(docs, kind, name)

@@ -17,4 +17,3 @@ def test_server_cli_has_no_development_commands(capsys: pytest.CaptureFixture[st
         cli.main(["demo"])
     assert exc.value.code == 2
     assert "invalid choice: 'demo'" in capsys.readouterr().err
-
