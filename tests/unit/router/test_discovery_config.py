@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import certifi
 import pytest
+from kubernetes_asyncio.config import incluster_config
 from kubernetes_asyncio.config.config_exception import ConfigException
 
 from router.config import DnsDiscovery, KubernetesDiscovery, StaticDiscovery, settings_from_mapping
-from router.discovery.kubernetes import namespace
+from router.discovery.kubernetes import api_client, namespace
 from router.errors import ConfigError
 
 
@@ -112,3 +114,27 @@ def test_kubernetes_namespace_defaults_to_the_pods_own(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         _settings({"discovery": cfg | {"auth": "kubeconfig"}})
     assert "namespace is required" in err.value.message
+
+
+async def test_in_cluster_auth_reads_the_service_account(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a pod provides (env host/port, token and CA files) becomes the client's config."""
+    token, ca = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("sa-token")
+    ca.write_text(Path(certifi.where()).read_text())  # any valid CA bundle
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca))
+    cfg = KubernetesDiscovery.model_validate(
+        {"source": "kubernetes", "selector": "a=b", "port": "http"}
+    )
+    client = await api_client(cfg)
+    try:
+        conf = client.configuration
+        assert conf.host == "https://127.0.0.1:6443"
+        assert conf.api_key["BearerToken"] == "Bearer sa-token"
+        assert conf.ssl_ca_cert == str(ca)
+    finally:
+        await client.close()
