@@ -199,10 +199,16 @@ def test_routers_are_replicated_budgeted_and_drain(kustomization: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kustomization", "prefill", "decode", "routers"),
-    [("base", 1, 1, 2), ("overlays/2p2d", 2, 2, 2), ("overlays/4p4d", 4, 4, 3)],
+    ("kustomization", "prefill", "decode", "routers", "p_policy"),
+    [
+        ("base", 1, 1, 2, "least_in_flight"),
+        ("overlays/2p2d", 2, 2, 2, "least_in_flight"),
+        ("overlays/4p4d", 4, 4, 3, "prefix_affinity"),
+    ],
 )
-def test_xpyd_counts(kustomization: str, prefill: int, decode: int, routers: int) -> None:
+def test_xpyd_counts_and_policies(
+    kustomization: str, prefill: int, decode: int, routers: int, p_policy: str
+) -> None:
     docs = _render(kustomization)
     counts = (
         _one(docs, "StatefulSet", "disagg-prefill")["spec"]["replicas"],
@@ -210,6 +216,8 @@ def test_xpyd_counts(kustomization: str, prefill: int, decode: int, routers: int
         _one(docs, "Deployment", "disagg-router")["spec"]["replicas"],
     )
     assert counts == (prefill, decode, routers)
+    settings = _router_settings(docs)
+    assert (settings.prefill.policy, settings.decode.policy) == (p_policy, "least_in_flight")
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
