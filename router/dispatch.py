@@ -47,6 +47,7 @@ from router.rewrite import (
     strip_client_fields,
 )
 from router.runtime import Runtime
+from router.timeline import ttft_stages
 from router.tracing import Span, span_attributes
 from router.upstream import open_sse, post_json
 from router.validation import ClientRequest
@@ -99,9 +100,14 @@ class Dispatch:
         self._first: DecodeItem = _END
         self._slots: dict[str, Slot] = {}
         self.timings: dict[str, float] = {}  # stage -> seconds since ``started``
+        self._stamps: dict[str, float] = {}  # more moments for the TTFT stages, same clock
 
     def _mark(self, stage: str) -> None:
         self.timings.setdefault(stage, round(time.monotonic() - self.started, 6))
+
+    def _stamp(self, moment: str) -> None:
+        """A moment only the TTFT stages use (:func:`router.timeline.ttft_stages`)."""
+        self._stamps.setdefault(moment, time.monotonic() - self.started)
 
     # ---- passive health and admission -------------------------------------------------------
 
@@ -165,6 +171,7 @@ class Dispatch:
         body = prefill_body(self.request.body, self.request.chat, self.transfer_id)
         outcome = "error"
         start = time.monotonic()
+        self._stamp("prefill_sent")
         try:
             with self._track(prefill) as span:
                 try:
@@ -244,6 +251,7 @@ class Dispatch:
         try:
             body = await self._decode_body()
             start = time.monotonic()
+            self._stamp("decode_sent")
             first = self.runtime.metrics.decode_first_token.labels(self.decode.label)
             args = (self.runtime.client, self.decode, "decode", self.request.path, body)
             with self._track(self.decode) as span:
@@ -408,6 +416,8 @@ class Dispatch:
                 return
             if isinstance(item, str):
                 yield await self._client_event(item)
+                if "client_first" not in self._stamps:
+                    self._observe_ttft_stages()
             left = deadline - time.monotonic()
             try:
                 if left <= 0:
@@ -425,7 +435,16 @@ class Dispatch:
         if not isinstance(self._first, dict):
             raise UpstreamProtocolError("decode", self.decode.label, "unexpected streamed answer")
         self.outcome = "ok"
-        return client_response(self._first, await self._prefill_usage())
+        answer = client_response(self._first, await self._prefill_usage())
+        self._observe_ttft_stages()
+        return answer
+
+    def _observe_ttft_stages(self) -> None:
+        """Record the TTFT stages once the first answer byte is on its way to the client."""
+        self._stamp("client_first")
+        histogram = self.runtime.metrics.ttft_stage
+        for stage, seconds in ttft_stages({**self.timings, **self._stamps}).items():
+            histogram.labels(stage).observe(seconds)
 
     async def close(self) -> None:
         """Cancel whatever leg still runs and wait for it to unwind (idempotent).

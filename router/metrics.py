@@ -11,6 +11,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.timeline import STAGES
+
 _LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -26,6 +28,28 @@ _LATENCY_BUCKETS = (
     30.0,
     60.0,
     120.0,
+)
+
+
+# Stages range from tens of microseconds (the router's own) to seconds (a long prefill).
+_STAGE_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 
 
@@ -45,6 +69,14 @@ class RouterMetrics:
             "Router-observed time to first token: request accepted to first byte sent",
             ["mode"],
             buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft_stage = Histogram(
+            "disagg_router_ttft_stage_seconds",
+            "Router-observed time to first token by stage (router/timeline.py): "
+            + ", ".join(STAGES),
+            ["stage"],
+            buckets=_STAGE_BUCKETS,
             registry=registry,
         )
         self.prefill_duration = Histogram(
