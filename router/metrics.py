@@ -32,25 +32,7 @@ _LATENCY_BUCKETS = (
 
 
 # Stages range from tens of microseconds (the router's own) to seconds (a long prefill).
-_STAGE_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
+_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *_LATENCY_BUCKETS)
 
 
 class RouterMetrics:

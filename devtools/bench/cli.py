@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from bench.clients import add_clients_arguments, clients_command
 from bench.overhead_cmd import add_overhead_arguments, overhead_command
 from bench.routing_cmd import add_routing_arguments, routing_command
 from bench.run_cmd import add_run_arguments, run_command
@@ -22,12 +23,15 @@ from bench.transfer_cmd import add_transfer_arguments, transfer_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``run``/``overhead``/``transfer``/``scenarios``/``report``/``routing``
+    """Add the ``run``/``overhead``/``clients``/``transfer``/``scenarios``/``report``/``routing``
     subcommands to ``parser``."""
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_run_arguments(sub.add_parser("run", help="one load-generator run"))
     add_overhead_arguments(
         sub.add_parser("overhead", help="router vs direct latency and max rate on zero-delay fakes")
+    )
+    add_clients_arguments(
+        sub.add_parser("clients", help="upstream HTTP clients: CPU per streamed request")
     )
     add_transfer_arguments(
         sub.add_parser("transfer", help="connector WRITE path vs bare NIXL WRITE, two processes")
@@ -53,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         return run_command(args)
     if command == "overhead":
         return overhead_command(args)
+    if command == "clients":
+        return clients_command(args)
     if command == "transfer":
         return transfer_command(args)
     if command == "scenarios":

@@ -55,7 +55,7 @@ class OverheadSpec:
     pin: bool = True
 
 
-def _cpu_split(pin: bool) -> tuple[str | None, str | None]:
+def cpu_split(pin: bool) -> tuple[str | None, str | None]:
     """(the fakes' CPUs, the routers' CPUs) for ``taskset``; no pinning on one CPU."""
     cpus = sorted(os.sched_getaffinity(0))
     if not pin or len(cpus) < 2 or shutil.which("taskset") is None:
@@ -63,7 +63,7 @@ def _cpu_split(pin: bool) -> tuple[str | None, str | None]:
     return str(cpus[0]), str(cpus[-1])
 
 
-def _fake(
+def fake_process(
     name: str, port: int, logs: Path, engine_id: str | None = None, cpus: str | None = None
 ) -> ManagedProcess:
     argv = [
@@ -242,7 +242,7 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
     logs.mkdir(parents=True, exist_ok=True)
     p_port, d_port, r_port, v_port = free_ports(4)
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    fake_cpus, router_cpus = _cpu_split(spec.pin)
+    fake_cpus, router_cpus = cpu_split(spec.pin)
     pgids: dict[str, int] = {}
 
     def started(name: str, process: ManagedProcess) -> None:
@@ -251,8 +251,8 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
             pgids[name] = process.pid
 
     with ExitStack() as stack:
-        started("prefill", _fake("fake-prefill", p_port, logs, PREFILL_ENGINE_ID, fake_cpus))
-        started("direct", _fake("fake-decode", d_port, logs, cpus=fake_cpus))
+        started("prefill", fake_process("fake-prefill", p_port, logs, PREFILL_ENGINE_ID, fake_cpus))
+        started("direct", fake_process("fake-decode", d_port, logs, cpus=fake_cpus))
         targets = {"direct": Target(d_url, MODEL)}
         if "ours" in spec.routers:
             config = router_config(MODEL, p_url, d_url, identity=FAKE_PREFILL_IDENTITY)

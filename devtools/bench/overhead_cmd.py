@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from bench.overhead import OverheadSpec, format_report, run_overhead
-from bench.results import write_json
+from bench.results import write_outputs
 from devstack.managed_process import ProcessStartError
 
 ROUTERS = ("ours", "vllm-router")
@@ -57,11 +57,5 @@ def overhead_command(args: argparse.Namespace) -> int:
     except ProcessStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    report = format_report(data["derived"])
-    print(report)
-    if args.result_file:
-        write_json(args.result_file, data)
-    if args.markdown_file:
-        args.markdown_file.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown_file.write_text(report + "\n")
+    write_outputs(data, format_report(data["derived"]), args.result_file, args.markdown_file)
     return 0

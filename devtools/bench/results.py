@@ -60,3 +60,15 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as indented JSON, creating parent folders."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def write_outputs(
+    data: dict[str, Any], report: str, result_file: Path | None, markdown_file: Path | None
+) -> None:
+    """Print ``report``; write ``data`` as JSON and ``report`` as markdown where asked."""
+    print(report)
+    if result_file:
+        write_json(result_file, data)
+    if markdown_file:
+        markdown_file.parent.mkdir(parents=True, exist_ok=True)
+        markdown_file.write_text(report + "\n")

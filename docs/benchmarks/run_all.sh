@@ -7,12 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=docs/benchmarks
 SWEEP=(--input-lens 512,2048,8192 --rates 0.5,1,2 --output-len 64 --max-requests 12 --point-time-limit 120)
-OVERHEAD=(--rates 10,20,40 --seconds-per-rate 8 --saturation-requests 1000)
+OVERHEAD=(--rates 100,250,500 --seconds-per-rate 6 --saturation-requests 1000)
 TRANSFER=(--iterations 50 --rounds 3)
 if [[ "${SMOKE:-0}" == 1 ]]; then
   OUT=/tmp/bench-smoke
   SWEEP=(--input-lens 512 --rates 1 --min-requests 3 --max-requests 3 --output-len 16)
-  OVERHEAD=(--rates 20 --seconds-per-rate 2 --saturation-requests 100)
+  OVERHEAD=(--rates 100 --seconds-per-rate 2 --saturation-requests 100)
   TRANSFER=(--iterations 10 --rounds 1)
 fi
 mkdir -p "$OUT"
