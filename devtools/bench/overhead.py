@@ -29,9 +29,8 @@ from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.results import metrics_to_dict
 from bench.routers import our_router, pinned, router_config, vllm_router
-from devstack.managed_process import ManagedProcess
 from devstack.ports import free_ports
-from devstack.process import group_cpu_seconds
+from devstack.process import ChildProcess, group_cpu_seconds, http_process
 
 MODEL = "fake-model"
 PREFILL_ENGINE_ID = "bench-prefill"
@@ -65,7 +64,7 @@ def cpu_split(pin: bool) -> tuple[str | None, str | None]:
 
 def fake_process(
     name: str, port: int, logs: Path, engine_id: str | None = None, cpus: str | None = None
-) -> ManagedProcess:
+) -> ChildProcess:
     argv = [
         sys.executable,
         "-m",
@@ -77,7 +76,7 @@ def fake_process(
     ]
     if engine_id:
         argv += ["--engine-id", engine_id]
-    return ManagedProcess(
+    return http_process(
         name, pinned(argv, cpus), f"http://127.0.0.1:{port}/health", logs / f"{name}.log"
     )
 
@@ -245,7 +244,7 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
     fake_cpus, router_cpus = cpu_split(spec.pin)
     pgids: dict[str, int] = {}
 
-    def started(name: str, process: ManagedProcess) -> None:
+    def started(name: str, process: ChildProcess) -> None:
         stack.enter_context(process)
         if process.pid is not None:
             pgids[name] = process.pid

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.overhead import OverheadSpec, format_report, run_overhead
 from bench.results import write_outputs
-from devstack.managed_process import ProcessStartError
+from devstack.process import ProcessStartError
 
 ROUTERS = ("ours", "vllm-router")
 

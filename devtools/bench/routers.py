@@ -1,7 +1,7 @@
 """Launchers for the routers under test: ours (``disagg-router serve``) and ``vllm-router``.
 
 Who calls it: the overhead benchmark and the scenario runner. Each returns an unstarted
-:class:`~devstack.managed_process.ManagedProcess`; the caller starts and stops it.
+:class:`~devstack.process.ChildProcess` with a readiness URL; the caller starts and stops it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from devstack.managed_process import ManagedProcess
 from devstack.ports import free_port
+from devstack.process import ChildProcess, http_process
 
 
 def _python() -> str:
@@ -55,7 +55,7 @@ def our_router(
     logs: Path,
     ready_timeout_s: float = 60.0,
     cpus: str | None = None,
-) -> ManagedProcess:
+) -> ChildProcess:
     """Our router as a process (``disagg-router serve``), ready once both pools are usable;
     pinned to ``cpus`` when given."""
     path = logs / f"router-{port}.yaml"
@@ -65,7 +65,7 @@ def our_router(
     argv = pinned(argv, cpus)
     ready = f"http://127.0.0.1:{port}/ready"
     log = logs / f"router-{port}.log"
-    return ManagedProcess("router", argv, ready, log, ready_timeout_s=ready_timeout_s)
+    return http_process("router", argv, ready, log, ready_timeout_s=ready_timeout_s)
 
 
 def vllm_router(
@@ -75,7 +75,7 @@ def vllm_router(
     logs: Path,
     ready_timeout_s: float = 60.0,
     cpus: str | None = None,
-) -> ManagedProcess:
+) -> ChildProcess:
     """``vllm-router`` in vLLM P/D mode (NIXL pull protocol) over one P and one D; pinned to
     ``cpus`` when given."""
     exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
@@ -105,6 +105,6 @@ def vllm_router(
     ]
     ready = f"http://127.0.0.1:{port}/health"
     log = logs / f"vllm-router-{port}.log"
-    return ManagedProcess(
+    return http_process(
         "vllm-router", pinned(argv, cpus), ready, log, ready_timeout_s=ready_timeout_s
     )

@@ -38,8 +38,8 @@ from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.results import metrics_to_dict, write_json
 from bench.routers import our_router, vllm_router
-from devstack.managed_process import ManagedProcess, ProcessStartError
 from devstack.ports import free_port
+from devstack.process import ChildProcess, ProcessStartError
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ def _targets_for_group(
         if stack not in wanted:
             continue
         port = free_port()
-        proc: ManagedProcess
+        proc: ChildProcess
         if stack == "vllm-router":
             proc = vllm_router(p_url, d_url, port, logs, ready_timeout_s=120.0)
         else:

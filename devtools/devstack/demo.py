@@ -26,8 +26,8 @@ from types import FrameType
 import httpx
 from httpx_sse import SSEError
 
-from devstack.managed_process import ManagedProcess, ProcessStartError
 from devstack.ports import LOOPBACK, free_port
+from devstack.process import ProcessStartError, http_process
 from devstack.stack import Stack, StackOptions, start_stack
 from devstack.vllm_server import VllmServerError
 from router.sse import StreamEndedEarly, iter_data
@@ -84,7 +84,7 @@ def _router_process(config: Path, port: int, log_file: Path) -> Iterator[str]:
     url = f"http://{LOOPBACK}:{port}"
     command = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
     command += ["--host", LOOPBACK, "--port", str(port), "--log-level", "warning"]
-    router = ManagedProcess(
+    router = http_process(
         "router", command, f"{url}/ready", log_file, ready_timeout_s=READY_TIMEOUT_S
     )
     try:

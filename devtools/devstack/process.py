@@ -1,10 +1,11 @@
-"""A managed child process: its own process group, a log file, a parent-death signal, a clean stop.
+"""The one child-process abstraction of the devtools: its own process group, a log file, a
+parent-death signal, an optional HTTP readiness URL, a clean stop.
 
-Who calls it: :class:`devstack.vllm_server.VllmServer` (vLLM API servers, whose engine
-core runs as a grandchild) and :class:`devstack.managed_process.ManagedProcess` (fake
-backends and routers of the benchmarks and the demo). The caller owns the
-:class:`ChildProcess`: it calls :meth:`ChildProcess.start` once, and must call
-:meth:`ChildProcess.stop` (or use it as a context manager) on every path, error paths included.
+Who calls it: :class:`devstack.vllm_server.VllmServer` (a :class:`ChildProcess` for vLLM API
+servers, whose engine core runs as a grandchild), the demo (its router) and the benchmarks (fake
+backends and routers, through :func:`http_process`). The caller owns the :class:`ChildProcess`:
+it starts it once, and must call :meth:`ChildProcess.stop` (or use it as a context manager) on
+every path, error paths included.
 
 Contract:
 - the child starts in a new session, so it leads its own process group and everything it forks
@@ -16,9 +17,13 @@ Contract:
 - :meth:`ChildProcess.stop` sends SIGTERM to the whole group, waits up to ``grace_s`` for the
   group to empty, then sends SIGKILL to the group and reaps the child. It also cleans up the group
   when the child itself already exited but left grandchildren behind. It is idempotent;
-- this module does no readiness checks (HTTP or otherwise) and never signals anything outside the
-  group it created. The parent-death signal needs Linux (``prctl`` via libc); elsewhere it is
-  skipped and the rest works on any POSIX system.
+- readiness: with ``spec.ready_url`` set, :meth:`ChildProcess.start` blocks until that URL
+  answers 200, and on an exit or a timeout stops the group and raises :class:`ProcessStartError`
+  with the log tail; :meth:`ChildProcess.launch` does not wait, :func:`start_all` launches several
+  at once and waits for all (stopping all if any fails);
+- it never signals anything outside the group it created. Group membership is read with
+  ``psutil``; the parent-death signal needs Linux (``prctl`` via libc); elsewhere it is skipped and
+  the rest works on any POSIX system.
 """
 
 from __future__ import annotations
@@ -30,19 +35,28 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import ClassVar
+
+import httpx
+import psutil
 
 _PR_SET_PDEATHSIG = 1
 _TAIL_BYTES = 64 * 1024
 _POLL_S = 0.05
-_PROC = Path("/proc")
+_READY_POLL_S = 0.2
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 class ProcessStateError(RuntimeError):
     """A :class:`ChildProcess` was used out of order (started twice, queried before start)."""
+
+
+class ProcessStartError(RuntimeError):
+    """A child process exited or never became ready; the message holds its log tail."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,8 @@ class ProcessSpec:
 
     ``env`` is the child's whole environment (``None``: inherit ours). ``append_log`` keeps an
     existing log file (several runs of one server in one file); otherwise it is truncated.
+    ``ready_url``: the child is ready once a GET there answers 200 (``None``: at launch).
+    ``grace_s``: how long a stop waits after SIGTERM before SIGKILL.
     """
 
     name: str
@@ -58,6 +74,9 @@ class ProcessSpec:
     log_file: Path
     env: Mapping[str, str] | None = None
     append_log: bool = False
+    ready_url: str | None = None
+    ready_timeout_s: float = 60.0
+    grace_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -87,7 +106,6 @@ def group_alive(pgid: int) -> bool:
 
     Zombies do not count: an orphaned grandchild that has exited stays a zombie until init reaps
     it, which in some containers never happens, and it holds no resources worth waiting for.
-    Without ``/proc`` any member, zombie or not, counts.
     """
     try:
         os.killpg(pgid, 0)
@@ -95,37 +113,33 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
+    for proc in psutil.process_iter(["status"]):
+        if proc.info["status"] in _GONE:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(proc.pid) == pgid:
+                return True
+    return False
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, which an unreaping init may keep, counts as dead)."""
     try:
-        entries = os.listdir(_PROC)
-    except OSError:
-        return True
-    return any(_live_member(entry, pgid) for entry in entries if entry.isdigit())
-
-
-def _stat_fields(pid: str) -> list[str]:
-    """``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, ...); [] if gone."""
-    try:
-        stat = (_PROC / pid / "stat").read_text()
-    except OSError:
-        return []
-    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-    return stat[stat.rfind(")") + 2 :].split()
-
-
-def _live_member(pid: str, pgid: int) -> bool:
-    fields = _stat_fields(pid)
-    return len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X")
+        return psutil.Process(pid).status() not in _GONE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def group_cpu_seconds(pgid: int) -> float:
-    """CPU time (user + system, seconds) used so far by the live processes of group ``pgid``
+    """CPU time (user + system, seconds) used so far by the processes of group ``pgid``
     (a child started here and the processes it forked, e.g. uvicorn's workers)."""
-    total = 0
-    for entry in os.listdir(_PROC):
-        fields = _stat_fields(entry) if entry.isdigit() else []
-        if len(fields) > 12 and fields[2] == str(pgid):
-            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-    return total / os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for proc in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, psutil.Error):
+            if os.getpgid(proc.pid) == pgid:
+                times = proc.cpu_times()
+                total += times.user + times.system
+    return total
 
 
 def read_log_tail(path: Path, lines: int = 40) -> str:
@@ -141,44 +155,60 @@ def read_log_tail(path: Path, lines: int = 40) -> str:
 
 
 class ChildProcess:
-    """One child process in its own process group; started once, stopped idempotently."""
+    """One child process in its own process group; started once, stopped idempotently.
 
-    def __init__(self, spec: ProcessSpec) -> None:
-        self.spec = spec
+    Subclasses may set :attr:`start_error` to raise a more specific :class:`ProcessStartError`.
+    """
+
+    start_error: ClassVar[type[ProcessStartError]] = ProcessStartError
+
+    def __init__(self, process: ProcessSpec) -> None:
+        self.process = process
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopped: StopOutcome | None = None
 
     @property
     def name(self) -> str:
-        return self.spec.name
+        return self.process.name
 
     @property
     def log_path(self) -> Path:
-        return self.spec.log_file
+        return self.process.log_file
 
     @property
     def pid(self) -> int | None:
         """The child's pid, which is also its process group id; ``None`` before start."""
         return None if self._proc is None else self._proc.pid
 
-    def start(self) -> ChildProcess:
+    def launch(self) -> ChildProcess:
         """Launch the child (non-blocking). Raises :class:`ProcessStateError` if already started."""
         if self._proc is not None:
             raise ProcessStateError(f"{self.name}: already started")
-        log_file = self.spec.log_file
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        with log_file.open("ab" if self.spec.append_log else "wb") as log:
-            log.write(f"$ {shlex.join(self.spec.argv)}\n".encode())
+        spec = self.process
+        spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with spec.log_file.open("ab" if spec.append_log else "wb") as log:
+            log.write(f"$ {shlex.join(spec.argv)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                self.spec.argv,
-                env=None if self.spec.env is None else dict(self.spec.env),
+                spec.argv,
+                env=None if spec.env is None else dict(spec.env),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=_parent_death_signal(os.getpid()),
             )
+        return self
+
+    def start(self) -> ChildProcess:
+        """Launch, then (with a ``ready_url``) block until ready; on failure stop and raise
+        :class:`ProcessStartError` (or :attr:`start_error`) with the log tail."""
+        self.launch()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def poll(self) -> int | None:
@@ -191,10 +221,32 @@ class ChildProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def log_tail(self, lines: int = 40) -> str:
-        return read_log_tail(self.spec.log_file, lines)
+        return read_log_tail(self.process.log_file, lines)
 
-    def stop(self, grace_s: float = 10.0) -> StopOutcome | None:
-        """SIGTERM the group, wait up to ``grace_s`` for it to empty, then SIGKILL the group.
+    def check_ready_once(self, client: httpx.Client) -> bool:
+        """One readiness poll (True once launched without a ``ready_url``); raises
+        :attr:`start_error` if the child is not started or has exited."""
+        if self._proc is None:
+            raise self.start_error(f"{self.name}: not started")
+        if self.process.ready_url is None:
+            return True
+        code = self._proc.poll()
+        if code is not None:
+            raise self.start_error(
+                f"{self.name} exited with {code}:\n{self.log_tail()}\n(log {self.log_path})"
+            )
+        try:
+            return client.get(self.process.ready_url).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until ready (default bound: ``ready_timeout_s``); raise on death or timeout."""
+        wait_all_ready([self], self.process.ready_timeout_s if timeout_s is None else timeout_s)
+
+    def stop(self, grace_s: float | None = None) -> StopOutcome | None:
+        """SIGTERM the group, wait up to ``grace_s`` (default: the spec's) for it to empty, then
+        SIGKILL the group.
 
         Returns ``None`` if never started; a repeated call returns the first call's outcome.
         """
@@ -203,13 +255,14 @@ class ChildProcess:
             return None
         if self._stopped is not None:
             return self._stopped
+        grace = self.process.grace_s if grace_s is None else grace_s
         pgid = proc.pid  # start_new_session: the child leads its own group
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + grace
         # The leader's exit status is the outcome; the rest of the group may take a little longer.
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
+            proc.wait(timeout=grace)
         while group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(_POLL_S)
         killed = group_alive(pgid)
@@ -231,3 +284,60 @@ class ChildProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def http_process(
+    name: str,
+    argv: Sequence[str],
+    ready_url: str,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    ready_timeout_s: float = 60.0,
+) -> ChildProcess:
+    """An unstarted child, ready once ``ready_url`` answers 200 (a fake backend, a router)."""
+    spec = ProcessSpec(
+        name,
+        tuple(argv),
+        log_path,
+        env=None if env is None else dict(env),
+        ready_url=ready_url,
+        ready_timeout_s=ready_timeout_s,
+    )
+    return ChildProcess(spec)
+
+
+def wait_all_ready(processes: Sequence[ChildProcess], timeout_s: float) -> None:
+    """Poll every process until all are ready; raise on the first death or on timeout."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(processes)
+    with httpx.Client(timeout=httpx.Timeout(2.0)) as client:
+        while True:
+            pending = [p for p in pending if not p.check_ready_once(client)]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                tails = "\n".join(f"--- {p.name}:\n{p.log_tail()}" for p in pending)
+                raise pending[0].start_error(f"not ready after {timeout_s}s: {names}\n{tails}")
+            time.sleep(_READY_POLL_S)
+
+
+def start_all(processes: Sequence[ChildProcess], timeout_s: float) -> None:
+    """Launch every process at once and wait until all are ready.
+
+    On any failure (including KeyboardInterrupt) every process started here is stopped before the
+    exception propagates.
+    """
+    try:
+        for process in processes:
+            process.launch()
+        wait_all_ready(processes, timeout_s)
+    except BaseException:
+        stop_all(processes)
+        raise
+
+
+def stop_all(processes: Sequence[ChildProcess]) -> None:
+    """Stop processes in reverse order; each stop is independent of the others' failures."""
+    for process in reversed(processes):
+        process.stop()

@@ -4,13 +4,13 @@ Who calls it: e2e fixtures, the demo, benchmarks and :mod:`devstack.stack`. The 
 the :class:`VllmServer` and must call :meth:`VllmServer.stop` (or use it as a context manager).
 
 Contract:
-- each server runs ``python -m vllm.entrypoints.openai.api_server`` as a
-  :class:`~devstack.process.ChildProcess` (own process group, parent-death signal, log
-  file), with its OpenMP threads pinned to one CPU core and its NIXL side channel on the given
-  port;
-- :meth:`VllmServer.wait_ready` polls ``/health`` and fails fast, with the log tail, if the process
-  exits; :meth:`VllmServer.stop` sends SIGTERM to the whole group (API server and engine core),
-  then SIGKILL, and leaves no orphans;
+- a :class:`VllmServer` is a :class:`~devstack.process.ChildProcess` (own process group,
+  parent-death signal, log file, readiness on ``/health``) running
+  ``python -m vllm.entrypoints.openai.api_server``, with its OpenMP threads pinned to one CPU core
+  and its NIXL side channel on the given port;
+- :meth:`~devstack.process.ChildProcess.wait_ready` polls ``/health`` and fails fast, with the log
+  tail, if the process exits; :meth:`~devstack.process.ChildProcess.stop` sends SIGTERM to the
+  whole group (API server and engine core), then SIGKILL, and leaves no orphans;
 - the model worker runs inside the engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
   which keeps vLLM's CPU platform on its in-process executor) unless ``in_process_worker`` is
   off: with one worker the separate worker process only adds a shared-memory queue that both
@@ -19,7 +19,7 @@ Contract:
 - :func:`start_servers` launches several servers at once (startup takes ~90 s each) and waits for
   all of them; if any fails, all are stopped.
 
-:meth:`VllmServer.start` must be called from a long-lived thread (see
+:meth:`VllmServer.launch` must be called from a long-lived thread (see
 :mod:`devstack.process`): the parent-death signal fires when the launching thread exits.
 """
 
@@ -28,23 +28,22 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.ports import LOOPBACK
-from devstack.process import ChildProcess, ProcessSpec, read_log_tail
+from devstack.process import ChildProcess, ProcessSpec, ProcessStartError, start_all, stop_all
 
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
+STOP_GRACE_S = 15.0
 
 
-class VllmServerError(RuntimeError):
+class VllmServerError(ProcessStartError):
     """A vLLM server failed to start, died, or could not be queried."""
 
 
@@ -144,68 +143,29 @@ class EngineLoad:
     kv_cache_usage: float
 
 
-class VllmServer:
-    """One running (or starting) vLLM server process."""
+class VllmServer(ChildProcess):
+    """One running (or starting) vLLM server process; ``spec`` says what it serves."""
+
+    start_error = VllmServerError
 
     def __init__(self, spec: VllmServerSpec) -> None:
+        super().__init__(
+            ProcessSpec(
+                name=spec.name,
+                argv=tuple(spec.command()),
+                log_file=spec.log_file,
+                env=spec.environment(),
+                append_log=True,
+                ready_url=f"{spec.url}/health",
+                ready_timeout_s=DEFAULT_STARTUP_TIMEOUT_S,
+                grace_s=STOP_GRACE_S,
+            )
+        )
         self.spec = spec
-        self._child: ChildProcess | None = None
 
     @property
     def url(self) -> str:
         return self.spec.url
-
-    @property
-    def log_path(self) -> Path:
-        return self.spec.log_file
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._child is None else self._child.pid
-
-    def start(self) -> None:
-        """Launch the process (non-blocking). Call :meth:`wait_ready` next."""
-        if self._child is not None:
-            raise VllmServerError(f"{self.spec.name}: already started")
-        process = ProcessSpec(
-            name=self.spec.name,
-            argv=tuple(self.spec.command()),
-            log_file=self.spec.log_file,
-            env=self.spec.environment(),
-            append_log=True,
-        )
-        self._child = ChildProcess(process).start()
-
-    def is_alive(self) -> bool:
-        return self._child is not None and self._child.is_alive()
-
-    def log_tail(self, lines: int = 40) -> str:
-        return read_log_tail(self.spec.log_file, lines)
-
-    def check_ready_once(self, client: httpx.Client) -> bool:
-        """One health poll; raises :class:`VllmServerError` if the process has exited."""
-        if self._child is None:
-            raise VllmServerError(f"{self.spec.name}: not started")
-        code = self._child.poll()
-        if code is not None:
-            raise VllmServerError(
-                f"{self.spec.name} exited with code {code} during startup; "
-                f"log {self.spec.log_file}:\n{self.log_tail()}"
-            )
-        try:
-            return client.get(f"{self.url}/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def wait_ready(self, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
-        """Block until ``/health`` answers 200; raise with the log tail on death or timeout."""
-        wait_all_ready([self], timeout_s)
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the process group (API server and engine core), SIGKILL whatever is left after
-        ``grace_s``. Idempotent."""
-        if self._child is not None:
-            self._child.stop(grace_s)
 
     def metrics(self, timeout_s: float = 5.0) -> dict[str, float]:
         """All samples from ``/metrics``, summed over labels."""
@@ -225,33 +185,6 @@ class VllmServer:
             kv_cache_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
         )
 
-    def __enter__(self) -> VllmServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-def wait_all_ready(servers: Sequence[VllmServer], timeout_s: float) -> None:
-    """Poll every server's ``/health`` until all answer; raise on the first death or on timeout."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(servers)
-    with httpx.Client(timeout=httpx.Timeout(2.0)) as client:
-        while pending:
-            pending = [server for server in pending if not server.check_ready_once(client)]
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                names = ", ".join(server.spec.name for server in pending)
-                tails = "\n".join(f"--- {s.spec.name}:\n{s.log_tail()}" for s in pending)
-                raise VllmServerError(f"not ready after {timeout_s:.0f}s: {names}\n{tails}")
-            time.sleep(0.5)
-
 
 def start_servers(
     specs: Sequence[VllmServerSpec], timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
@@ -262,17 +195,10 @@ def start_servers(
     exception propagates.
     """
     servers = [VllmServer(spec) for spec in specs]
-    try:
-        for server in servers:
-            server.start()
-        wait_all_ready(servers, timeout_s)
-    except BaseException:
-        stop_servers(servers)
-        raise
+    start_all(servers, timeout_s)
     return servers
 
 
 def stop_servers(servers: Sequence[VllmServer]) -> None:
     """Stop servers in reverse order; each stop is independent of the others' failures."""
-    for server in reversed(servers):
-        server.stop()
+    stop_all(servers)

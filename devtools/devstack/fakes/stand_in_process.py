@@ -1,6 +1,5 @@
 """A stand-in for a vLLM API server process, for the process-handling tests
-(``devstack.process`` and its users), and a check of whether a pid still runs that does
-not use that module. No vLLM.
+(``devstack.process`` and its users), and a wait for a pid to end. No vLLM.
 
 ``HTTP_STAND_IN`` (run as ``python -c HTTP_STAND_IN PORT PID_FILE BEHAVIOUR``) forks a
 ``sleep 60`` grandchild, as vLLM's API server forks its engine core, writes the grandchild's pid
@@ -12,7 +11,8 @@ from __future__ import annotations
 
 import textwrap
 import time
-from pathlib import Path
+
+from devstack.process import pid_alive
 
 HTTP_STAND_IN = textwrap.dedent(
     """
@@ -35,13 +35,7 @@ HTTP_STAND_IN = textwrap.dedent(
 )
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, which an unreaping init may keep, counts as dead)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+alive = pid_alive
 
 
 def wait_dead(pid: int, timeout_s: float = 5.0) -> bool:

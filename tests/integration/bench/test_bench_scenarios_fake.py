@@ -10,8 +10,8 @@ from typing import Any
 
 from bench.report import render
 from bench.scenarios import GROUPS, InstanceGroup, SweepSpec, run_scenarios
-from devstack.managed_process import ManagedProcess
 from devstack.ports import free_port
+from devstack.process import http_process
 
 
 @dataclass
@@ -28,7 +28,7 @@ class _FakeStack:
         port = free_port()
         argv = [sys.executable, "-m", "devstack.fake_vllm", "--port", str(port)]
         argv += ["--prefill-delay", str(ttft_s), "--token-delay", "0.001"]
-        self.proc = ManagedProcess("fake", argv, f"http://127.0.0.1:{port}/health", logs / "f.log")
+        self.proc = http_process("fake", argv, f"http://127.0.0.1:{port}/health", logs / "f.log")
         self.proc.start()
         self.aggregated = [_Instance(f"http://127.0.0.1:{port}")]
         self.stopped = False

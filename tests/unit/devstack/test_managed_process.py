@@ -1,4 +1,4 @@
-"""ManagedProcess: ready on HTTP 200, and every way out stops its whole group.
+"""A ChildProcess with a readiness URL: ready on HTTP 200, and every way out stops its whole group.
 
 The stand-in is a real loopback HTTP server that forks a ``sleep 60`` grandchild (as vLLM's API
 server forks its engine core, or a router its workers); no vLLM.
@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 
 from devstack.fakes.stand_in_process import HTTP_STAND_IN, alive, wait_dead
-from devstack.managed_process import ManagedProcess, ProcessStartError
 from devstack.ports import free_port
+from devstack.process import ChildProcess, ProcessStartError, http_process
 
 
 def _grandchild_dead(pid_file: Path) -> bool:
     return wait_dead(int(pid_file.read_text()))
 
 
-def _stand_in(tmp_path: Path, behaviour: str, ready_timeout_s: float = 30.0) -> ManagedProcess:
+def _stand_in(tmp_path: Path, behaviour: str, ready_timeout_s: float = 30.0) -> ChildProcess:
     port = free_port()
     argv = [sys.executable, "-c", HTTP_STAND_IN, str(port), str(tmp_path / "gc.pid"), behaviour]
-    return ManagedProcess(
+    return http_process(
         "stand-in",
         argv,
         f"http://127.0.0.1:{port}/health",
