@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_support import (
+
+import connector
+from router.config import RouterSettings, settings_from_mapping
+from tests.deploy.deploy_support import (
     COMPOSE_FILE,
     command_flag,
     compose_services,
@@ -23,9 +26,6 @@ from deploy_support import (
     load_compose,
     require_tool,
 )
-
-import connector
-from router.config import RouterSettings, settings_from_mapping
 
 PROFILES = {
     "cpu": {"prefill": "prefill", "decode": "decode", "router": "router"},

@@ -23,11 +23,12 @@ from typing import Any
 
 import httpx
 import pytest
-from deploy_support import COMPOSE_FILE, DEPLOY
-from docker_support import ComposeProject, e2e_lock
 
 from devstack.ports import free_port
 from devstack.vllm_server import read_metrics_text
+from tests.deploy.deploy_support import COMPOSE_FILE, DEPLOY
+from tests.deploy.docker_support import ComposeProject, e2e_lock
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.docker, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -74,19 +75,20 @@ def _build_images() -> None:
 
 
 def _wait_ready(client: httpx.Client, project: ComposeProject, url: str) -> None:
-    """Poll the router's /ready; fail early with logs if a container exited."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            if client.get(url).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        exited = project.run("ps", "--services", "--filter", "status=stopped", timeout=60)
-        if {"prefill", "decode", "router"} & set(exited.split()):
-            pytest.fail(f"a service exited: {exited.split()}")
-        time.sleep(3)
-    pytest.fail(f"router not ready within {READY_TIMEOUT_S:.0f}s")
+    """Poll the router's /ready; fail early if a container exited."""
+    wait_until(lambda: _ready(client, project, url), "the router's /ready", READY_TIMEOUT_S, 3.0)
+
+
+def _ready(client: httpx.Client, project: ComposeProject, url: str) -> bool:
+    try:
+        if client.get(url).status_code == 200:
+            return True
+    except httpx.HTTPError:
+        pass
+    exited = project.run("ps", "--services", "--filter", "status=stopped", timeout=60)
+    if {"prefill", "decode", "router"} & set(exited.split()):
+        pytest.fail(f"a service exited: {exited.split()}")
+    return False
 
 
 def _chat(client: httpx.Client, base_url: str) -> dict[str, Any]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import fcntl
 import subprocess
 import threading
-import time
 from pathlib import Path
 
-from docker_support import e2e_lock, flock_holders
+from tests.deploy.docker_support import e2e_lock, flock_holders
+from tests.support.wait import wait_until
 
 
 def test_lock_held_by_this_process_is_not_taken_again(tmp_path: Path) -> None:
@@ -34,10 +34,7 @@ def test_lock_held_by_another_process_is_waited_for(tmp_path: Path) -> None:
     # -o: only flock itself holds the lock (not its `sleep` child), so killing it releases it.
     holder = subprocess.Popen(["flock", "-o", str(lock), "sleep", "30"])
     try:
-        deadline = time.monotonic() + 10
-        while not (lock.exists() and flock_holders(lock)):
-            assert time.monotonic() < deadline, "flock never took the lock"
-            time.sleep(0.05)
+        wait_until(lambda: lock.exists() and flock_holders(lock), "flock takes the lock", 10.0)
         entered = threading.Event()
 
         def enter() -> None:

@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-from deploy_support import DEPLOY, REPO
+
+from tests.deploy.deploy_support import DEPLOY, REPO
 
 ROOT_CONTEXT_DOCKERFILES = [REPO / "Dockerfile", DEPLOY / "docker" / "vllm.Dockerfile"]
 ALL_DOCKERFILES = [*ROOT_CONTEXT_DOCKERFILES, DEPLOY / "docker" / "vllm-cpu-base.Dockerfile"]

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deploy_support import DASHBOARD
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.metrics import RouterMetrics
+from tests.deploy.deploy_support import DASHBOARD
 
 # PromQL pieces that are not metric names: label matchers, ranges, `by (...)` groupings.
 _NOT_NAMES = re.compile(r"\{[^}]*\}|\[[^\]]*\]|\b(?:by|without)\s*\([^)]*\)")

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_support import K8S, require_tool
 
 import connector
 from router.cli import build_parser
 from router.config import KubernetesDiscovery, RouterSettings, settings_from_mapping
+from tests.deploy.deploy_support import K8S, require_tool
 
 KUSTOMIZATIONS = sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization.yaml"))
 K8S_VERSION = "1.37.0"

@@ -9,7 +9,6 @@ References are never taken from D, so D's prefix cache only ever holds what came
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from devstack.stack import Stack, StackInstance, StackOptions, start_stack
 from devstack.vllm_server import read_metrics_text
 from router.app import create_app
 from router.config import RouterSettings, settings_from_mapping
+from tests.support.wait import wait_until
 
 MAX_TOKENS = 24
 READY_TIMEOUT_S = 120.0
@@ -66,17 +66,16 @@ def metrics(instance: StackInstance) -> dict[str, float]:
     return read_metrics_text(response.text)
 
 
-def wait_idle(instance: StackInstance, timeout_s: float) -> tuple[float, float, float]:
-    """Poll until the instance reports 0 running and 0 waiting; return (running, waiting, secs)."""
-    start = time.monotonic()
-    while True:
-        values = metrics(instance)
-        running = values.get("vllm:num_requests_running", -1.0)
-        waiting = values.get("vllm:num_requests_waiting", -1.0)
-        elapsed = time.monotonic() - start
-        if (running == 0 and waiting == 0) or elapsed > timeout_s:
-            return running, waiting, elapsed
-        time.sleep(0.25)
+def load(instance: StackInstance) -> tuple[float, float]:
+    """(running, waiting) requests of an instance, from its ``/metrics``."""
+    values = metrics(instance)
+    running = values.get("vllm:num_requests_running", -1.0)
+    return running, values.get("vllm:num_requests_waiting", -1.0)
+
+
+def wait_idle(instance: StackInstance, timeout_s: float, what: str) -> None:
+    """Wait until the instance reports 0 running and 0 waiting requests; fail with ``what``."""
+    wait_until(lambda: load(instance) == (0.0, 0.0), what, timeout_s, interval_s=0.25)
 
 
 @dataclass
@@ -120,23 +119,17 @@ def running_router(stack: Stack, **config_kwargs: Any) -> Iterator[RunningRouter
     server = UvicornThread(create_app(settings))
     server.start()
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        last = "no answer"
-        while time.monotonic() < deadline:
-            try:
-                status = httpx.get(server.url + "/ready", timeout=httpx.Timeout(10.0)).status_code
-            except httpx.TransportError as exc:
-                last = repr(exc)
-            else:
-                if status == 200:
-                    break
-                last = f"/ready {status}"
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"router not ready after {READY_TIMEOUT_S}s ({last})")
+        wait_until(lambda: _ready(server.url), "the router's /ready", READY_TIMEOUT_S, 0.5)
         yield RunningRouter(stack=stack, settings=settings, server=server)
     finally:
         server.stop()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=httpx.Timeout(10.0)).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def router_completion(client: openai.OpenAI, model: str, prompt: str, stream: bool) -> str:

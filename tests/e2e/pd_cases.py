@@ -11,7 +11,8 @@ import asyncio
 from typing import Any
 
 import pytest
-from e2e_support import (
+
+from tests.e2e.e2e_support import (
     MAX_TOKENS,
     RunningRouter,
     make_prompt,
@@ -115,11 +116,9 @@ class PDRouterCases:
         assert received >= 5
         # D was really decoding when the client left (else the test would prove nothing).
         assert busy.get("vllm:num_requests_running", 0.0) == 1.0
-        running, waiting, elapsed = wait_idle(decode, DISCONNECT_IDLE_TIMEOUT_S)
-        assert (running, waiting) == (0.0, 0.0), f"D still busy {elapsed:.1f}s after disconnect"
+        wait_idle(decode, DISCONNECT_IDLE_TIMEOUT_S, "D idle after the client disconnected")
         for prefill in router.stack.prefill:
-            p_running, p_waiting, _ = wait_idle(prefill, DISCONNECT_IDLE_TIMEOUT_S)
-            assert (p_running, p_waiting) == (0.0, 0.0)
+            wait_idle(prefill, DISCONNECT_IDLE_TIMEOUT_S, f"{prefill.name} idle after it")
 
 
 def _tokenize(router: RunningRouter, prompt: str) -> int:

@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_support import metrics, module_stack
 
 from devstack.stack import Stack, StackInstance, StackOptions
+from tests.e2e.e2e_support import metrics, module_stack
 
 pytestmark = [pytest.mark.vllm]
 

@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_support import (
+
+from devstack.stack import Stack, StackOptions
+from tests.e2e.e2e_support import (
     RunningRouter,
     make_prompt,
     module_stack,
@@ -19,9 +21,7 @@ from e2e_support import (
     router_completion,
     running_router,
 )
-from pd_cases import PDRouterCases
-
-from devstack.stack import Stack, StackOptions
+from tests.e2e.pd_cases import PDRouterCases
 
 pytestmark = pytest.mark.vllm
 

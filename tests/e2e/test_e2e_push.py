@@ -13,16 +13,16 @@ from pathlib import Path
 
 import openai
 import pytest
-from e2e_support import (
+
+from devstack.stack import Stack, StackOptions
+from tests.e2e.e2e_support import (
     RunningRouter,
     make_prompt,
     module_stack,
     router_completion,
     running_router,
 )
-from pd_cases import PDRouterCases
-
-from devstack.stack import Stack, StackOptions
+from tests.e2e.pd_cases import PDRouterCases
 
 pytestmark = [pytest.mark.vllm, pytest.mark.upstream_push]
 

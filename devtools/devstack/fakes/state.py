@@ -150,6 +150,7 @@ class FakeVllmState:
         self._gates: dict[int, asyncio.Semaphore] = {}
         self.cancelled = 0
         self.completed = 0
+        self.health_checks = 0
         self._served = itertools.count()
         self._cond = threading.Condition(self._lock)
 
@@ -164,6 +165,7 @@ class FakeVllmState:
             self.requests.clear()
             self.cancelled = 0
             self.completed = 0
+            self.health_checks = 0
             self._served = itertools.count()
             self.behavior = behavior or FakeBehavior()
 
@@ -175,6 +177,11 @@ class FakeVllmState:
         """Recorded completion/chat requests (probes included), in arrival order."""
         with self._lock:
             return [r for r in self.requests if r.path.startswith("/v1/") and r.method == "POST"]
+
+    def count_health_check(self) -> None:
+        with self._cond:
+            self.health_checks += 1
+            self._cond.notify_all()
 
     def next_script(self) -> TokenScript | None:
         """The token script of the next generation request (``None``: the plain delays)."""

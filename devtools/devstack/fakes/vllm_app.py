@@ -214,6 +214,7 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        state.count_health_check()
         return Response(status_code=200)
 
     @app.get("/v1/models")

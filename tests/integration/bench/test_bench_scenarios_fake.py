@@ -102,7 +102,6 @@ def test_stalled_point_is_capped_and_ends_that_stack(tmp_path: Path) -> None:
     assert row["metrics"]["completed"] == 0 and row["metrics"]["failed"] == 2
     assert "time limit of 0.5 s" in row["errors"][0]
     assert "completed no request" in data["errors"]["aggregated"]
-    assert data["timings"]["aggregated_sweep_s"] < 5.0
     assert slow and slow[0].stopped
 
 

@@ -12,12 +12,12 @@ import json
 import sys
 
 import numpy as np
-from nixl_layouts import make_regions
 
 from connector.config import ConnectorConfig
 from connector.nixl_backend import NixlEndpoint
 from connector.producer import PushProducer
 from connector.specs import SendAbort, SendSpec
+from tests.integration.connector.nixl_layouts import make_regions
 
 
 def main() -> None:

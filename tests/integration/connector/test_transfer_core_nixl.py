@@ -87,7 +87,7 @@ def producer() -> Iterator[ProducerProcess]:
 
 class Consumer:
     def __init__(self, **cfg: Any) -> None:
-        from nixl_layouts import make_regions
+        from tests.integration.connector.nixl_layouts import make_regions
 
         self.arrays, layout = make_regions(D_BLOCKS, BLOCK_FLOATS)
         for arr in self.arrays:

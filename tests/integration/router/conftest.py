@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from router_fixtures import MODEL
 
 from devstack.fake_vllm import FakeVllmServer, FakeVllmState, KvFabric, PushIdentity
+from tests.integration.router.router_fixtures import MODEL
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import threading
 
 import httpx
 import pytest
-from router_fixtures import sse_payloads
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmState, PushIdentity, fake_vllm
+from tests.integration.router.router_fixtures import sse_payloads
 
 
 def test_prefill_leg_returns_kv_transfer_params_and_is_recorded() -> None:

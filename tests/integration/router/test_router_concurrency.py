@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from router_fixtures import MODEL, make_settings, running_router, sse_text
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
+from tests.integration.router.router_fixtures import MODEL, make_settings, running_router, sse_text
 
 
 async def test_concurrent_streams_over_two_by_two(fake: dict[str, FakeVllmServer]) -> None:

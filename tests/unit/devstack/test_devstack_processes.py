@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from devstack.fakes.stand_in_process import HTTP_STAND_IN, alive, wait_dead
 from devstack.ports import free_port
+from devstack.process import pid_alive
 from devstack.tiny_model import CHAT_TEMPLATE, MODEL_FILES, make_tiny_model
 from devstack.vllm_server import VllmServer, VllmServerError, VllmServerSpec, start_servers
+from tests.support.stand_in import HTTP_STAND_IN, wait_dead
 
 
 def _spec(
@@ -53,7 +53,7 @@ def test_start_wait_and_stop_kill_the_whole_group(
     server = servers[0]
     assert server.is_alive()
     child_pid = int((tmp_path / "s0.child").read_text())
-    assert alive(child_pid)
+    assert pid_alive(child_pid)
     server.stop(grace_s=5)
     assert not server.is_alive()
     assert wait_dead(child_pid), "the forked child outlived stop()"
@@ -64,10 +64,8 @@ def test_a_dying_server_fails_fast_with_its_log_tail(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = _spec(tmp_path, "s1", "die", monkeypatch)
-    started = time.monotonic()
-    with pytest.raises(VllmServerError, match="stand-in failed on purpose"):
-        start_servers([spec], timeout_s=60)
-    assert time.monotonic() - started < 30
+    with pytest.raises(VllmServerError, match=r"(?s)exited with 3:.*stand-in failed on purpose"):
+        start_servers([spec], timeout_s=60)  # the exit, not the 60 s bound, ended the wait
     child_pid = int((tmp_path / "s1.child").read_text())
     assert wait_dead(child_pid), "start_servers left the failed server's child running"
 

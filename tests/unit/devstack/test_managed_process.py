@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from devstack.fakes.stand_in_process import HTTP_STAND_IN, alive, wait_dead
 from devstack.ports import free_port
-from devstack.process import ChildProcess, ProcessStartError, http_process
+from devstack.process import ChildProcess, ProcessStartError, http_process, pid_alive
+from tests.support.stand_in import HTTP_STAND_IN, wait_dead
 
 
 def _grandchild_dead(pid_file: Path) -> bool:
@@ -35,7 +35,7 @@ def _stand_in(tmp_path: Path, behaviour: str, ready_timeout_s: float = 30.0) -> 
 def test_ready_then_stop_kills_the_grandchild(tmp_path: Path) -> None:
     with _stand_in(tmp_path, "serve") as proc:
         assert proc.pid is not None
-        assert alive(int((tmp_path / "gc.pid").read_text()))
+        assert pid_alive(int((tmp_path / "gc.pid").read_text()))
     assert _grandchild_dead(tmp_path / "gc.pid"), "the grandchild outlived stop()"
     proc.stop()  # idempotent
 

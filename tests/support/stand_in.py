@@ -10,9 +10,9 @@ prints a line and exits with 3; ``hang`` never becomes ready.
 from __future__ import annotations
 
 import textwrap
-import time
 
 from devstack.process import pid_alive
+from tests.support.wait import WaitTimeout, wait_until
 
 HTTP_STAND_IN = textwrap.dedent(
     """
@@ -35,12 +35,10 @@ HTTP_STAND_IN = textwrap.dedent(
 )
 
 
-alive = pid_alive
-
-
 def wait_dead(pid: int, timeout_s: float = 5.0) -> bool:
-    """Poll until ``pid`` no longer runs; whether it stopped within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not alive(pid)
+    """Wait until ``pid`` no longer runs; whether it stopped within ``timeout_s``."""
+    try:
+        wait_until(lambda: not pid_alive(pid), f"pid {pid} to end", timeout_s)
+    except WaitTimeout:
+        return False
+    return True

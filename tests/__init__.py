@@ -1,0 +1,1 @@
+"""The project's tests: unit, integration (real loopback servers), e2e (real vLLM), deploy."""

@@ -1,0 +1,57 @@
+"""The one wait helper of the tests: poll an observable condition, bounded, with a clear failure.
+
+Tests order themselves on state they can observe (a counter, a file, a log line, an HTTP answer),
+never on a sleep of a guessed length. ``wait_until`` polls ``condition`` until it returns a truthy
+value and returns that value; past ``timeout_s`` it fails the test with ``what`` and the last
+value seen. The bound is generous (a loaded 2-core machine) because it only costs time on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 15.0
+_INTERVAL_S = 0.02
+
+
+class WaitTimeout(AssertionError):
+    """A condition did not hold within its bound."""
+
+
+def wait_until(
+    condition: Callable[[], T],
+    what: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    interval_s: float = _INTERVAL_S,
+) -> T:
+    """Poll ``condition()`` until truthy and return its value; raise :class:`WaitTimeout`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise WaitTimeout(f"not within {timeout_s:g} s: {what} (last: {value!r})")
+        time.sleep(interval_s)
+
+
+async def async_wait_until(
+    condition: Callable[[], Awaitable[T]],
+    what: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    interval_s: float = _INTERVAL_S,
+) -> T:
+    """:func:`wait_until` for a coroutine condition, without blocking the event loop."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise WaitTimeout(f"not within {timeout_s:g} s: {what} (last: {value!r})")
+        await asyncio.sleep(interval_s)
