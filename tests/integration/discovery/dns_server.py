@@ -21,7 +21,7 @@ import pytest
 
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
-from devstack.waiting import wait_until
+from tests.support.wait import wait_until
 
 LISTEN = "127.0.0.1"
 DOMAIN = "disagg.test"
@@ -94,7 +94,7 @@ class DnsServer:
                 raise RuntimeError(f"dnsmasq exited:\n{self._process.log_tail()}")
             return self._process.log_path.read_text().count(marker) >= expected
 
-        wait_until(reads, timeout=10, what="dnsmasq to read its hosts file")
+        wait_until(reads, "dnsmasq to read its hosts file", timeout_s=10)
         self._reads = expected
 
     def stop(self) -> None:

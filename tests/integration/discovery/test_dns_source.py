@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dns_server import DOMAIN, LISTEN, DnsServer
 from prometheus_client import CollectorRegistry
 
 from router.config import DnsDiscovery, InstanceConfig
@@ -12,6 +11,7 @@ from router.discovery.dns import DnsSource
 from router.discovery.source import Failed, Found
 from router.discovery.watcher import PoolDiscovery
 from router.metrics import RouterMetrics
+from tests.integration.discovery.dns_server import DOMAIN, LISTEN, DnsServer
 
 NAME = f"decode.{DOMAIN}"
 

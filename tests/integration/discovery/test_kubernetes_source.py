@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube_api import TOKEN, KubeApiTranscript, kubeconfig, recorded
 
 from devstack.fake_vllm import UvicornThread
 from router.config import KubernetesDiscovery
 from router.discovery.kubernetes import KubernetesSource
 from router.discovery.source import Failed, Found, Update
+from tests.integration.discovery.kube_api import TOKEN, KubeApiTranscript, kubeconfig, recorded
 
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
 PODS = "/api/v1/namespaces/llm/pods"
