@@ -8,9 +8,8 @@ value seen. The bound is generous (a loaded 2-core machine) because it only cost
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -38,20 +37,3 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise WaitTimeout(f"not within {timeout_s:g} s: {what} (last: {value!r})")
         time.sleep(interval_s)
-
-
-async def async_wait_until(
-    condition: Callable[[], Awaitable[T]],
-    what: str,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    interval_s: float = _INTERVAL_S,
-) -> T:
-    """:func:`wait_until` for a coroutine condition, without blocking the event loop."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise WaitTimeout(f"not within {timeout_s:g} s: {what} (last: {value!r})")
-        await asyncio.sleep(interval_s)
