@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -13,9 +12,9 @@ import httpx
 from httpx_sse import EventSource
 
 from devstack.fake_vllm import UvicornThread
-from devstack.waiting import wait_until as shared_wait_until
 from router.app import create_app
 from router.config import RouterSettings, settings_from_mapping
+from tests.support.wait import wait_until
 
 MODEL = "fake-model"
 
@@ -47,14 +46,6 @@ def make_settings(
     return settings_from_mapping(data)
 
 
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    """Poll ``predicate`` until it holds; fail the test naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def _all_checked(url: str) -> bool:
     missing = httpx.get(f"{url}/ready", timeout=5).json()["missing"]
     return "not checked yet" not in missing.values()
@@ -62,7 +53,7 @@ def _all_checked(url: str) -> bool:
 
 def checked_wait(url: str) -> None:
     """Until the router at ``url`` has checked every backend once."""
-    shared_wait_until(lambda: _all_checked(url), 15.0, "the router's first health checks")
+    wait_until(lambda: _all_checked(url), "the router's first health checks")
 
 
 @contextmanager

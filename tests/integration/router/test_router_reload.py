@@ -13,12 +13,13 @@ from typing import Any
 
 import httpx
 import yaml
-from router_fixtures import MODEL, running_router, sse_text, wait_until
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
 from router.config import load_config
+from tests.integration.router.router_fixtures import MODEL, running_router, sse_text
+from tests.support.wait import wait_until
 
 
 def _config(p: list[str], d: list[str], **extra: Any) -> dict[str, Any]:

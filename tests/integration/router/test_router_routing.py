@@ -8,10 +8,10 @@ from typing import Any
 
 import httpx
 import pytest
-from router_fixtures import MODEL, make_settings, running_router
 
 from devstack.fake_vllm import FakeVllmServer, FakeVllmState, KvFabric, PushIdentity
 from router.config import settings_from_mapping
+from tests.integration.router.router_fixtures import MODEL, make_settings, running_router
 
 OTHER = "other-model"
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import httpx
 import yaml
-from router_fixtures import MODEL, sse_text, wait_until
 
 from devstack.fake_vllm import FakeVllmServer
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
+from tests.integration.router.router_fixtures import MODEL, sse_text
+from tests.support.wait import wait_until
 
 STREAM = {"model": MODEL, "prompt": "a b c", "max_tokens": 4, "stream": True}
 
