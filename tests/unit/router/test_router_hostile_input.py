@@ -17,10 +17,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mock_upstream import D, P, Upstream
 
 from router.app import create_app
 from router.config import settings_from_mapping
+from tests.unit.router.mock_upstream import D, P, Upstream
 
 
 @pytest.fixture

@@ -6,13 +6,13 @@ import json
 from typing import Any
 
 import httpx
-from mock_upstream import KV, D, P, answer
 
 from devstack.fake_vllm import UvicornThread
 from router.app import create_app
 from router.config import settings_from_mapping
 from router.health import HealthMonitor
 from router.runtime import Runtime
+from tests.unit.router.mock_upstream import KV, D, P, answer
 
 
 def _settings(mode: str) -> Any:
