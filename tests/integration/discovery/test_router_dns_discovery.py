@@ -17,14 +17,14 @@ from typing import Any
 
 import httpx
 import pytest
-from dns_server import DOMAIN, LISTEN, DnsServer
-from traffic import Traffic
 
 from devstack.fake_vllm import FakeVllmServer, FakeVllmState, KvFabric, PushIdentity, UvicornThread
 from devstack.ports import free_port
 from devstack.waiting import wait_until
 from router.app import create_app
 from router.config import RouterSettings, settings_from_mapping
+from tests.integration.discovery.dns_server import DOMAIN, LISTEN, DnsServer
+from tests.integration.discovery.traffic import Traffic
 
 MODEL = "fake-model"
 P_NAME, D_NAME = f"prefill.{DOMAIN}", f"decode.{DOMAIN}"

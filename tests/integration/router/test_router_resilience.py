@@ -12,11 +12,16 @@ from typing import Any
 
 import httpx
 import pytest
-from router_fixtures import MODEL, make_settings, running_router, sse_payloads
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 from devstack.waiting import wait_until
 from router.reqlog import JsonFormatter
+from tests.integration.router.router_fixtures import (
+    MODEL,
+    make_settings,
+    running_router,
+    sse_payloads,
+)
 
 LONG = {"model": MODEL, "prompt": "a b c", "max_tokens": 2000, "stream": True}
 SHORT = {"model": MODEL, "prompt": "a b c", "max_tokens": 3}

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request, Response
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from router_fixtures import MODEL, make_settings, running_router
 
 from devstack.fake_vllm import FakeVllmServer, UvicornThread
+from tests.integration.router.router_fixtures import MODEL, make_settings, running_router
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"

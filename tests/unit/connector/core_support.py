@@ -9,13 +9,13 @@ reports ``write_state`` (``DONE`` by default) when polled, a sent notification l
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 from connector.endpoint import Endpoint, XferState
 from connector.errors import TransferError
 from connector.layout import LayoutSpec, RegionSpec
 from connector.protocol import Notification, decode_notification
+from tests.support.wait import wait_until
 
 LAYOUT = LayoutSpec(regions=(RegionSpec(0, 64, 64, 32),))
 
@@ -93,7 +93,4 @@ class FakeClock:
 
 def until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
     """Wait for a state a background thread reaches (fails the test after ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
+    wait_until(cond, "a state the background thread reaches", timeout_s=timeout, interval_s=0.005)

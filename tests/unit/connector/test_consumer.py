@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from core_support import LAYOUT, FakeClock, MemoryEndpoint, until
 
 from connector.config import ConnectorConfig
 from connector.consumer import PushConsumer
@@ -23,6 +22,7 @@ from connector.protocol import (
     registration_from_body,
 )
 from connector.specs import KeyCancel, RecvSpec
+from tests.unit.connector.core_support import LAYOUT, FakeClock, MemoryEndpoint, until
 
 CFG = ConnectorConfig(transfer_timeout_s=10.0, max_inflight_s=4.0, liveness_interval_s=0.5)
 

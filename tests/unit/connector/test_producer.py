@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from core_support import LAYOUT, FakeClock, MemoryEndpoint, until
 
 from connector.config import ConnectorConfig
 from connector.producer import PushProducer
@@ -18,6 +17,7 @@ from connector.protocol import (
     encode_request,
 )
 from connector.specs import SendAbort, SendSpec
+from tests.unit.connector.core_support import LAYOUT, FakeClock, MemoryEndpoint, until
 
 
 @pytest.fixture
