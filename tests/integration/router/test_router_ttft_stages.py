@@ -4,9 +4,9 @@ streamed request, and P's injected prefill delay lands in the ``prefill`` stage.
 from __future__ import annotations
 
 import httpx
-from router_fixtures import MODEL, make_settings, running_router
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
+from tests.integration.router.router_fixtures import MODEL, make_settings, running_router
 
 STREAM = {"model": MODEL, "prompt": "a b c", "max_tokens": 3, "stream": True}
 PUSH_STAGES = ("accept_to_legs_sent", "prefill", "prefill_done_to_first_token", "relay_to_client")
