@@ -76,7 +76,12 @@ def _build_images() -> None:
 
 def _wait_ready(client: httpx.Client, project: ComposeProject, url: str) -> None:
     """Poll the router's /ready; fail early if a container exited."""
-    wait_until(lambda: _ready(client, project, url), "the router's /ready", READY_TIMEOUT_S, 3.0)
+    wait_until(
+        lambda: _ready(client, project, url),
+        timeout=READY_TIMEOUT_S,
+        what="the router's /ready",
+        interval=3.0,
+    )
 
 
 def _ready(client: httpx.Client, project: ComposeProject, url: str) -> bool:

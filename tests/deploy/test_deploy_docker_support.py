@@ -34,7 +34,9 @@ def test_lock_held_by_another_process_is_waited_for(tmp_path: Path) -> None:
     # -o: only flock itself holds the lock (not its `sleep` child), so killing it releases it.
     holder = subprocess.Popen(["flock", "-o", str(lock), "sleep", "30"])
     try:
-        wait_until(lambda: lock.exists() and flock_holders(lock), "flock takes the lock", 10.0)
+        wait_until(
+            lambda: lock.exists() and flock_holders(lock), timeout=10.0, what="flock takes the lock"
+        )
         entered = threading.Event()
 
         def enter() -> None:

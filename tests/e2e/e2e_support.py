@@ -75,7 +75,7 @@ def load(instance: StackInstance) -> tuple[float, float]:
 
 def wait_idle(instance: StackInstance, timeout_s: float, what: str) -> None:
     """Wait until the instance reports 0 running and 0 waiting requests; fail with ``what``."""
-    wait_until(lambda: load(instance) == (0.0, 0.0), what, timeout_s, interval_s=0.25)
+    wait_until(lambda: load(instance) == (0.0, 0.0), timeout=timeout_s, what=what, interval=0.25)
 
 
 @dataclass
@@ -119,7 +119,12 @@ def running_router(stack: Stack, **config_kwargs: Any) -> Iterator[RunningRouter
     server = UvicornThread(create_app(settings))
     server.start()
     try:
-        wait_until(lambda: _ready(server.url), "the router's /ready", READY_TIMEOUT_S, 0.5)
+        wait_until(
+            lambda: _ready(server.url),
+            timeout=READY_TIMEOUT_S,
+            what="the router's /ready",
+            interval=0.5,
+        )
         yield RunningRouter(stack=stack, settings=settings, server=server)
     finally:
         server.stop()

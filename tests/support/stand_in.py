@@ -38,7 +38,7 @@ HTTP_STAND_IN = textwrap.dedent(
 def wait_dead(pid: int, timeout_s: float = 5.0) -> bool:
     """Wait until ``pid`` no longer runs; whether it stopped within ``timeout_s``."""
     try:
-        wait_until(lambda: not pid_alive(pid), f"pid {pid} to end", timeout_s)
+        wait_until(lambda: not pid_alive(pid), timeout=timeout_s, what=f"pid {pid} to end")
     except WaitTimeout:
         return False
     return True

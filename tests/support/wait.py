@@ -1,8 +1,8 @@
 """The one wait helper of the tests: poll an observable condition, bounded, with a clear failure.
 
 Tests order themselves on state they can observe (a counter, a file, a log line, an HTTP answer),
-never on a sleep of a guessed length. ``wait_until`` polls ``condition`` until it returns a truthy
-value and returns that value; past ``timeout_s`` it fails the test with ``what`` and the last
+never on a sleep of a guessed length. ``wait_until`` polls ``predicate`` until it returns a truthy
+value and returns that value; past ``timeout`` it fails the test with ``what`` and the last
 value seen. The bound is generous (a loaded 2-core machine) because it only costs time on failure.
 """
 
@@ -23,17 +23,19 @@ class WaitTimeout(AssertionError):
 
 
 def wait_until(
-    condition: Callable[[], T],
-    what: str,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    interval_s: float = _INTERVAL_S,
+    predicate: Callable[[], T],
+    timeout: float = DEFAULT_TIMEOUT_S,
+    what: str = "a condition",
+    interval: float = _INTERVAL_S,
 ) -> T:
-    """Poll ``condition()`` until truthy and return its value; raise :class:`WaitTimeout`."""
-    deadline = time.monotonic() + timeout_s
+    """Poll ``predicate()`` until truthy and return its value; after ``timeout`` seconds raise
+    :class:`WaitTimeout` naming ``what``. Exceptions from ``predicate`` propagate (a dead server
+    fails at once)."""
+    deadline = time.monotonic() + timeout
     while True:
-        value = condition()
+        value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise WaitTimeout(f"not within {timeout_s:g} s: {what} (last: {value!r})")
-        time.sleep(interval_s)
+            raise WaitTimeout(f"timed out after {timeout:g}s waiting for {what} (last: {value!r})")
+        time.sleep(interval)

@@ -94,7 +94,7 @@ class DnsServer:
                 raise RuntimeError(f"dnsmasq exited:\n{self._process.log_tail()}")
             return self._process.log_path.read_text().count(marker) >= expected
 
-        wait_until(reads, "dnsmasq to read its hosts file", timeout_s=10)
+        wait_until(reads, timeout=10, what="dnsmasq to read its hosts file")
         self._reads = expected
 
     def stop(self) -> None:

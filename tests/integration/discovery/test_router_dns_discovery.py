@@ -20,11 +20,11 @@ import pytest
 
 from devstack.fake_vllm import FakeVllmServer, FakeVllmState, KvFabric, PushIdentity, UvicornThread
 from devstack.ports import free_port
-from devstack.waiting import wait_until
 from router.app import create_app
 from router.config import RouterSettings, settings_from_mapping
 from tests.integration.discovery.dns_server import DOMAIN, LISTEN, DnsServer
 from tests.integration.discovery.traffic import Traffic
+from tests.support.wait import wait_until
 
 MODEL = "fake-model"
 P_NAME, D_NAME = f"prefill.{DOMAIN}", f"decode.{DOMAIN}"

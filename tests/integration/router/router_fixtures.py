@@ -53,7 +53,7 @@ def _all_checked(url: str) -> bool:
 
 def checked_wait(url: str) -> None:
     """Until the router at ``url`` has checked every backend once."""
-    wait_until(lambda: _all_checked(url), "the router's first health checks")
+    wait_until(lambda: _all_checked(url), what="the router's first health checks")
 
 
 @contextmanager

@@ -168,7 +168,7 @@ def test_backend_starting_late_joins_without_waiting_a_full_interval(
         with late:
             wait_until(
                 lambda: httpx.get(f"{server.url}/ready").status_code == 200,
-                "the late decode makes the router ready",
+                what="the late decode makes the router ready",
             )
             resp = httpx.post(
                 f"{server.url}/v1/completions",

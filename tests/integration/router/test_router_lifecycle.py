@@ -20,13 +20,13 @@ import yaml
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
-from devstack.waiting import wait_until
 from tests.integration.router.router_fixtures import (
     MODEL,
     make_settings,
     running_router,
     sse_payloads,
 )
+from tests.support.wait import wait_until
 
 
 def _config(p: FakeVllmServer, d: FakeVllmServer, drain: float) -> dict[str, Any]:

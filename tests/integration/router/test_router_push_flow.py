@@ -193,7 +193,7 @@ def test_periodic_check_rediscovers_a_restarted_prefill(fake: dict[str, FakeVllm
         learned = re.compile(r'identity_changes_total\{backend="[^"]+"\} 2\.0')
         wait_until(
             lambda: learned.search(httpx.get(f"{router.url}/metrics").text),
-            "the router learns the new engine id",
+            what="the router learns the new engine id",
         )
         second = httpx.post(f"{router.url}/v1/completions", json=req, timeout=10)
     assert second.status_code == 200, second.text
@@ -317,7 +317,7 @@ def test_restarted_prefill_is_relearned_on_rejoin_without_periodic_probes(
 
 
 def _wait_status(url: str, status: int) -> None:
-    wait_until(lambda: httpx.get(url).status_code == status, f"{url} to answer {status}")
+    wait_until(lambda: httpx.get(url).status_code == status, what=f"{url} to answer {status}")
 
 
 def test_late_prefill_answer_is_drained_not_cancelled(fake: dict[str, FakeVllmServer]) -> None:

@@ -62,7 +62,7 @@ def test_removed_decode_finishes_its_stream_and_the_new_one_is_checked_first(
             chunks = resp.iter_text()
             first = next(chunks)  # committed on d0
             _write(path, _config([p.url], [d1.url], reload={"watch": True}))
-            wait_until(lambda: _reloads(router.url, "applied") == 1, "the reload")
+            wait_until(lambda: _reloads(router.url, "applied") == 1, what="the reload")
             assert d0.state.in_flight == 1  # the reload happened mid-stream
             rest = "".join(chunks)
         short = {**body, "stream": False, "max_tokens": 2}
@@ -70,7 +70,7 @@ def test_removed_decode_finishes_its_stream_and_the_new_one_is_checked_first(
         with d1:
             wait_until(
                 lambda: httpx.get(f"{router.url}/ready").json()["decode"] == [d1.url],
-                "d1 to pass its health check",
+                what="d1 to pass its health check",
             )
             after = httpx.post(f"{router.url}/v1/completions", json=short)
     assert sse_text(first + rest, chat=False)
@@ -92,13 +92,13 @@ def test_invalid_file_is_rejected_and_the_old_config_keeps_serving(
         bad = json.loads(json.dumps(good))
         bad["decode"]["instances"][0]["url"] = "not a url"
         _write(path, bad)
-        wait_until(lambda: _reloads(router.url, "rejected") == 1, "the rejection")
+        wait_until(lambda: _reloads(router.url, "rejected") == 1, what="the rejection")
         _write(path, "models: [unclosed\n")
-        wait_until(lambda: _reloads(router.url, "rejected") == 2, "the second rejection")
+        wait_until(lambda: _reloads(router.url, "rejected") == 2, what="the second rejection")
         still = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
         renamed = {**good, "models": ["renamed"]}
         _write(path, renamed)
-        wait_until(lambda: _reloads(router.url, "applied") == 1, "the valid reload")
+        wait_until(lambda: _reloads(router.url, "applied") == 1, what="the valid reload")
         models = httpx.get(f"{router.url}/v1/models").json()
         old_name = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert still.status_code == 200
@@ -116,12 +116,12 @@ def test_sighup_reloads_the_serving_process(
     url = f"http://127.0.0.1:{port}"
     argv = (sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port))
     with ChildProcess(ProcessSpec("router", argv, tmp_path / "router.log")) as proc:
-        wait_until(lambda: _up(url), "the router to serve", timeout_s=60)
+        wait_until(lambda: _up(url), timeout=60, what="the router to serve")
         _write(path, {**_config([p.url], [d.url]), "models": [MODEL, "second"]})
         assert proc.pid is not None
 
         os.kill(proc.pid, signal.SIGHUP)
-        wait_until(lambda: _reloads(url, "applied") == 1, "the SIGHUP reload")
+        wait_until(lambda: _reloads(url, "applied") == 1, what="the SIGHUP reload")
         models = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
         log = proc.log_tail(200)
     assert models == [MODEL, "second"]

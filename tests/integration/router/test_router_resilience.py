@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
-from devstack.waiting import wait_until
 from router.reqlog import JsonFormatter
 from tests.integration.router.router_fixtures import (
     MODEL,
@@ -22,6 +21,7 @@ from tests.integration.router.router_fixtures import (
     running_router,
     sse_payloads,
 )
+from tests.support.wait import wait_until
 
 LONG = {"model": MODEL, "prompt": "a b c", "max_tokens": 2000, "stream": True}
 SHORT = {"model": MODEL, "prompt": "a b c", "max_tokens": 3}

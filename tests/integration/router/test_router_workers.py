@@ -39,7 +39,7 @@ def test_two_workers_serve_streams_from_the_config_file(
     argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
     argv += ["--port", str(port), "--workers", "2"]
     with ChildProcess(ProcessSpec("router", tuple(argv), tmp_path / "router.log")) as proc:
-        wait_until(lambda: _ready(url), "a worker to be ready", timeout_s=60)
+        wait_until(lambda: _ready(url), timeout=60, what="a worker to be ready")
         texts = []
         with httpx.Client(timeout=10) as client:
             for _ in range(6):
@@ -48,7 +48,7 @@ def test_two_workers_serve_streams_from_the_config_file(
                 texts.append(sse_text(resp.text, chat=False))
         wait_until(
             lambda: proc.log_tail(200).count("Started server process") == 2,
-            "both workers to start",
-            timeout_s=60,
+            timeout=60,
+            what="both workers to start",
         )
     assert all(t and t == texts[0] for t in texts)

@@ -93,4 +93,4 @@ class FakeClock:
 
 def until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
     """Wait for a state a background thread reaches (fails the test after ``timeout``)."""
-    wait_until(cond, "a state the background thread reaches", timeout_s=timeout, interval_s=0.005)
+    wait_until(cond, timeout=timeout, what="a state the background thread reaches", interval=0.005)

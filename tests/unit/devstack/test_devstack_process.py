@@ -49,13 +49,15 @@ def _logged_grandchild_pid(child: ChildProcess) -> int | None:
 
 def _grandchild_pid(child: ChildProcess, timeout_s: float = 10.0) -> int:
     return wait_until(
-        lambda: _logged_grandchild_pid(child), f"the grandchild pid in {child.log_path}", timeout_s
+        lambda: _logged_grandchild_pid(child),
+        timeout=timeout_s,
+        what=f"the grandchild pid in {child.log_path}",
     )
 
 
 def _exit_status(child: ChildProcess) -> int:
     """Wait until ``child`` exits on its own; its exit status."""
-    wait_until(lambda: child.poll() is not None, f"{child.name} to exit", 10.0)
+    wait_until(lambda: child.poll() is not None, timeout=10.0, what=f"{child.name} to exit")
     status = child.poll()
     assert status is not None
     return status
