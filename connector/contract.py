@@ -62,6 +62,22 @@ def prefill_leg_params(transfer_id: str, *, probe: bool = False) -> dict[str, An
     return params
 
 
+def _remote_params(
+    engine_id: str, host: str, port: int, tp_size: int, pp_size: int, request_id: str
+) -> dict[str, Any]:
+    """What D needs to reach P's KV: P's identity and P's request id."""
+    return {
+        DO_REMOTE_PREFILL: True,
+        DO_REMOTE_DECODE: False,
+        REMOTE_ENGINE_ID: engine_id,
+        REMOTE_HOST: host,
+        REMOTE_PORT: port,
+        TP_SIZE: tp_size,
+        PP_SIZE: pp_size,
+        REMOTE_REQUEST_ID: request_id,
+    }
+
+
 def decode_leg_params(
     *,
     engine_id: str,
@@ -73,17 +89,9 @@ def decode_leg_params(
     transfer_id: str,
 ) -> dict[str, Any]:
     """``kv_transfer_params`` of a push-mode D leg: P's identity and the leg's request id."""
-    return {
-        DO_REMOTE_PREFILL: True,
-        DO_REMOTE_DECODE: False,
-        REMOTE_ENGINE_ID: engine_id,
-        REMOTE_HOST: host,
-        REMOTE_PORT: port,
-        TP_SIZE: tp_size,
-        PP_SIZE: pp_size,
-        REMOTE_REQUEST_ID: request_id,
-        TRANSFER_ID: transfer_id,
-    }
+    params = _remote_params(engine_id, host, port, tp_size, pp_size, request_id)
+    params[TRANSFER_ID] = transfer_id
+    return params
 
 
 def prefill_answer_params(
@@ -99,19 +107,11 @@ def prefill_answer_params(
     pp_size: int = 1,
 ) -> dict[str, Any]:
     """``kv_transfer_params`` of P's answer: who P is and which blocks it keeps for D."""
-    return {
-        DO_REMOTE_PREFILL: True,
-        DO_REMOTE_DECODE: False,
-        REMOTE_ENGINE_ID: engine_id,
-        REMOTE_REQUEST_ID: request_id,
-        REMOTE_HOST: host,
-        REMOTE_PORT: port,
-        REMOTE_BLOCK_IDS: list(block_ids),
-        REMOTE_NUM_TOKENS: num_tokens,
-        TP_SIZE: tp_size,
-        PP_SIZE: pp_size,
-        TRANSFER_MODE: transfer_mode,
-    }
+    params = _remote_params(engine_id, host, port, tp_size, pp_size, request_id)
+    params[REMOTE_BLOCK_IDS] = list(block_ids)
+    params[REMOTE_NUM_TOKENS] = num_tokens
+    params[TRANSFER_MODE] = transfer_mode
+    return params
 
 
 def is_prefill_leg(params: Mapping[str, Any] | None) -> bool:
