@@ -5,9 +5,10 @@ the list and watch calls of one collection (``/apis/discovery.k8s.io/v1/namespac
 endpointslices`` or ``/api/v1/namespaces/NS/pods``) from files in ``recorded/``: a list answer is a
 JSON document, a watch answer is newline-delimited JSON events (ADDED, MODIFIED, DELETED,
 BOOKMARK, ERROR) exactly as ``kubectl get --raw '...?watch=true'`` prints them. Lists and watches
-are answered in order; after the last event of the last watch the stream stays open (a quiet
-cluster) until the client goes away. Every request is recorded (path, query, Authorization).
-A list entry that is an int answers with that HTTP status instead (an API outage).
+are answered in order; a watch ends after its events (as when its timeoutSeconds pass), except
+the last, which then stays open (a quiet cluster) until the client goes away. Every request is
+recorded (path, query, Authorization). A list entry that is an int answers with that HTTP status
+instead (an API outage).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class KubeApiTranscript:
                 return JSONResponse({"kind": "Status", "code": 401}, status_code=401)
             if is_watch(query):
                 events = self._watches.pop(0) if self._watches else []
-                return StreamingResponse(_stream(events), media_type="application/json")
+                quiet = not self._watches  # the last watch stays open; earlier ones time out
+                return StreamingResponse(_stream(events, quiet), media_type="application/json")
             answer = self._lists.pop(0) if len(self._lists) > 1 else self._lists[0]
         if isinstance(answer, int):
             body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": answer}
@@ -84,12 +86,15 @@ class KubeApiTranscript:
         return JSONResponse(answer)
 
 
-async def _stream(events: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _stream(events: list[dict[str, Any]], quiet: bool) -> AsyncIterator[bytes]:
+    """The events; then the end of the watch (its timeoutSeconds passed) or, for the last one,
+    silence until the client leaves."""
     for event in events:
         yield json.dumps(event).encode() + b"\n"
         if event["type"] == "ERROR":
             return  # the API server ends a watch after an ERROR event
-    await asyncio.Event().wait()  # quiet: no more events until the client leaves
+    if quiet:
+        await asyncio.Event().wait()
 
 
 def kubeconfig(path: Path, server_url: str) -> Path:

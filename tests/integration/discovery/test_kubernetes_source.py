@@ -112,3 +112,17 @@ async def test_pods_running_ready_and_not_deleted(tmp_path: Path, serve: Any) ->
     labels = [[i.label for i in u.instances] for u in updates if isinstance(u, Found)]
     assert labels == [["disagg-prefill-0"], ["disagg-prefill-0", "disagg-prefill-1"]]
     assert api.seen[0].path == PODS
+
+
+async def test_an_ended_watch_resumes_from_its_last_version(tmp_path: Path, serve: Any) -> None:
+    watch_1 = recorded("endpointslices-watch-1.jsonl")
+    api = KubeApiTranscript(
+        SLICES,
+        lists=[recorded("endpointslices-list-1.json")],
+        watches=[watch_1[:2], watch_1[2:3]],  # bookmark + MODIFIED (1002), then ADDED (1003)
+    )
+    source = _source(kubeconfig(tmp_path / "kubeconfig", serve(api)))
+    updates = await _take(source.updates(), 3)
+    assert [_pods(u) for u in updates] == [["0", "1"], ["0", "1", "2"], ["0", "1", "2", "3"]]
+    assert len(api.requests(watch=False)) == 1, "no relist: the watch resumed"
+    assert [w.query["resourceVersion"] for w in api.requests(watch=True)] == ["1000", "1002"]
