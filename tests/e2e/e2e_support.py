@@ -108,9 +108,17 @@ class RunningRouter:
 
 
 @contextmanager
-def running_router(stack: Stack, **config_kwargs: Any) -> Iterator[RunningRouter]:
-    """Serve a router for ``stack`` and wait until its ``/ready`` answers 200."""
+def running_router(
+    stack: Stack, overrides: dict[str, dict[str, Any]] | None = None, **config_kwargs: Any
+) -> Iterator[RunningRouter]:
+    """Serve a router for ``stack`` and wait until its ``/ready`` answers 200.
+
+    ``overrides``: per top-level section, keys merged into the stack's router config (e.g.
+    ``{"prefill": {"prefix_chars": 512}, "disaggregation": {"min_prompt_tokens": 4096}}``).
+    """
     config = stack.router_config(**config_kwargs)
+    for section, values in (overrides or {}).items():
+        config[section] = {**config.get(section, {}), **values}
     # A loaded 2-core machine answers probes slowly; do not flap backends in the suite.
     timeouts = config.setdefault("timeouts", {})
     timeouts.setdefault("health", 60.0)

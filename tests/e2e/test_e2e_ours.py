@@ -77,3 +77,68 @@ def test_ours_2p1d_spreads_over_both_prefills_and_pairs_correctly(stack: Stack) 
         assert after[name] - before[name] >= 2 * 300, (name, before, after)
     want = [reference_text(p0, stack.model_name, p, False) for p in prompts]
     assert got == want
+
+
+def _prompt_tokens(stack: Stack) -> dict[str, float]:
+    return {i.name: metrics(i).get("vllm:prompt_tokens_total", 0.0) for i in stack.instances}
+
+
+def _cache_hits(stack: Stack) -> dict[str, float]:
+    return {p.name: metrics(p).get("vllm:prefix_cache_hits_total", 0.0) for p in stack.prefill}
+
+
+def test_prefix_affinity_keeps_each_conversation_on_one_prefill_whose_cache_hits(
+    stack: Stack,
+) -> None:
+    """prefix_affinity over p0 and p1: every turn of a conversation (its own long system
+    prompt, then growing turns) prefills on the same P, and from the second turn on that P's
+    vLLM prefix cache serves at least most of the system prompt (vllm:prefix_cache_hits)."""
+    systems = [make_prompt(f"affinity-system-{k}", words=200) for k in range(4)]
+    home: dict[int, set[str]] = {k: set() for k in range(len(systems))}
+    first_turn_tokens: list[float] = []
+    later_turn_hits: list[float] = []
+    overrides = {"prefill": {"prefix_chars": 512}}
+    with running_router(stack, prefill_policy="prefix_affinity", overrides=overrides) as router:
+        client = router.client()
+        for turn in range(3):
+            for k, system in enumerate(systems):
+                prompt = system + "".join(f" user turn {t}." for t in range(turn + 1))
+                tokens, hits = _prompt_tokens(stack), _cache_hits(stack)
+                router_completion(client, stack.model_name, prompt, stream=False)
+                tokens_after, hits_after = _prompt_tokens(stack), _cache_hits(stack)
+                (served,) = [n for n in hits if tokens_after[n] - tokens[n] > 50]
+                home[k].add(served)
+                if turn == 0:
+                    first_turn_tokens.append(tokens_after[served] - tokens[served])
+                else:
+                    later_turn_hits.append(hits_after[served] - hits[served])
+    assert all(len(places) == 1 for places in home.values()), home
+    assert {p for places in home.values() for p in places} == {p.name for p in stack.prefill}
+    # a hit counts whole KV blocks: allow the system prompt's last partial block
+    assert min(later_turn_hits) >= 0.8 * min(first_turn_tokens) - 32, (
+        later_turn_hits,
+        first_turn_tokens,
+    )
+
+
+def test_short_prompt_is_served_by_decode_alone_with_the_aggregated_output(
+    stack: Stack,
+) -> None:
+    """A prompt under the disaggregation threshold goes to D alone: no P prefills it (no P
+    leg, no transfer), D prefills it, and the output equals the aggregated output."""
+    prompts = [make_prompt(f"short-{i}", words=40) for i in range(2)]
+    overrides = {"disaggregation": {"min_prompt_tokens": 2048}}
+    with running_router(stack, overrides=overrides) as router:
+        client = router.client()
+        before = _prompt_tokens(stack)
+        got = [
+            router_completion(client, stack.model_name, prompt, stream=i == 1)
+            for i, prompt in enumerate(prompts)
+        ]
+        after = _prompt_tokens(stack)
+    for p in stack.prefill:
+        assert after[p.name] - before[p.name] < 10, (p.name, before, after)  # probes at most
+    d = stack.decode[0].name
+    assert after[d] - before[d] >= 2 * 40
+    p0 = stack.prefill[0]
+    assert got == [reference_text(p0, stack.model_name, p, False) for p in prompts]
