@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from router.cli import main
 from router.config import load_config, settings_from_mapping
@@ -224,3 +225,12 @@ def test_check_config_and_reload_share_the_field_named_error(
     path.write_text(MULTI.replace("policy: power_of_two", "policy: fastest"))
     assert main(["check-config", str(path)]) == 1
     assert "models.big.decode.policy" in capsys.readouterr().err
+
+
+def test_the_documented_multi_model_file_is_valid() -> None:
+    doc = (Path(__file__).parents[3] / "docs" / "router.md").read_text()
+    block = doc.split("A complete two-model file:", 1)[1].split("```yaml\n", 1)[1].split("```")[0]
+    s = settings_from_mapping(yaml.safe_load(block))
+    routes = s.routes()
+    assert len(routes) == 2
+    assert {r.prefill.policy for r in routes.values()} == {"prefix_affinity", "round_robin"}
