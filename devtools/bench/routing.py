@@ -9,7 +9,9 @@ Three parts (each selectable):
   ``p99_ttft_p2c_over_round_robin_uneven``.
 - ``prefix`` (real vLLM CPU, 2P1D with our connector, vLLM prefix caching on): conversations,
   each a long system prompt of its own plus growing user turns, Poisson arrivals, turns of a
-  round in shuffled order; ``prefix_affinity`` vs ``round_robin`` for P, each on fresh prompts:
+  round in shuffled order; each instance's KV cache holds about ``cache_tokens`` (more than the
+  conversations routed to one P by affinity, less than all of them); ``prefix_affinity`` vs
+  ``round_robin`` for P, each on fresh prompts:
   mean and p99 TTFT and P's prefix-cache hit rate (vLLM's ``prefix_cache_hits/queries``). Key:
   ``ttft_prefix_affinity_over_round_robin`` (mean TTFT).
 - ``light`` (real vLLM CPU, same stack plus one aggregated instance on one core): short prompts
@@ -27,7 +29,7 @@ import asyncio
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +62,15 @@ class RoutingBenchSpec:
     uneven_rate: float = 8.0
     uneven_requests: int = 240
     conversations: int = 6
-    turns: int = 4
-    system_len: int = 2048
+    turns: int = 3
+    system_len: int = 3072
     turn_len: int = 64
     prefix_rate: float = 0.5
+    #: KV cache of each instance, in tokens (0: vLLM's default, far more than the workload):
+    #: below the conversations' working set on one P, above half of it, as when many
+    #: conversations share a fleet whose caches cannot each hold them all
+    cache_tokens: int = 16384
+    block_size: int = 128  # vLLM CPU default
     light_input_len: int = 512
     light_rate: float = 0.5
     light_requests: int = 16
@@ -242,6 +249,10 @@ def run_real(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
     from devstack.stack import StackOptions, start_stack
 
     options = StackOptions(kind="ours", topology="2p1d", with_aggregated=True)
+    if spec.cache_tokens:
+        blocks = -(-spec.cache_tokens // spec.block_size)
+        args = ("--block-size", str(spec.block_size), "--num-gpu-blocks-override", str(blocks))
+        options = replace(options, extra_args=args, max_model_len=min(8192, spec.cache_tokens))
     out: dict[str, Any] = {}
     with start_stack(options, logs) as stack:
         stack.warm_up()

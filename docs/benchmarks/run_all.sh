@@ -9,11 +9,13 @@ OUT=docs/benchmarks
 SWEEP=(--input-lens 512,2048,8192 --rates 0.5,1,2 --output-len 64 --max-requests 12 --point-time-limit 120)
 OVERHEAD=(--rates 100,250,500 --seconds-per-rate 6 --saturation-requests 1000)
 TRANSFER=(--iterations 50 --rounds 3)
+ROUTING=()
 if [[ "${SMOKE:-0}" == 1 ]]; then
   OUT=/tmp/bench-smoke
   SWEEP=(--input-lens 512 --rates 1 --min-requests 3 --max-requests 3 --output-len 16)
   OVERHEAD=(--rates 100 --seconds-per-rate 2 --saturation-requests 100)
   TRANSFER=(--iterations 10 --rounds 1)
+  ROUTING=(--parts uneven --uneven-requests 40)
 fi
 mkdir -p "$OUT"
 exec flock /tmp/vllm-e2e.lock bash -c '
@@ -23,4 +25,5 @@ exec flock /tmp/vllm-e2e.lock bash -c '
       --result-file "$OUT/overhead.json" --markdown-file "$OUT/overhead.md"
   .venv/bin/disagg-bench transfer '"${TRANSFER[*]}"' --result-file "$OUT/transfer.json"
   .venv/bin/disagg-bench scenarios '"${SWEEP[*]}"' --out-dir "$OUT" || true
+  .venv/bin/disagg-bench routing '"${ROUTING[*]}"' --out-dir "$OUT"
 ' "$OUT"
