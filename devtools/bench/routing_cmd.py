@@ -40,14 +40,15 @@ def _fmt(value: Any, digits: int = 1) -> str:
 def render_markdown(result: dict[str, Any], command: str) -> str:
     """The routing table: per part, each run's TTFT (ms) and the ratio against its baseline."""
     lines = ["# Routing benchmark", "", f"Command: `{command}`", ""]
-    lines += ["| part | run | completed | mean TTFT ms | p99 TTFT ms | P prefix-cache hit rate |"]
-    lines += ["|---|---|---|---|---|---|"]
+    lines += ["| part | run | completed | TTFT ms mean / p50 / p99 | P prefix-cache hit rate |"]
+    lines += ["|---|---|---|---|---|"]
     for part in PARTS:
         for name, run in result.get(part, {}).get("runs", {}).items():
             rate = run.get("prefill_prefix_cache_hit_rate")
             lines.append(
                 f"| {part} | {name} | {run['completed']}/{run['completed'] + run['failed']} | "
-                f"{_fmt(run['mean_ttft_ms'])} | {_fmt(run['p99_ttft_ms'])} | {_fmt(rate, 2)} |"
+                f"{_fmt(run['mean_ttft_ms'])} / {_fmt(run['p50_ttft_ms'])} / "
+                f"{_fmt(run['p99_ttft_ms'])} | {_fmt(rate, 2)} |"
             )
     lines += ["", "| key | value | goal |", "|---|---|---|"]
     goals = {"ttft_prefix_affinity_over_round_robin": "<= 0.6"}
@@ -56,6 +57,20 @@ def render_markdown(result: dict[str, Any], command: str) -> str:
     for key, value in routing_summary(result).items():
         lines.append(f"| `{key}` | {_fmt(value, 3)} | {goals[key]} |")
     return "\n".join(lines) + "\n"
+
+
+def _without_work_dir(argv: list[str]) -> list[str]:
+    """The command line as recorded: ``--work-dir`` (where logs went) changes no number."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--work-dir":
+            skip = True
+        elif not arg.startswith("--work-dir="):
+            out.append(arg)
+    return out
 
 
 def routing_command(args: argparse.Namespace) -> int:
@@ -68,7 +83,7 @@ def routing_command(args: argparse.Namespace) -> int:
     spec = RoutingBenchSpec(parts=parts, **values)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-routing-"))
     work.mkdir(parents=True, exist_ok=True)
-    command = "disagg-bench " + shlex.join(sys.argv[1:])
+    command = "disagg-bench " + shlex.join(_without_work_dir(sys.argv[1:]))
     result = {"command": command, **run_routing(spec, work)}
     out: Path = args.out_dir
     out.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ def test_uneven_part_runs_both_policies_on_the_same_requests(tmp_path: Path) -> 
     assert summary["p99_ttft_p2c_over_round_robin_uneven"] is not None
     assert summary["ttft_prefix_affinity_over_round_robin"] is None
     table = render_markdown({"uneven": result}, "disagg-bench routing --parts uneven")
-    assert "| uneven | power_of_two | 16/16 |" in table
+    assert "| uneven | power_of_two | 16/16 | " in table
 
 
 def test_conversations_grow_turn_by_turn_on_their_own_system_prompt() -> None:
