@@ -101,7 +101,8 @@ def test_models_health_metrics() -> None:
 
 def test_prefill_slots_queue_requests_and_report_them_waiting() -> None:
     """With one prefill slot the second request waits for the first, and /metrics says so."""
-    state = FakeVllmState(behavior=FakeBehavior(prefill_delay_s=0.5, prefill_slots=1))
+    # the second request must arrive while the first one prefills: 2 s is ample even when loaded
+    state = FakeVllmState(behavior=FakeBehavior(prefill_delay_s=2.0, prefill_slots=1))
     with fake_vllm(state) as srv:
         body = {"model": "fake-model", "prompt": "x", "max_tokens": 1}
         answers: list[int] = []

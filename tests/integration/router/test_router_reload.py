@@ -53,7 +53,7 @@ def test_removed_decode_finishes_its_stream_and_the_new_one_is_checked_first(
     normally on d0, no leg goes to d1 until it passes a health check, then d1 serves."""
     p, d0 = fake["p0"], fake["d0"]
     d1 = FakeVllmServer()  # port reserved; starts serving later
-    d0.state.behavior = FakeBehavior(token_delay_s=0.02)
+    d0.state.behavior = FakeBehavior(token_delay_s=0.5)  # a 75 s stream, sped up below
     path = tmp_path / "router.yaml"
     _write(path, _config([p.url], [d0.url], reload={"watch": True}))
     body = {"model": MODEL, "prompt": "long", "max_tokens": 150, "stream": True}
@@ -64,6 +64,7 @@ def test_removed_decode_finishes_its_stream_and_the_new_one_is_checked_first(
             _write(path, _config([p.url], [d1.url], reload={"watch": True}))
             wait_until(lambda: _reloads(router.url, "applied") == 1, what="the reload")
             assert d0.state.in_flight == 1  # the reload happened mid-stream
+            d0.state.behavior.token_delay_s = 0.0  # let the stream finish now
             rest = "".join(chunks)
         short = {**body, "stream": False, "max_tokens": 2}
         before_check = httpx.post(f"{router.url}/v1/completions", json=short)
