@@ -9,9 +9,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from connector.errors import ConfigError
+
+KV_TRANSFER_CONFIG_KEYS = frozenset(
+    {
+        "kv_connector",
+        "kv_connector_module_path",
+        "kv_role",
+        "kv_buffer_device",
+        "engine_id",
+        "kv_connector_extra_config",
+    }
+)
+"""The ``--kv-transfer-config`` keys vLLM and this connector read with ``DisaggPushConnector``
+(``kv_buffer_device`` must say where the KV cache is: ``cuda`` on GPU, ``cpu`` on CPU)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,11 @@ class ConnectorConfig:
     """Both: start NIXL's UCX progress thread (it busy-polls a core in nixl 1.5.1; see
     ``connector.nixl_backend``). Off: the connector's own threads drive progress."""
 
+    @staticmethod
+    def read_by(name: str) -> Literal["P", "D", "both"]:
+        """Which side reads the setting ``name`` (setting it on the other side does nothing)."""
+        return _READ_BY[name]
+
     def __post_init__(self) -> None:
         """Every duration is > 0 and the port is a port number (0: any free port)."""
         for field in dataclasses.fields(self):
@@ -81,3 +99,18 @@ class ConnectorConfig:
                 f"kv_connector_extra_config.{field}: invalid value {err['input']!r} ({err['msg']})"
             ) from exc
         return config
+
+
+_READ_BY: dict[str, Literal["P", "D", "both"]] = {
+    "side_channel_host": "P",
+    "side_channel_port": "P",
+    "transfer_timeout_s": "D",
+    "connect_timeout_s": "D",
+    "liveness_interval_s": "D",
+    "lease_s": "P",
+    "registration_ttl_s": "P",
+    "max_inflight_s": "both",
+    "writer_poll_s": "P",
+    "receiver_poll_s": "D",
+    "nixl_progress_thread": "both",
+}

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from connector.config import ConnectorConfig
 from connector.consumer_state import Answer, Ask, ConsumerState
@@ -49,14 +49,17 @@ class PushConsumer:
         )
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dpc-sidechan")
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a registration ends the receiver's idle wait
         self._thread = threading.Thread(target=self._run, name="dpc-receiver", daemon=True)
         self._thread.start()
 
     # ---- engine thread -------------------------------------------------------------------
-    def register(self, spec: RecvSpec) -> None:
+    def register(self, spec: RecvSpec) -> Future[None]:
         """Ask P to write into ``spec.block_ids`` (non-blocking; the outcome comes through
-        :meth:`take_results`)."""
-        self._submit(self._state.register(spec))
+        :meth:`take_results`). The future is done once P has answered (or could not)."""
+        future = self._submit(self._state.register(spec))
+        self._wake.set()
+        return future
 
     def cancel(self, d_request_id: str) -> None:
         """D aborted the request: release its blocks once no WRITE can still land."""
@@ -80,12 +83,13 @@ class PushConsumer:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- side-channel pool ---------------------------------------------------------------
-    def _submit(self, ask: Ask) -> None:
-        self._pool.submit(self._send, ask)
+    def _submit(self, ask: Ask) -> Future[None]:
+        return self._pool.submit(self._send, ask)
 
     def _send(self, ask: Ask) -> None:
         result: Answer
@@ -106,5 +110,5 @@ class PushConsumer:
                 logger.warning("could not read NIXL notifications: %s", exc)
             for ask in self._state.tick(self._clock()):
                 self._submit(ask)
-            idle = self._state.idle()
-            self._stop.wait(0.05 if idle else self._cfg.receiver_poll_s)
+            self._wake.wait(0.05 if self._state.idle() else self._cfg.receiver_poll_s)
+            self._wake.clear()

@@ -22,6 +22,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConnectorConfig
 from connector.metadata import PushConnectorMetadata
+from connector.setup_checks import refuse_unsupported
 from connector.stats import PushPromMetrics, PushTransferStats
 
 try:  # vLLM >= 0.32
@@ -69,6 +70,7 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         _attach_vllm_logging()
         ktc = vllm_config.kv_transfer_config
+        refuse_unsupported(vllm_config, kv_cache_config)
         self._config = resolve_config(dict(ktc.kv_connector_extra_config or {}))
         engine_id = str(ktc.engine_id)
         self._scheduler: PushScheduler | None = None
@@ -92,6 +94,9 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 is_producer=bool(ktc.is_kv_producer),
                 is_consumer=bool(ktc.is_kv_consumer),
                 num_blocks=int(kv_cache_config.num_blocks),
+                block_size=int(vllm_config.cache_config.block_size),
+                kv_buffer_device=str(ktc.kv_buffer_device),
+                kv_cache_layout=str(getattr(kv_cache_config, "kv_cache_layout", None) or ""),
             )
             self._worker = PushWorker(setup, self._config)
 

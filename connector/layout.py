@@ -1,11 +1,13 @@
-"""KV memory layout: which bytes hold each KV block, on P and on D (stdlib only).
+"""KV memory layout: which bytes of which memory hold each KV block, on P and on D.
 
-All of the connector's layout code lives here:
+All of the connector's layout code lives here (stdlib only; torch tensors are read through their
+attributes, never imported):
 
 * :class:`RegionSpec` / :class:`LayoutSpec`: what a worker registers with NIXL and sends to its
   peer (part of wire protocol v1, see :mod:`connector.protocol`).
-* :func:`layout_from_kv_caches`: derive it from the KV cache tensors vLLM hands to
-  ``register_kv_caches`` (torch tensors are read through their attributes, never imported).
+* :func:`layout_from_kv_caches` and :func:`kv_memory`: derive both from the KV cache tensors vLLM
+  hands to ``register_kv_caches`` (CPU or CUDA), and :func:`check_buffer_device` against
+  ``kv_buffer_device``.
 * The block -> descriptor arithmetic P and D share. Descriptor order is region-major: descriptor
   ``offset(r) + b`` is physical block ``b`` of region ``r``, so a list of block ids maps to the
   same positions on both sides.
@@ -13,20 +15,31 @@ All of the connector's layout code lives here:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from connector.errors import LayoutError, ProtocolError
+from connector.errors import LayoutError, ProtocolError, UnsupportedSetupError
 
 if TYPE_CHECKING:
     import torch
 
+MemType = Literal["DRAM", "VRAM"]
+"""NIXL memory types the connector registers: host memory, or CUDA device memory."""
+
+Descriptor = tuple[int, int, int]
+"""``(address, length, device id)`` as NIXL takes it."""
+
 
 @dataclass(frozen=True)
 class RegionSpec:
-    """One registered memory region holding ``num_blocks`` equally sized KV blocks."""
+    """One run of ``num_blocks`` equally sized chunks, ``block_stride`` bytes apart.
+
+    A region is one layer's KV cache (or one K/V half, or one head, when the layout interleaves
+    those with the block dimension); block ``b`` of it is ``block_bytes`` at
+    ``addr + b * block_stride``.
+    """
 
     addr: int
     block_stride: int
@@ -36,27 +49,74 @@ class RegionSpec:
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """The KV memory layout of one worker; P and D must agree on region count and block bytes."""
+    """The KV memory layout of one worker, as registered with NIXL and sent to the peer.
+
+    ``dtype``, ``block_size`` and ``block_format`` are empty/0 when a peer did not state them
+    (an older v1 peer); they are compared only when both sides state them.
+    """
 
     regions: tuple[RegionSpec, ...]
     blocks_per_logical: int = 1
+    """Physical (kernel) blocks per block of vLLM's block manager."""
+    mem_type: MemType = "DRAM"
+    device_id: int = 0
+    """The CUDA device index for ``VRAM``; 0 for ``DRAM``."""
+    dtype: str = ""
+    """Element type of the KV cache, e.g. ``bfloat16``."""
+    block_size: int = 0
+    """Tokens per block of vLLM's block manager (``--block-size``)."""
+    block_format: str = ""
+    """The interior of one block of one region: ``dim:size`` in memory order, outermost first
+    (``/split`` marks a dimension that makes separate regions). Equal on P and D when they use
+    the same model and the same KV cache layout (``VLLM_KV_CACHE_LAYOUT``)."""
 
     def to_json(self) -> dict[str, Any]:
+        """The ``d_layout`` object of a ``register`` message (v1 peers read only the first two
+        keys and ignore the rest)."""
         return {
             "regions": [asdict(r) for r in self.regions],
             "blocks_per_logical": self.blocks_per_logical,
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "block_format": self.block_format,
         }
 
     @classmethod
     def from_json(cls, raw: Any) -> LayoutSpec:
+        """Parse :meth:`to_json` output; raises :class:`ProtocolError` naming what is wrong."""
         try:
-            regions = tuple(RegionSpec(**r) for r in raw["regions"])
-            return cls(regions=regions, blocks_per_logical=int(raw["blocks_per_logical"]))
-        except (KeyError, TypeError) as exc:
+            mem_type = raw.get("mem_type", "DRAM")
+            if mem_type not in ("DRAM", "VRAM"):
+                raise ProtocolError(f"bad layout: unknown mem_type {mem_type!r}")
+            return cls(
+                regions=tuple(RegionSpec(**r) for r in raw["regions"]),
+                blocks_per_logical=int(raw["blocks_per_logical"]),
+                mem_type=mem_type,
+                device_id=int(raw.get("device_id", 0)),
+                dtype=str(raw.get("dtype", "")),
+                block_size=int(raw.get("block_size", 0)),
+                block_format=str(raw.get("block_format", "")),
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ProtocolError):
+                raise
             raise ProtocolError(f"bad layout: {exc}") from exc
 
     def compatible_with(self, other: LayoutSpec) -> str | None:
-        """``None`` if a block of ``self`` can be written into ``other``; else why not."""
+        """``None`` if a block of ``self`` can be written into ``other``; else why not.
+
+        Memory type, addresses, strides and block counts may differ; what a block *is* may not.
+        """
+        for what, mine, theirs in (
+            ("dtype", self.dtype, other.dtype),
+            ("block size (tokens)", self.block_size, other.block_size),
+            ("block layout", self.block_format, other.block_format),
+        ):
+            if mine and theirs and mine != theirs:
+                hint = " (use the same VLLM_KV_CACHE_LAYOUT)" if what == "block layout" else ""
+                return f"{what} differs: {mine} vs {theirs}{hint}"
         if len(self.regions) != len(other.regions):
             return f"region count differs: {len(self.regions)} vs {len(other.regions)}"
         if self.blocks_per_logical != other.blocks_per_logical:
@@ -67,12 +127,14 @@ class LayoutSpec:
         return None
 
 
-def descriptors(layout: LayoutSpec) -> list[tuple[int, int, int]]:
+# ---- descriptor arithmetic ------------------------------------------------------------------
+def descriptors(layout: LayoutSpec) -> list[Descriptor]:
     """``(addr, length, device_id)`` for every physical block of every region, region-major."""
-    out: list[tuple[int, int, int]] = []
+    dev = layout.device_id
+    out: list[Descriptor] = []
     for region in layout.regions:
         out.extend(
-            (region.addr + b * region.block_stride, region.block_bytes, 0)
+            (region.addr + b * region.block_stride, region.block_bytes, dev)
             for b in range(region.num_blocks)
         )
     return out
@@ -107,40 +169,153 @@ def transfer_bytes(layout: LayoutSpec, num_logical_blocks: int) -> int:
     return per_physical * num_logical_blocks * layout.blocks_per_logical
 
 
-def layout_from_kv_caches(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> LayoutSpec:
-    """Describe per-layer KV tensors as regions of equally sized, contiguous blocks.
+def memory_spans(layout: LayoutSpec) -> list[tuple[int, int]]:
+    """``(addr, length)`` ranges to register with NIXL: every region's extent, overlapping
+    extents merged (block-outermost layouts interleave all layers in one range). Touching but
+    disjoint extents stay separate: they may be different allocations."""
+    extents = sorted(
+        (r.addr, r.addr + (r.num_blocks - 1) * r.block_stride + r.block_bytes)
+        for r in layout.regions
+        if r.num_blocks > 0
+    )
+    merged: list[list[int]] = []
+    for start, end in extents:
+        if merged and start < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end - start) for start, end in merged]
 
-    The block dimension is dim 0 (CPU: ``[blocks, heads, block_size, 2*head]``) or dim 1 with a
-    small outer dim (``[2, blocks, ...]``: one region per outer index). Layers are ordered by
-    name so P and D (same model) produce the same region order.
+
+# ---- KV cache tensors -> layout -------------------------------------------------------------
+def kv_memory(tensors: Iterable[torch.Tensor]) -> tuple[MemType, int]:
+    """NIXL memory type and device id of the KV cache: ``VRAM`` and the CUDA index of the
+    tensors' device, or ``DRAM`` and 0. All tensors must live on one device."""
+    devices = {(t.device.type, t.device.index) for t in tensors}
+    if not devices:
+        raise LayoutError("no KV cache tensors to register")
+    if len(devices) > 1:
+        raise LayoutError(f"KV cache tensors span several devices: {sorted(map(str, devices))}")
+    kind, index = devices.pop()
+    if kind == "cuda":
+        return "VRAM", int(index or 0)
+    if kind == "cpu":
+        return "DRAM", 0
+    raise LayoutError(f"KV cache on {kind!r} memory is not supported (cpu or cuda)")
+
+
+def check_buffer_device(mem_type: MemType, kv_buffer_device: str) -> None:
+    """Refuse a ``kv_buffer_device`` that disagrees with where the KV cache is.
+
+    ``cuda`` needs a CUDA KV cache (registered as VRAM), ``cpu`` a host one (DRAM). A CUDA
+    cache with ``kv_buffer_device: cpu`` asks for a host staging buffer, which this connector
+    does not provide: it is refused rather than silently registering the GPU cache.
     """
+    want = (kv_buffer_device or "").lower()
+    if mem_type == "VRAM" and want == "cpu":
+        raise UnsupportedSetupError(
+            "kv_buffer_device is 'cpu' but the KV cache is on the GPU: this connector moves "
+            "GPU KV caches directly (VRAM) and has no host staging buffer; set "
+            "kv_buffer_device to 'cuda'"
+        )
+    if (mem_type, want) not in (("VRAM", "cuda"), ("DRAM", "cpu")):
+        where = "GPU (cuda)" if mem_type == "VRAM" else "host (cpu)"
+        raise UnsupportedSetupError(
+            f"kv_buffer_device is {kv_buffer_device!r} but the KV cache is in {where} memory; "
+            f"set kv_buffer_device to '{'cuda' if mem_type == 'VRAM' else 'cpu'}'"
+        )
+
+
+def layout_from_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int = 0
+) -> LayoutSpec:
+    """Describe per-layer KV cache tensors as regions of equally sized blocks.
+
+    Works from each tensor's shape and strides, for any of vLLM's KV cache layouts: the block
+    dimension is dim 0 (vLLM's ``[B, H, N, C]`` views, FlashInfer-style ``[B, 2, ...]``) or
+    dim 1 after a small outer dimension (``[2, B, ...]``). Dimensions that are dense inside a
+    block form its bytes; any other (K/V halves, heads interleaved with blocks or layers) splits
+    the tensor into one region per index. Layers are ordered by name and a tensor bound to
+    several layer names is registered once, so P and D (same model) agree on region order.
+    """
+    mem_type, device_id = kv_memory(kv_caches.values())
     regions: list[RegionSpec] = []
-    per_logical = 0
+    per_logical: set[int] = set()
+    formats: set[str] = set()
+    dtypes: set[str] = set()
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     for name in sorted(kv_caches):
         t = kv_caches[name]
-        dim = 0 if t.shape[0] % num_blocks == 0 and t.shape[0] >= num_blocks else 1
-        if t.dim() <= dim + 1 or t.shape[dim] % num_blocks:
-            raise LayoutError(f"{name}: cannot find a block dimension in shape {tuple(t.shape)}")
-        tail = t.shape[dim + 1 :]
-        expected = 1
-        for size, stride in zip(reversed(tail), reversed(t.stride()[dim + 1 :]), strict=True):
-            if stride != expected:
-                raise LayoutError(f"{name}: block interior is not contiguous")
-            expected *= size
-        elem = t.element_size()
-        k = t.shape[dim] // num_blocks
-        if per_logical and k != per_logical:
-            raise LayoutError("layers disagree on physical blocks per logical block")
-        per_logical = k
-        outer = 1 if dim == 0 else t.shape[0]
-        for o in range(outer):
-            base = t.data_ptr() + (o * t.stride(0) * elem if dim == 1 else 0)
-            regions.append(
-                RegionSpec(
-                    addr=base,
-                    block_stride=t.stride(dim) * elem,
-                    block_bytes=math.prod(tail) * elem,
-                    num_blocks=t.shape[dim],
-                )
+        ident = (int(t.data_ptr()), tuple(t.shape), tuple(t.stride()))
+        if ident in seen:
+            continue
+        seen.add(ident)
+        found, k, fmt = _tensor_regions(name, t, num_blocks)
+        regions += found
+        per_logical.add(k)
+        formats.add(fmt)
+        dtypes.add(str(t.dtype).removeprefix("torch."))
+    if len(per_logical) > 1:
+        raise LayoutError("layers disagree on physical blocks per logical block")
+    if len(formats) > 1 or len(dtypes) > 1:
+        raise LayoutError(f"layers disagree on block layout or dtype: {formats} {dtypes}")
+    return LayoutSpec(
+        regions=tuple(regions),
+        blocks_per_logical=max(per_logical, default=1),
+        mem_type=mem_type,
+        device_id=device_id,
+        dtype=dtypes.pop() if dtypes else "",
+        block_size=block_size,
+        block_format=formats.pop() if formats else "",
+    )
+
+
+def _block_dim(name: str, shape: tuple[int, ...], num_blocks: int) -> int:
+    dim = 0 if shape[0] % num_blocks == 0 and shape[0] >= num_blocks else 1
+    if len(shape) <= dim + 1 or shape[dim] % num_blocks:
+        raise LayoutError(f"{name}: cannot find a block dimension in shape {shape}")
+    return dim
+
+
+def _tensor_regions(
+    name: str, t: torch.Tensor, num_blocks: int
+) -> tuple[list[RegionSpec], int, str]:
+    """One tensor's regions, physical blocks per logical block and block format."""
+    shape, strides = tuple(t.shape), tuple(t.stride())
+    bdim = _block_dim(name, shape, num_blocks)
+    inner = sorted(
+        (d for d in range(len(shape)) if d != bdim and shape[d] > 1), key=strides.__getitem__
+    )
+    dense: list[int] = []
+    split: list[int] = []
+    chunk = 1  # elements of one block of one region
+    for d in inner:
+        if not split and strides[d] == chunk and strides[d] < strides[bdim]:
+            dense.append(d)
+            chunk *= shape[d]
+        else:
+            split.append(d)
+    extent = chunk
+    for d in sorted((d for d in [*split, bdim] if shape[d] > 1), key=strides.__getitem__):
+        if strides[d] < extent:
+            raise LayoutError(
+                f"{name}: blocks overlap in memory (shape {shape}, strides {strides})"
             )
-    return LayoutSpec(regions=tuple(regions), blocks_per_logical=max(per_logical, 1))
+        extent += (shape[d] - 1) * strides[d]
+    elem = t.element_size()
+    base = int(t.data_ptr())
+    split.sort()
+    regions = [
+        RegionSpec(
+            addr=base + sum(i * strides[d] for i, d in zip(idx, split, strict=True)) * elem,
+            block_stride=strides[bdim] * elem,
+            block_bytes=chunk * elem,
+            num_blocks=shape[bdim],
+        )
+        for idx in itertools.product(*(range(shape[d]) for d in split))
+    ]
+    order = sorted(
+        (d for d in range(len(shape)) if d != bdim and shape[d] > 1), key=lambda d: -strides[d]
+    )
+    fmt = ",".join(f"{d}:{shape[d]}{'/split' if d in split else ''}" for d in order)
+    return regions, shape[bdim] // num_blocks, fmt

@@ -1,7 +1,9 @@
 """The one place that imports NIXL: :class:`NixlEndpoint`, a typed wrapper around ``nixl_agent``.
 
 Who calls it: the worker (one endpoint per worker), the device check and the transfer benchmark.
-It implements :class:`connector.endpoint.Endpoint` on ``DRAM`` (host KV caches).
+It implements :class:`connector.endpoint.Endpoint`. Memory is registered as the layout says:
+``DRAM`` for a host KV cache, ``VRAM`` with the CUDA device id for a GPU one; a peer's
+descriptors are prepared with the peer's memory type and device id.
 
 Thread safety: NIXL agents tolerate calls from several threads, but every call for one endpoint
 runs behind :attr:`NixlEndpoint.lock` so the writer/receiver threads and the side channel never
@@ -20,7 +22,7 @@ from typing import Any
 
 from connector.endpoint import XferState
 from connector.errors import NixlUnavailableError, TransferError
-from connector.layout import LayoutSpec, descriptors
+from connector.layout import LayoutSpec, descriptors, memory_spans
 
 
 def _load_nixl() -> tuple[ModuleType | None, ImportError | None]:
@@ -51,6 +53,15 @@ def nixl_available() -> bool:
     return _API is not None
 
 
+def nixl_api() -> ModuleType:
+    """NIXL's Python API module (``nixl_agent``, ``nixl_agent_config``), whichever package
+    provided it; raises :class:`NixlUnavailableError`. For callers that drive NIXL directly
+    (the benchmarks' bare-NIXL baseline)."""
+    if _API is None:
+        raise NixlUnavailableError(f"NIXL is not importable: {_NIXL_IMPORT_ERROR}")
+    return _API
+
+
 @contextmanager
 def _nixl(what: str) -> Iterator[None]:
     """Turn NIXL's exceptions (plain ``Exception`` subclasses of its bindings) into
@@ -73,27 +84,21 @@ class NixlEndpoint:
         Python API hard-codes that thread's delay to 0, so it polls without sleeping and burns a
         whole core per agent; our writer and receiver threads already drive UCX progress through
         ``check_xfer_state`` and ``get_new_notifs`` at their own (bounded) cadence."""
-        if _API is None:
-            raise NixlUnavailableError(f"NIXL is not importable: {_NIXL_IMPORT_ERROR}")
+        api = nixl_api()
         self._name = name
         self._layout = layout
         self.lock = threading.RLock()
         with _nixl("agent creation"):
-            self._agent: Any = _API.nixl_agent(
-                name, _API.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+            self._agent: Any = api.nixl_agent(
+                name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
             )
-        spans = sorted(
-            {
-                (r.addr, (r.num_blocks - 1) * r.block_stride + r.block_bytes)
-                for r in layout.regions
-                if r.num_blocks > 0
-            }
-        )
-        with _nixl("DRAM registration"):
+        dev = layout.device_id
+        with _nixl(f"{layout.mem_type} registration"):
             self._reg = self._agent.register_memory(
-                [(addr, length, 0, "") for addr, length in spans], "DRAM"
+                [(addr, length, dev, "") for addr, length in memory_spans(layout)],
+                layout.mem_type,
             )
-            local = self._agent.get_xfer_descs(descriptors(layout), "DRAM")
+            local = self._agent.get_xfer_descs(descriptors(layout), layout.mem_type)
             self._local_handle: Any = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local)
         self._remote_handles: dict[str, Any] = {}
         self._unread: list[bytes] = []
@@ -126,7 +131,7 @@ class NixlEndpoint:
             if loaded != agent_name:
                 raise TransferError(f"agent metadata names {loaded!r}, expected {agent_name!r}")
             with _nixl("remote descriptor list"):
-                remote = self._agent.get_xfer_descs(descriptors(layout), "DRAM")
+                remote = self._agent.get_xfer_descs(descriptors(layout), layout.mem_type)
                 self._remote_handles[agent_name] = self._agent.prep_xfer_dlist(agent_name, remote)
 
     def connect(self, agent_name: str) -> None:

@@ -1,9 +1,10 @@
 """Worker side of the connector (runs in vLLM's worker, next to the KV cache tensors).
 
 Who calls it: the facade, from vLLM's worker hooks. It describes the KV cache tensors as a
-:class:`~connector.layout.LayoutSpec`, owns the NIXL endpoint and the transfer core
-(:class:`PushProducer` on P, :class:`PushConsumer` on D) and forwards each step's metadata to
-them. It never blocks the engine thread on the network.
+:class:`~connector.layout.LayoutSpec` (memory type and device from the tensors, checked against
+``kv_buffer_device``), owns the NIXL endpoint and the transfer core (:class:`PushProducer` on P,
+:class:`PushConsumer` on D) and forwards each step's metadata to them. It never blocks the
+engine thread on the network.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from connector.config import ConnectorConfig
 from connector.consumer import PushConsumer
-from connector.layout import layout_from_kv_caches
+from connector.layout import check_buffer_device, kv_memory, layout_from_kv_caches
 from connector.metadata import PushConnectorMetadata
 from connector.nixl_backend import NixlEndpoint
 from connector.producer import PushProducer
@@ -36,6 +37,12 @@ class WorkerSetup:
     is_consumer: bool
     num_blocks: int
     """Blocks of vLLM's block manager (``kv_cache_config.num_blocks``)."""
+    block_size: int
+    """Tokens per block (``cache_config.block_size``)."""
+    kv_buffer_device: str
+    """``kv_transfer_config.kv_buffer_device``: must say where the KV cache is."""
+    kv_cache_layout: str = ""
+    """vLLM's resolved KV cache layout name (e.g. ``LBNHC``), for the logs."""
 
 
 @dataclass
@@ -61,9 +68,16 @@ class PushWorker:
         self._recv_blocks: dict[str, tuple[int, ...]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Register the KV memory with NIXL and start the transfer core (once)."""
+        """Register the KV memory with NIXL and start the transfer core (once).
+
+        Raises :class:`~connector.errors.UnsupportedSetupError` when ``kv_buffer_device``
+        disagrees with where the tensors are, :class:`~connector.errors.LayoutError` when they
+        cannot be described as blocks.
+        """
         s = self.setup
-        layout = layout_from_kv_caches(kv_caches, s.num_blocks)
+        mem_type, device_id = kv_memory(kv_caches.values())
+        check_buffer_device(mem_type, s.kv_buffer_device)
+        layout = layout_from_kv_caches(kv_caches, s.num_blocks, block_size=s.block_size)
         name = f"dpc-{s.engine_id}-{uuid.uuid4().hex[:8]}"
         self.endpoint = NixlEndpoint(name, layout, progress_thread=self.config.nixl_progress_thread)
         if s.is_producer:
@@ -74,10 +88,17 @@ class PushWorker:
         if s.is_consumer:
             self.consumer = PushConsumer(self.endpoint, self.config)
         logger.info(
-            "NIXL agent %s: %d regions x %d blocks",
+            "NIXL agent %s: %s device %d, %d regions x %d blocks, %s %d-token blocks, "
+            "vLLM layout %s, block format %s",
             name,
+            mem_type,
+            device_id,
             len(layout.regions),
             layout.regions[0].num_blocks if layout.regions else 0,
+            layout.dtype,
+            layout.block_size,
+            s.kv_cache_layout or "?",
+            layout.block_format,
         )
 
     def start_step(self, meta: PushConnectorMetadata) -> None:

@@ -1,35 +1,44 @@
-"""Bare NIXL on DRAM for the transfer benchmark: the one place the bench imports NIXL.
+"""Bare NIXL for the transfer benchmarks and the device check: the bench's baseline.
 
 Just the raw agent calls a KV WRITE needs (register, prepare descriptor lists, prepped WRITE,
 poll), with no connector code in between, so it serves as the baseline the connector's WRITE path
-is compared with.
+is compared with. NIXL itself comes from :func:`connector.nixl_backend.nixl_api` (the ``nixl``
+package, or a CUDA wheel such as ``nixl-cu13`` installed alone).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-try:  # guarded: the bench package imports without NIXL
-    from nixl._api import nixl_agent, nixl_agent_config
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    _IMPORT_ERROR: ImportError | None = _exc
-else:
-    _IMPORT_ERROR = None
+from connector.nixl_backend import nixl_api
+
+Descs = Sequence[tuple[int, int, int]]
+"""``(address, length, device id)`` per descriptor."""
+
+
+def contiguous_descs(addr: int, desc_bytes: int, num_descs: int) -> list[tuple[int, int, int]]:
+    """One DRAM buffer at ``addr`` split into ``num_descs`` equal descriptors."""
+    return [(addr + i * desc_bytes, desc_bytes, 0) for i in range(num_descs)]
 
 
 class BareNixlEndpoint:
-    """One agent with one DRAM buffer registered and split into equal descriptors."""
+    """One agent with ``spans`` registered as ``mem_type`` and ``descs`` prepared over them.
 
-    def __init__(self, name: str, addr: int, desc_bytes: int, num_descs: int) -> None:
-        if _IMPORT_ERROR is not None:
-            raise RuntimeError(f"NIXL is not importable: {_IMPORT_ERROR}")
+    ``spans`` default to one registration per descriptor.
+    """
+
+    def __init__(
+        self, name: str, descs: Descs, mem_type: str = "DRAM", spans: Descs | None = None
+    ) -> None:
+        api = nixl_api()
         self.name = name
-        self._descs = [(addr + i * desc_bytes, desc_bytes, 0) for i in range(num_descs)]
-        self._agent: Any = nixl_agent(
-            name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self._agent: Any = api.nixl_agent(
+            name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         )
-        self._reg = self._agent.register_memory([(addr, desc_bytes * num_descs, 0, "")], "DRAM")
-        local = self._agent.get_xfer_descs(self._descs, "DRAM")
+        regs = [(a, n, dev, "") for a, n, dev in (spans if spans is not None else descs)]
+        self._reg = self._agent.register_memory(regs, mem_type)
+        local = self._agent.get_xfer_descs(list(descs), mem_type)
         self._local: Any = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local)
         self._remote: Any = None
         self._peer = ""
@@ -37,19 +46,24 @@ class BareNixlEndpoint:
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def connect(self, metadata: bytes, remote_addr: int) -> None:
-        """Load the peer and prepare its descriptors (same sizes and count as ours)."""
+    def connect(self, metadata: bytes, remote_descs: Descs, remote_mem_type: str = "DRAM") -> None:
+        """Load the peer, prepare its descriptors and open the connection."""
         peer = self._agent.add_remote_agent(metadata)
         self._peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-        size = self._descs[0][1]
-        remote = [(remote_addr + i * size, size, 0) for i in range(len(self._descs))]
-        descs = self._agent.get_xfer_descs(remote, "DRAM")
+        descs = self._agent.get_xfer_descs(list(remote_descs), remote_mem_type)
         self._remote = self._agent.prep_xfer_dlist(self._peer, descs)
         self._agent.make_connection(self._peer)
 
-    def write(self, ids: list[int], notif: bytes) -> Any:
+    def write(self, ids: list[int], notif: bytes, remote_ids: list[int] | None = None) -> Any:
+        """Post a WRITE of local descriptors ``ids`` into the peer's ``remote_ids`` (default:
+        the same indices)."""
         handle = self._agent.make_prepped_xfer(
-            "WRITE", self._local, ids, self._remote, ids, notif_msg=notif
+            "WRITE",
+            self._local,
+            ids,
+            self._remote,
+            ids if remote_ids is None else remote_ids,
+            notif_msg=notif,
         )
         if self._agent.transfer(handle) == "ERR":
             raise RuntimeError("NIXL rejected the WRITE")

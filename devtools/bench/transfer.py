@@ -59,10 +59,11 @@ class _Endpoint:
         self.spec = spec
         self.impl: Any
         if kind == "bare":
-            from bench.bare_nixl import BareNixlEndpoint
+            from bench.bare_nixl import BareNixlEndpoint, contiguous_descs
 
             n = spec.regions * spec.blocks_per_region
-            self.impl = BareNixlEndpoint(name, self.addr, spec.block_bytes, n)
+            descs = contiguous_descs(self.addr, spec.block_bytes, n)
+            self.impl = BareNixlEndpoint(name, descs, spans=[(self.addr, spec.block_bytes * n, 0)])
             self.ids = [
                 r * spec.blocks_per_region + b
                 for r in range(spec.regions)
@@ -97,7 +98,11 @@ class _Endpoint:
     def connect(self, peer_name: str, hello: dict[str, Any]) -> None:
         self.peer = peer_name
         if self.kind == "bare":
-            self.impl.connect(hello["metadata"], hello["addr"])
+            from bench.bare_nixl import contiguous_descs
+
+            n = self.spec.regions * self.spec.blocks_per_region
+            descs = contiguous_descs(hello["addr"], self.spec.block_bytes, n)
+            self.impl.connect(hello["metadata"], descs)
         else:
             from connector.layout import LayoutSpec
 

@@ -48,6 +48,19 @@ def _layout(spec: TransferSpec, addr: int) -> Any:
     )
 
 
+def _descs(spec: TransferSpec, addr: int) -> list[tuple[int, int, int]]:
+    from bench.bare_nixl import contiguous_descs
+
+    return contiguous_descs(addr, spec.block_bytes, spec.regions * spec.blocks_per_region)
+
+
+def _bare(name: str, spec: TransferSpec, addr: int) -> Any:
+    from bench.bare_nixl import BareNixlEndpoint
+
+    total = spec.regions * spec.blocks_per_region * spec.block_bytes
+    return BareNixlEndpoint(name, _descs(spec, addr), spans=[(addr, total, 0)])
+
+
 def _ids(spec: TransferSpec) -> list[int]:
     return [
         r * spec.blocks_per_region + b
@@ -61,14 +74,10 @@ def _p_process(kind: PathKind, spec: TransferSpec, d: Connection) -> None:
     addr = ctypes.addressof(buf)
     blocks = tuple(range(spec.blocks_per_write))
     if kind == "bare-notify":
-        from bench.bare_nixl import BareNixlEndpoint
-
-        bare = BareNixlEndpoint(
-            "bench-p", addr, spec.block_bytes, spec.regions * spec.blocks_per_region
-        )
+        bare = _bare("bench-p", spec, addr)
         d.send({"metadata": bare.metadata(), "addr": addr})
         bare_hello = d.recv()
-        bare.connect(bare_hello["metadata"], bare_hello["addr"])
+        bare.connect(bare_hello["metadata"], _descs(spec, bare_hello["addr"]))
         ids = _ids(spec)
         while (msg := d.recv()) != "stop":
             t0 = time.monotonic()
@@ -103,14 +112,10 @@ def _d_process(kind: PathKind, spec: TransferSpec, p: Connection, report: Connec
     total = spec.warmups + spec.iterations
     latencies: list[float] = []
     if kind == "bare-notify":
-        from bench.bare_nixl import BareNixlEndpoint
-
-        bare = BareNixlEndpoint(
-            "bench-d", addr, spec.block_bytes, spec.regions * spec.blocks_per_region
-        )
+        bare = _bare("bench-d", spec, addr)
         hello = p.recv()
         p.send({"metadata": bare.metadata(), "addr": addr})
-        bare.connect(hello["metadata"], hello["addr"])
+        bare.connect(hello["metadata"], _descs(spec, hello["addr"]))
         for i in range(total):
             p.send(i)
             t0 = p.recv()

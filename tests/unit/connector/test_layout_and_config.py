@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,10 +55,14 @@ def test_layout_from_kv_first_shape_and_kernel_blocks() -> None:
     assert layout.regions[1].addr - layout.regions[0].addr == 8 * 16 * 4 * 8 * 4
 
 
-def test_layout_rejects_non_contiguous_block_interior() -> None:
+def test_layout_rejects_blocks_it_cannot_describe() -> None:
+    # A permuted block interior (HND vs NHD) is still one contiguous run per block: accepted.
     t = torch.zeros(6, 8, 4).transpose(1, 2)
-    with pytest.raises(LayoutError, match="not contiguous"):
-        layout_from_kv_caches({"l": t}, num_blocks=6)
+    assert layout_from_kv_caches({"l": t}, num_blocks=6).regions[0].block_bytes == 8 * 4 * 4
+    # Blocks that overlap in memory cannot be written independently: refused.
+    overlapping = torch.zeros(64).as_strided((6, 8), (4, 1))
+    with pytest.raises(LayoutError, match="overlap"):
+        layout_from_kv_caches({"l": overlapping}, num_blocks=6)
 
 
 def test_config_parses_and_names_bad_fields(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,3 +99,10 @@ def test_poll_cadences_parse_and_reject_non_positive() -> None:
     assert ConnectorConfig().receiver_poll_s < 0.002  # D learns of a WRITE within ~0.5 ms
     with pytest.raises(ConfigError, match="receiver_poll_s"):
         ConnectorConfig.from_extra_config({"receiver_poll_s": 0})
+
+
+def test_every_setting_says_which_side_reads_it() -> None:
+    names = [f.name for f in dataclasses.fields(ConnectorConfig)]
+    assert {ConnectorConfig.read_by(n) for n in names} == {"P", "D", "both"}
+    assert ConnectorConfig.read_by("side_channel_host") == "P"
+    assert ConnectorConfig.read_by("receiver_poll_s") == "D"

@@ -87,3 +87,21 @@ def test_layout_compatibility_names_the_difference() -> None:
     bigger = LayoutSpec(regions=(RegionSpec(0, 512, 512, 9), RegionSpec(0, 512, 512, 9)))
     assert "block bytes differ" in str(LAYOUT.compatible_with(bigger))
     assert LayoutSpec.from_json(LAYOUT.to_json()) == LAYOUT
+
+
+def test_layout_fields_beyond_the_first_v1_peers_are_optional_both_ways() -> None:
+    gpu = LayoutSpec(
+        LAYOUT.regions,
+        mem_type="VRAM",
+        device_id=2,
+        dtype="bfloat16",
+        block_size=16,
+        block_format="2:16,1:8,3:256",
+    )
+    assert LayoutSpec.from_json(gpu.to_json()) == gpu
+    # A peer that states only regions and blocks_per_logical is a DRAM peer, compared by bytes.
+    older = LayoutSpec.from_json({"regions": gpu.to_json()["regions"], "blocks_per_logical": 1})
+    assert older == LAYOUT and older.mem_type == "DRAM"
+    assert gpu.compatible_with(older) is None
+    with pytest.raises(ProtocolError, match="mem_type"):
+        LayoutSpec.from_json({**gpu.to_json(), "mem_type": "HBM"})

@@ -1,0 +1,248 @@
+"""Every KV cache layout the connector claims, built on CPU and checked byte for byte.
+
+The vLLM layouts are built with vLLM's own shape functions (``compute_layout_strides`` and
+``create_kv_cache_views``, which every CUDA attention backend's cache goes through in vLLM
+0.32/0.33), one per ``KVCacheLayout``; the older per-backend shapes (FlashAttention
+``[2, B, N, H, D]``, FlashInfer ``[B, 2, N, H, D]``, their HND variants) are built by hand. For each
+the test checks that the descriptors of a block cover exactly that block's bytes in every layer,
+and that copying descriptor by descriptor (what a NIXL WRITE does) from a P cache into a D cache,
+in the same or another compatible layout, makes D's blocks equal P's and leaves the rest alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from connector.errors import LayoutError, UnsupportedSetupError
+from connector.layout import (
+    LayoutSpec,
+    check_buffer_device,
+    descriptor_ids,
+    descriptors,
+    kv_memory,
+    layout_from_kv_caches,
+    memory_spans,
+)
+
+NUM_BLOCKS = 10
+LAYERS = 3
+Caches = dict[str, torch.Tensor]
+
+
+def vllm_caches(layout_name: str, kernel_block_size: int | None = None) -> Caches:
+    """One model's KV cache as vLLM 0.32/0.33 allocates it on any device (here: CPU)."""
+    interface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout[layout_name]
+    spec = interface.FullAttentionSpec(
+        block_size=16, num_kv_heads=4, head_size=8, dtype=torch.bfloat16
+    )
+    layer_stride, block_stride, *_ = interface.compute_layout_strides(
+        spec, NUM_BLOCKS, LAYERS, layout
+    )
+    size = spec.page_size_bytes * NUM_BLOCKS * LAYERS
+    tensor = interface.KVCacheTensor(
+        size=size,
+        layers=[f"model.layers.{i}.attn" for i in range(LAYERS)],
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
+    raw = torch.zeros(size, dtype=torch.int8)
+    views = interface.create_kv_cache_views(
+        raw, spec, NUM_BLOCKS, layout, tensor, kernel_block_size=kernel_block_size
+    )
+    return dict(zip(tensor.layers, views, strict=True))
+
+
+def legacy_caches(block_dim: int, hnd: bool) -> Caches:
+    """Per-layer ``[2, B, N, H, D]`` (``block_dim`` 1) or ``[B, 2, N, H, D]`` (0), with N and H
+    swapped in memory for HND; all layers in one allocation, as vLLM allocates them."""
+    outer = (2, NUM_BLOCKS) if block_dim == 1 else (NUM_BLOCKS, 2)
+    inner = (4, 16, 8) if hnd else (16, 4, 8)
+    big = torch.zeros((LAYERS, *outer, *inner), dtype=torch.float16)
+    return {f"layers.{i}": big[i].permute(0, 1, 3, 2, 4) if hnd else big[i] for i in range(LAYERS)}
+
+
+def blocks_of(t: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Physical blocks ``[first, first + count)`` of a cache tensor (block dim 1 after K/V)."""
+    return t.narrow(1 if t.shape[0] == 2 else 0, first, count)
+
+
+VLLM_LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "LHBNC", "BHLNC"]
+BUILDERS: dict[str, Callable[[], Caches]] = {
+    **{f"vllm-{name}": functools.partial(vllm_caches, name) for name in VLLM_LAYOUTS},
+    "vllm-LBNHC-kernel-blocks": lambda: vllm_caches("LBNHC", kernel_block_size=8),
+    "flash_attn-NHD": lambda: legacy_caches(block_dim=1, hnd=False),
+    "flash_attn-HND": lambda: legacy_caches(block_dim=1, hnd=True),
+    "flashinfer-NHD": lambda: legacy_caches(block_dim=0, hnd=False),
+    "flashinfer-HND": lambda: legacy_caches(block_dim=0, hnd=True),
+}
+REGIONS_PER_LAYER = {"vllm-LHBNC": 4, "vllm-BHLNC": 4, "flash_attn-NHD": 2, "flash_attn-HND": 2}
+
+
+def storage_bytes(t: torch.Tensor) -> tuple[int, Any]:
+    """(base address, writable uint8 view) of the whole allocation behind ``t``."""
+    storage = t.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    return storage.data_ptr(), flat.numpy()
+
+
+def block_bytes_of(caches: Caches, block: int, layout: LayoutSpec) -> tuple[set[int], int]:
+    """(byte offsets of ``block`` in every layer, bytes its descriptors cover) in one storage."""
+    first = next(iter(caches.values()))
+    base, mem = storage_bytes(first)
+    mem[:] = 0
+    k = layout.blocks_per_logical
+    for t in caches.values():
+        blocks_of(t, block * k, k).view(torch.uint8).fill_(0xA5)
+    marked = set(mem.nonzero()[0].tolist())
+    descs = descriptors(layout)
+    covered = 0
+    for i in descriptor_ids(layout, [block]):
+        addr, length, _ = descs[i]
+        span = set(range(addr - base, addr - base + length))
+        assert span <= marked, "a descriptor covers bytes outside the block"
+        covered += length
+    return marked, covered
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_descriptors_cover_exactly_each_block(kind: str) -> None:
+    caches = BUILDERS[kind]()
+    layout = layout_from_kv_caches(caches, NUM_BLOCKS, block_size=16)
+    assert len(layout.regions) == LAYERS * REGIONS_PER_LAYER.get(kind, 1)
+    assert layout.mem_type == "DRAM" and layout.device_id == 0
+    assert layout.blocks_per_logical == (2 if "kernel" in kind else 1)
+    for block in (0, 4, NUM_BLOCKS - 1):
+        marked, covered = block_bytes_of(caches, block, layout)
+        assert covered == len(marked)  # disjoint descriptors, every byte of the block
+
+
+def simulated_write(
+    p: Caches, p_layout: LayoutSpec, d_layout: LayoutSpec, p_blocks: list[int], d_blocks: list[int]
+) -> None:
+    """What P's WRITE does: copy local descriptor i into remote descriptor i."""
+    src, dst = descriptors(p_layout), descriptors(d_layout)
+    local, remote = descriptor_ids(p_layout, p_blocks), descriptor_ids(d_layout, d_blocks)
+    assert len(local) == len(remote)
+    for li, ri in zip(local, remote, strict=True):
+        assert src[li][1] == dst[ri][1]
+        ctypes.memmove(dst[ri][0], src[li][0], src[li][1])
+
+
+PAIRS = [(name, name) for name in sorted(BUILDERS)] + [
+    ("vllm-LBNHC", "vllm-BLNHC"),  # layer-compact P, block-outermost D: same block format
+    ("vllm-BLHNC", "vllm-LBHNC"),
+    ("vllm-LHBNC", "vllm-BHLNC"),
+]
+
+
+@pytest.mark.parametrize(("p_kind", "d_kind"), PAIRS)
+def test_write_moves_p_blocks_into_d_blocks_byte_for_byte(p_kind: str, d_kind: str) -> None:
+    torch.manual_seed(0)
+    p, d = BUILDERS[p_kind](), BUILDERS[d_kind]()
+    for t in p.values():
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(t.dtype))
+    p_layout = layout_from_kv_caches(p, NUM_BLOCKS, block_size=16)
+    d_layout = layout_from_kv_caches(d, NUM_BLOCKS, block_size=16)
+    assert d_layout.compatible_with(p_layout) is None
+    p_blocks, d_blocks = [3, 1, 7], [0, 9, 5]
+    simulated_write(p, p_layout, d_layout, p_blocks, d_blocks)
+    k = p_layout.blocks_per_logical
+    for name in p:
+        for pb, db in zip(p_blocks, d_blocks, strict=True):
+            assert torch.equal(blocks_of(d[name], db * k, k), blocks_of(p[name], pb * k, k))
+        for b in range(NUM_BLOCKS * k):
+            if b // k not in d_blocks:
+                assert not blocks_of(d[name], b, 1).any()
+
+
+def test_layouts_with_another_block_interior_are_refused_with_the_reason() -> None:
+    nhd = layout_from_kv_caches(vllm_caches("LBNHC"), NUM_BLOCKS, block_size=16)
+    hnd = layout_from_kv_caches(vllm_caches("LBHNC"), NUM_BLOCKS, block_size=16)
+    assert "block layout differs" in str(nhd.compatible_with(hnd))
+    assert "VLLM_KV_CACHE_LAYOUT" in str(nhd.compatible_with(hnd))
+    split = layout_from_kv_caches(vllm_caches("LHBNC"), NUM_BLOCKS, block_size=16)
+    assert nhd.compatible_with(split) is not None
+    other_size = layout_from_kv_caches(vllm_caches("LBNHC"), NUM_BLOCKS, block_size=32)
+    assert "block size (tokens) differs: 16 vs 32" in str(nhd.compatible_with(other_size))
+    half = {n: t.to(torch.float16) for n, t in vllm_caches("LBNHC").items()}
+    fp16 = layout_from_kv_caches(half, NUM_BLOCKS, block_size=16)
+    assert "dtype differs: bfloat16 vs float16" in str(nhd.compatible_with(fp16))
+
+
+def test_block_outermost_layers_are_registered_as_one_span() -> None:
+    packed = layout_from_kv_caches(vllm_caches("BLNHC"), NUM_BLOCKS)
+    assert len(memory_spans(packed)) == 1
+    compact = layout_from_kv_caches(vllm_caches("LBNHC"), NUM_BLOCKS)
+    spans = memory_spans(compact)
+    assert len(spans) == LAYERS  # adjacent layers stay separate registrations
+    assert sum(length for _, length in spans) == sum(
+        r.num_blocks * r.block_bytes for r in compact.regions
+    )
+
+
+def test_a_layer_bound_twice_is_registered_once() -> None:
+    caches = vllm_caches("LBNHC")
+    caches["model.layers.9.attn"] = caches["model.layers.0.attn"]  # KV sharing across layers
+    assert len(layout_from_kv_caches(caches, NUM_BLOCKS).regions) == LAYERS
+
+
+class OnDevice:
+    """A CPU tensor that reports another device (CUDA tensors cannot exist on this machine);
+    the layout code reads only these attributes."""
+
+    def __init__(self, t: torch.Tensor, device: str) -> None:
+        self._t = t
+        self.device = torch.device(device)
+        self.shape, self.dtype = t.shape, t.dtype
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+
+def test_cuda_caches_are_vram_on_their_device_and_descriptors_carry_it() -> None:
+    caches: Any = {n: OnDevice(t, "cuda:3") for n, t in vllm_caches("LBNHC").items()}
+    assert kv_memory(caches.values()) == ("VRAM", 3)
+    layout = layout_from_kv_caches(caches, NUM_BLOCKS, block_size=16)
+    assert (layout.mem_type, layout.device_id) == ("VRAM", 3)
+    assert {dev for _, _, dev in descriptors(layout)} == {3}
+    assert LayoutSpec.from_json(layout.to_json()) == layout
+
+
+def test_memory_type_comes_from_the_tensors() -> None:
+    cpu = vllm_caches("LBNHC")
+    assert kv_memory(cpu.values()) == ("DRAM", 0)
+    mixed: Any = [next(iter(cpu.values())), OnDevice(next(iter(cpu.values())), "cuda:0")]
+    with pytest.raises(LayoutError, match="several devices"):
+        kv_memory(mixed)
+    with pytest.raises(LayoutError, match="not supported"):
+        kv_memory([OnDevice(next(iter(cpu.values())), "meta")])
+
+
+@pytest.mark.parametrize(
+    ("mem_type", "buffer_device", "refusal"),
+    [
+        ("VRAM", "cuda", None),
+        ("DRAM", "cpu", None),
+        ("VRAM", "cpu", "no host staging buffer"),
+        ("DRAM", "cuda", "KV cache is in host (cpu) memory"),
+        ("VRAM", "xpu", "set kv_buffer_device to 'cuda'"),
+    ],
+)
+def test_kv_buffer_device_must_agree_with_the_cache(
+    mem_type: Any, buffer_device: str, refusal: str | None
+) -> None:
+    if refusal is None:
+        check_buffer_device(mem_type, buffer_device)
+        return
+    with pytest.raises(UnsupportedSetupError, match=re.escape(refusal)):
+        check_buffer_device(mem_type, buffer_device)

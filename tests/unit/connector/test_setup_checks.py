@@ -1,0 +1,71 @@
+"""Start-up refusals of unsupported vLLM setups, and registration refusals both sides log."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from connector.config import ConnectorConfig
+from connector.consumer_state import ConsumerState
+from connector.errors import UnsupportedSetupError
+from connector.layout import LayoutSpec
+from connector.producer_state import ProducerState
+from connector.protocol import decode_request, registration_from_body
+from connector.setup_checks import refuse_unsupported
+from connector.specs import RecvSpec
+from tests.unit.connector.core_support import LAYOUT, FakeClock
+
+
+def vllm_config(tp: int = 1, pp: int = 1, mla: bool = False) -> Any:
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        model_config=SimpleNamespace(use_mla=mla),
+    )
+
+
+def kv_cache_config(groups: int = 1) -> Any:
+    return SimpleNamespace(kv_cache_groups=[object()] * groups)
+
+
+def test_a_plain_single_worker_setup_passes() -> None:
+    refuse_unsupported(vllm_config(), kv_cache_config())
+    refuse_unsupported(vllm_config(), None)  # a role that has no KV cache config yet
+
+
+@pytest.mark.parametrize(
+    ("config", "groups", "reason"),
+    [
+        (vllm_config(tp=2), 1, "tensor_parallel_size=2"),
+        (vllm_config(pp=4), 1, "pipeline_parallel_size=4"),
+        (vllm_config(mla=True), 1, "MLA"),
+        (vllm_config(), 2, "2 KV cache groups"),
+    ],
+)
+def test_unsupported_setups_fail_at_start_up_naming_the_setting(
+    config: Any, groups: int, reason: str
+) -> None:
+    with pytest.raises(UnsupportedSetupError, match=reason):
+        refuse_unsupported(config, kv_cache_config(groups))
+
+
+def test_a_mismatched_layout_is_refused_and_both_sides_log_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    p_layout = LayoutSpec(LAYOUT.regions, dtype="bfloat16", block_size=16)
+    d_layout = LayoutSpec(LAYOUT.regions, dtype="bfloat16", block_size=32)
+    p = ProducerState("p0", p_layout, ConnectorConfig(), clock)
+    d = ConsumerState(ConnectorConfig(), d_layout, "d-agent", b"meta", clock)
+    ask = d.register(RecvSpec("d-1", "k1", "p0", "10.0.0.1", 5600, (1,), first_block=0))
+    caplog.set_level(logging.WARNING, logger="connector")
+    reply = p.register(registration_from_body(decode_request(ask.payload)[1]))
+    d.answer(ask, reply)
+    why = "incompatible KV layout: block size (tokens) differs: 32 vs 16"
+    assert reply.status == "failed" and reply.reason == why
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("refused registration of k1" in m and why in m for m in logged)  # P
+    assert any("transfer k1 for d-1 failed: P refused: " + why in m for m in logged)  # D
+    assert d.take_results() == ({"d-1"}, {"d-1"})
