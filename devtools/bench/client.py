@@ -30,6 +30,9 @@ class Target:
     model: str
     endpoint: Endpoint = "completions"
     extra_body: tuple[tuple[str, Any], ...] = ()
+    #: Named ``/metrics`` URLs whose histograms a sweep point breaks TTFT down with
+    #: (:mod:`bench.breakdown`): e.g. ``(("router", url), ("prefill", url), ("decode", url))``.
+    metrics: tuple[tuple[str, str], ...] = ()
 
     @property
     def path(self) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from bench.breakdown import histogram_means, scrape
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
@@ -170,7 +171,9 @@ async def _run_point(
         time_limit_s=spec.point_time_limit_s,
     )
     started = time.time()
+    before = await scrape(client, dict(target.metrics))
     result = await run_load(client, target, requests, load)
+    after = await scrape(client, dict(target.metrics))
     row = {
         "stack": stack,
         "input_len": input_len,
@@ -178,6 +181,7 @@ async def _run_point(
         "num_requests": n,
         "metrics": metrics_to_dict(result.metrics),
         "errors": [r.error for r in result.records if not r.success][:5],
+        "ttft_breakdown_ms": histogram_means(before, after),
     }
     records = [
         {
@@ -203,22 +207,26 @@ def _targets_for_group(
     model = str(stack_obj.model_name)
     targets: dict[str, Target] = {}
     if group == "aggregated":
-        targets["aggregated"] = Target(stack_obj.aggregated[0].url, model)
+        url = stack_obj.aggregated[0].url
+        targets["aggregated"] = Target(url, model, metrics=(("aggregated", f"{url}/metrics"),))
         return targets
     p_url, d_url = stack_obj.prefill[0].url, stack_obj.decode[0].url
+    instances = (("prefill", f"{p_url}/metrics"), ("decode", f"{d_url}/metrics"))
     for stack in GROUPS[group].serves:
         if stack not in wanted:
             continue
         port = free_port()
         proc: ChildProcess
+        metrics: tuple[tuple[str, str], ...] = instances
         if stack == "vllm-router":
             proc = vllm_router(p_url, d_url, port, logs, ready_timeout_s=120.0)
         else:
             config = stack_obj.router_config(with_identity=False)
             config["timeouts"] = {"prefill": 300.0, "first_token": 300.0, "total": 600.0}
             proc = our_router(config, port, logs, ready_timeout_s=180.0)
+            metrics = (("router", f"http://127.0.0.1:{port}/metrics"), *instances)
         es.enter_context(proc)
-        targets[stack] = Target(f"http://127.0.0.1:{port}", model)
+        targets[stack] = Target(f"http://127.0.0.1:{port}", model, metrics=metrics)
     return targets
 
 

@@ -105,7 +105,7 @@ def scenarios_command(args: argparse.Namespace) -> int:
 
 def rows_from_runs(out_dir: Path) -> list[dict[str, Any]]:
     """The summary rows stored in each per-point file ``runs/*.json``."""
-    keys = ("stack", "input_len", "rate", "num_requests", "metrics", "errors")
+    keys = ("stack", "input_len", "rate", "num_requests", "metrics", "errors", "ttft_breakdown_ms")
     rows = []
     for path in sorted((out_dir / "runs").glob("*.json")):
         data = json.loads(path.read_text())
