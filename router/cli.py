@@ -115,6 +115,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_config=None,
         access_log=False,
+        proxy_headers=False,  # as serve(): the router never reads the client's address
         timeout_graceful_shutdown=int(settings.drain.timeout),
         h11_max_incomplete_event_size=settings.limits.max_header_bytes,
     )

@@ -75,6 +75,9 @@ def serve(
         port=port,
         log_level=log_level,
         access_log=False,
+        # The router never reads the client's address; uvicorn's X-Forwarded-For handling
+        # parsed it on every request (docs/benchmarks/README.md, "Router profile").
+        proxy_headers=False,
         log_config=None,  # the process's logging (text or JSON) is set up by the CLI
         timeout_graceful_shutdown=5,
         h11_max_incomplete_event_size=settings.limits.max_header_bytes,

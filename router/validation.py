@@ -61,7 +61,8 @@ def _depth(value: Any, limit: int) -> bool:
             if depth > limit:
                 return False
             children = item.values() if isinstance(item, dict) else item
-            stack.extend((c, depth + 1) for c in children)
+            # Only containers nest: a prompt's token ids are not pushed one by one.
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
     return True
 
 
