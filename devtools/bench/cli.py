@@ -19,12 +19,13 @@ from bench.scenarios_cmd import (
     report_command,
     scenarios_command,
 )
+from bench.soak_cmd import add_soak_arguments, soak_command
 from bench.transfer_cmd import add_transfer_arguments, transfer_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``run``/``overhead``/``clients``/``transfer``/``scenarios``/``report``/``routing``
-    subcommands to ``parser``."""
+    """Add the ``run``/``overhead``/``clients``/``transfer``/``scenarios``/``report``/``routing``/
+    ``soak`` subcommands to ``parser``."""
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_run_arguments(sub.add_parser("run", help="one load-generator run"))
     add_overhead_arguments(
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="routing policies vs their baselines (fakes + real vLLM CPU) + summary keys",
         )
     )
+    add_soak_arguments(
+        sub.add_parser("soak", help="bounded soak: concurrent streams, lost/garbled, RSS and fds")
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         return report_command(args)
     if command == "routing":
         return routing_command(args)
+    if command == "soak":
+        return soak_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 

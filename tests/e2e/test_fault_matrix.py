@@ -1,0 +1,340 @@
+"""Fault matrix on real vLLM CPU, 1P1D with our connector, one stack for every case.
+
+For each fault: what the client gets within its bound, P's and D's KV blocks back to their
+baseline (read from vLLM's ``/metrics``), and the router (or a fresh one, after the router itself
+was stopped) serving the next request. The cases run in file order on one shared stack; the two
+that kill an instance come last (D is restarted after its kill; P's kill is the final case, whose
+next request D serves alone). The table goes to ``$FAULT_MATRIX_OUT`` (default: the session's
+work dir); docs/benchmarks/fault-matrix.md is produced by
+
+    FAULT_MATRIX_OUT=docs/benchmarks/fault-matrix.md flock /tmp/vllm-e2e.lock \\
+        .venv/bin/python -m pytest -m vllm tests/e2e/test_fault_matrix.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from e2e_support import RunningRouter, make_prompt, module_stack, running_router
+
+from devstack.ports import free_port
+from devstack.process import ChildProcess, ProcessSpec
+from devstack.stack import Stack, StackInstance, StackOptions
+from devstack.vllm_server import VllmServer
+from devstack.waiting import wait_until
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("connector.facade") is None,
+        reason="connector.facade (our vLLM connector) is not in this checkout",
+    ),
+]
+
+BASELINE_BOUND_S = 75.0  # > P's 30 s KV lease: blocks nobody fetched are back by then
+LONG_PROMPT_WORDS = 5000
+ROWS: list[dict[str, str]] = []
+
+
+@pytest.fixture(scope="module")
+def stack(e2e_dir: Path) -> Iterator[Stack]:
+    with module_stack(StackOptions(kind="ours", topology="1p1d"), e2e_dir) as started:
+        yield started
+    _write_table(e2e_dir)
+
+
+def _router(stack: Stack, health_interval_s: float = 30.0, **timeouts: float) -> Any:
+    all_timeouts = {"prefill": 60.0, "first_token": 75.0, "total": 120.0, **timeouts}
+    return running_router(
+        stack, with_identity=True, timeouts=all_timeouts, health_interval_s=health_interval_s
+    )
+
+
+def _blocks(instance: StackInstance) -> int:
+    """KV blocks in use on ``instance`` (usage fraction x its number of blocks)."""
+    text = httpx.get(f"{instance.url}/metrics", timeout=10).text
+    usage = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    total = re.search(r'num_gpu_blocks="(\d+)"', text)
+    if usage is None or total is None:
+        raise AssertionError(f"{instance.name}: no KV usage in /metrics")
+    return round(float(usage.group(1)) * int(total.group(1)))
+
+
+def _running(instance: StackInstance) -> float:
+    text = httpx.get(f"{instance.url}/metrics", timeout=10).text
+    found = re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def _back_to_baseline(instances: list[StackInstance]) -> str:
+    """Wait until every instance holds 0 KV blocks and runs nothing; '<name> 0 (x.x s)' each."""
+    out = []
+    for inst in instances:
+        start = time.monotonic()
+        wait_until(
+            lambda i=inst: _blocks(i) == 0 and _running(i) == 0,  # type: ignore[misc]
+            BASELINE_BOUND_S,
+            f"{inst.name}'s KV blocks back to 0",
+        )
+        out.append(f"{inst.name} {_blocks(inst)} ({time.monotonic() - start:.1f} s)")
+    return ", ".join(out)
+
+
+def _next_ok(url: str, model: str) -> str:
+    body = {"model": model, "prompt": make_prompt("next"), "max_tokens": 4, "temperature": 0}
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return "200"
+
+
+def _row(case: str, got: str, took: float, blocks: str, next_status: str) -> None:
+    ROWS.append(
+        {"case": case, "got": got, "time": f"{took:.2f} s", "kv": blocks, "next": next_status}
+    )
+
+
+def _write_table(e2e_dir: Path) -> None:
+    out = Path(os.environ.get("FAULT_MATRIX_OUT", e2e_dir / "fault-matrix.md"))
+    lines = [
+        "# Fault matrix: real vLLM CPU, 1P1D, our connector",
+        "",
+        "Produced by `FAULT_MATRIX_OUT=docs/benchmarks/fault-matrix.md flock /tmp/vllm-e2e.lock "
+        ".venv/bin/python -m pytest -m vllm tests/e2e/test_fault_matrix.py` (tiny model, one "
+        "shared stack; KV blocks from each instance's `vllm:kv_cache_usage_perc` x "
+        "`num_gpu_blocks`, with the time until they were back to 0; a killed instance has no "
+        "row of its own).",
+        "",
+        "| case | what the client got | time to it | KV blocks after | next request |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [f"| {r['case']} | {r['got']} | {r['time']} | {r['kv']} | {r['next']} |" for r in ROWS]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _post_raw(url: str, body: dict[str, Any]) -> socket.socket:
+    """Send one request on a raw socket (so the test can hang up at any moment)."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + payload)
+    return sock
+
+
+def _router_metric(url: str, name: str, having: str = "") -> float:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith((name + "{", name + " ")) and having in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _legs_gone(url: str) -> bool:
+    return _router_metric(url, "disagg_router_backend_in_flight") == 0
+
+
+def _long(stream: bool, max_tokens: int = 4) -> dict[str, Any]:
+    prompt = make_prompt(f"fault-{time.monotonic()}", LONG_PROMPT_WORDS)
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+
+
+def _final_event(text: str) -> str:
+    events = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+    last = events[-1] if events else ""
+    if last.startswith("{") and '"error"' in last:
+        err = json.loads(last)["error"]
+        return f"SSE error event ({err['type']}: {err['message'][:60]})"
+    return f"stream ended with {last[:20]!r}"
+
+
+def test_prefill_slower_than_its_timeout(stack: Stack) -> None:
+    with _router(stack, prefill=0.05) as router:
+        start = time.monotonic()
+        resp = httpx.post(f"{router.url}/v1/completions", json=_long(False), timeout=60)
+        took = time.monotonic() - start
+        err = resp.json()["error"]
+        blocks = _back_to_baseline(stack.prefill + stack.decode)
+    with _router(stack) as router:  # the same stack, a router with the default P timeout
+        next_status = _next_ok(router.url, stack.model_name) + " (default P timeout)"
+    assert resp.status_code == 504 and err["type"] == "timeout"
+    _row("P slower than its timeout (0.05 s)", f"{resp.status_code} {err['type']}", took, blocks,
+         next_status)  # fmt: skip
+
+
+def _hang_up_when(router: RunningRouter, ready: Any, what: str) -> tuple[float, bytes]:
+    """Send a long streamed request, hang up once ``ready()``; (seconds until the router's legs
+    are gone after the hang-up, bytes the client had received)."""
+    sock = _post_raw(router.url, _long(True, max_tokens=400))
+    sock.setblocking(False)
+    got = b""
+    deadline = time.monotonic() + 60
+    while not ready(got):
+        assert time.monotonic() < deadline, f"never saw {what}"
+        try:
+            got += sock.recv(65536)
+        except BlockingIOError:
+            time.sleep(0.005)
+    sock.close()
+    hung_up = time.monotonic()
+    wait_until(lambda: _legs_gone(router.url), 30, "the router's legs to end after the hang-up")
+    return time.monotonic() - hung_up, got
+
+
+def test_client_disconnect_before_prefill_ends(stack: Stack) -> None:
+    p = stack.prefill[0]
+    with _router(stack) as router:
+        took, got = _hang_up_when(router, lambda _: _running(p) >= 1, "P running")
+        blocks = _back_to_baseline(stack.prefill + stack.decode)
+        next_status = _next_ok(router.url, stack.model_name)
+    assert got == b""
+    _row("client disconnect before P ends", "nothing (hung up); both legs cancelled", took,
+         blocks, next_status)  # fmt: skip
+
+
+def test_client_disconnect_between_prefill_answer_and_first_token(stack: Stack) -> None:
+    with _router(stack) as router:
+
+        def p_answered(got: bytes) -> bool:
+            ok = 'outcome="ok"'
+            return (
+                bool(got)
+                or _router_metric(router.url, "disagg_router_prefill_leg_seconds_count", ok) >= 1
+            )
+
+        took, got = _hang_up_when(router, p_answered, "P's answer")
+        blocks = _back_to_baseline(stack.prefill + stack.decode)
+        next_status = _next_ok(router.url, stack.model_name)
+    seen = "nothing" if not got else "the response head (D's first token had come)"
+    _row("client disconnect after P answered, before D's first token", f"{seen}; legs cancelled",
+         took, blocks, next_status)  # fmt: skip
+
+
+def test_client_disconnect_mid_stream(stack: Stack) -> None:
+    with _router(stack) as router:
+        took, got = _hang_up_when(router, lambda got: got.count(b"data:") >= 3, "3 events")
+        blocks = _back_to_baseline(stack.prefill + stack.decode)
+        next_status = _next_ok(router.url, stack.model_name)
+    assert b"data:" in got
+    _row("client disconnect mid-stream", "3+ events, then hung up; D leg cancelled", took,
+         blocks, next_status)  # fmt: skip
+
+
+def test_router_sigterm_with_requests_in_flight(stack: Stack, tmp_path: Path) -> None:
+    config = stack.router_config(with_identity=True)
+    config["drain"] = {"timeout": 1.0}
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    argv = (sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    with ChildProcess(ProcessSpec("router", argv, tmp_path / "router.log")) as proc:
+        wait_until(lambda: _ready(url), 60, "the router process to be ready")
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=_long(True, max_tokens=3000), timeout=120
+        ) as resp:
+            lines = resp.iter_lines()
+            first = next(lines)
+            assert proc.pid is not None
+            start = time.monotonic()
+            os.kill(proc.pid, signal.SIGTERM)
+            text = first + "\n" + "\n".join(lines)
+            took = time.monotonic() - start
+        wait_until(lambda: proc.poll() is not None, 30, "the router to exit")
+    blocks = _back_to_baseline(stack.prefill + stack.decode)
+    with _router(stack) as router:
+        next_status = _next_ok(router.url, stack.model_name) + " (a new router)"
+    got = _final_event(text)
+    assert "shutting down" in got
+    _row("SIGTERM of the router mid-stream (drain 1 s)", got, took, blocks, next_status)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _kill(instance: StackInstance) -> None:
+    pid = instance.server.pid
+    assert pid is not None
+    os.killpg(pid, signal.SIGKILL)
+    instance.server.stop()  # reaps the group
+
+
+def _restart(stack: Stack, instance: StackInstance) -> None:
+    server = VllmServer(instance.server.spec)
+    server.start()
+    server.wait_ready(300)
+    index = stack.instances.index(instance)
+    stack.instances[index] = dataclasses.replace(instance, server=server)
+
+
+def test_kill_decode_mid_stream(stack: Stack) -> None:
+    d = stack.decode[0]
+    with _router(stack, health_interval_s=2.0) as router:
+        with httpx.stream(
+            "POST", f"{router.url}/v1/completions", json=_long(True, max_tokens=3000), timeout=120
+        ) as resp:
+            lines = resp.iter_lines()
+            first = next(lines)
+            start = time.monotonic()
+            _kill(d)
+            text = first + "\n" + "\n".join(lines)
+            took = time.monotonic() - start
+        blocks = _back_to_baseline(stack.prefill)
+        _restart(stack, d)
+        wait_until(lambda: _ready(router.url), 120, "D back in the router's rotation")
+        next_status = _next_ok(router.url, stack.model_name) + " (after D's restart)"
+    got = _final_event(text)
+    assert got.startswith("SSE error event")
+    _row("kill D mid-stream", got, took, blocks + "; D killed", next_status)
+
+
+def test_kill_prefill_mid_prefill(stack: Stack) -> None:
+    p = stack.prefill[0]
+    with _router(stack, health_interval_s=2.0) as router:
+        sock = _post_raw(router.url, _long(False))
+        wait_until(lambda: _running(p) >= 1, 60, "P running the prefill")
+        start = time.monotonic()
+        _kill(p)
+        sock.settimeout(120)
+        answer = b""
+        while b"}" not in answer.split(b"\r\n\r\n", 1)[-1]:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        took = time.monotonic() - start
+        sock.close()
+        blocks = _back_to_baseline(stack.decode)
+        wait_until(
+            lambda: httpx.get(f"{router.url}/ready", timeout=5).json()["prefill"] == [],
+            30,
+            "the router's health check to take the dead P out",
+        )
+        next_status = _next_ok(router.url, stack.model_name) + " (D alone: no usable P)"
+    status = answer.split(b" ", 2)[1].decode()
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert status.startswith("5") and "prefill" in body["error"]["message"]
+    _row("kill P mid-prefill", f"{status} {body['error']['type']}", took, blocks + "; P killed",
+         next_status)  # fmt: skip
