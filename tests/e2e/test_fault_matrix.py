@@ -45,8 +45,8 @@ pytestmark = [
     ),
 ]
 
-BASELINE_BOUND_S = 75.0  # > P's 30 s KV lease: blocks nobody fetched are back by then
-LONG_PROMPT_WORDS = 5000
+BASELINE_BOUND_S = 180.0  # > P's 30 s KV lease and D's 120 s transfer bound
+LONG_PROMPT_WORDS = 2000  # ~7k tokens of the tiny model: under max_model_len 16384
 ROWS: list[dict[str, str]] = []
 
 
@@ -175,7 +175,7 @@ def test_prefill_slower_than_its_timeout(stack: Stack) -> None:
         blocks = _back_to_baseline(stack.prefill + stack.decode)
     with _router(stack) as router:  # the same stack, a router with the default P timeout
         next_status = _next_ok(router.url, stack.model_name) + " (default P timeout)"
-    assert resp.status_code == 504 and err["type"] == "timeout"
+    assert resp.status_code == 504 and err["type"] == "timeout", err
     _row("P slower than its timeout (0.05 s)", f"{resp.status_code} {err['type']}", took, blocks,
          next_status)  # fmt: skip
 

@@ -167,3 +167,23 @@ async def test_fuzzed_bodies_never_get_a_5xx_and_rejected_ones_reach_no_instance
         if resp.status_code >= 400:
             assert upstream.generations == before, content
             assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("docs", [False, True])
+async def test_interactive_docs_only_when_configured(docs: bool) -> None:
+    config = settings_from_mapping(
+        {
+            "models": ["m"],
+            "prefill": {"instances": [{"url": P}]},
+            "decode": {"instances": [{"url": D}]},
+            "limits": {"docs": docs},
+        }
+    )
+    app = create_app(config, transport=httpx.MockTransport(Upstream()))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://router") as client,
+    ):
+        pages = [(await client.get(path)).status_code for path in ("/docs", "/openapi.json")]
+    assert pages == ([200, 200] if docs else [404, 404])
