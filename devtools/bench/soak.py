@@ -7,7 +7,8 @@ requests back to back until ``duration_s`` has passed, then finish the one in fl
 An answer counts as lost when it fails (HTTP error, error event, broken stream) and as garbled
 when it succeeds with a token count other than the one asked for (``ignore_eos``). Every
 ``sample_s`` the router's RSS and open file descriptors are read from ``/proc``; the report
-gives the first and last samples, the maximum, and the last minus the first.
+gives the first and last samples under load (from the end of the first interval, once every
+connection is open), the maximum, and the last minus the first.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def run_soak(spec: SoakSpec, log_dir: Path | None = None) -> dict[str, Any]:
 
 
 def _trend(samples: list[dict[str, float]], key: str, fmt: Callable[[float], str]) -> str:
-    during = [s[key] for s in samples if s["t_s"] >= 0]
+    loaded = [s[key] for s in samples if s["t_s"] > 0]  # after the first interval under load
+    during = loaded or [s[key] for s in samples if s["t_s"] >= 0]
     first, last, peak = during[0], during[-1], max(during)
     return f"{fmt(first)} -> {fmt(last)} (max {fmt(peak)}, last - first {fmt(last - first)})"
 

@@ -17,7 +17,8 @@ def test_report_gives_counts_and_first_last_max_of_the_samples_under_load() -> N
         "spec": {"backend": "fakes", "concurrency": 50, "duration_s": 120.0},
         "counts": {"completed": 900, "lost": 1, "garbled": 0, "errors": {"HTTP 502: x": 1}},
         "samples": [
-            {"t_s": 0.0, "rss_kib": 102400, "fds": 60},
+            {"t_s": 0.0, "rss_kib": 51200, "fds": 10},  # before the load ramped up: not used
+            {"t_s": 10.0, "rss_kib": 102400, "fds": 60},
             {"t_s": 60.0, "rss_kib": 112640, "fds": 70},
             {"t_s": 120.0, "rss_kib": 104448, "fds": 62},
             {"t_s": -1, "rss_kib": 999999, "fds": 9},  # after the load: not in the trend
