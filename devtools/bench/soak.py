@@ -25,7 +25,7 @@ from typing import Any
 from bench.client import Target, send_request
 from bench.dataset import BenchRequest
 from bench.loadgen import make_client
-from bench.overhead import FAKE_PREFILL_IDENTITY, MODEL, _fake
+from bench.overhead import FAKE_PREFILL_IDENTITY, MODEL, fake_process
 from bench.routers import our_router, router_config
 from devstack.ports import free_ports
 from devstack.stack import StackOptions, start_stack
@@ -108,8 +108,8 @@ def _backends(spec: SoakSpec, logs: Path, stack: ExitStack) -> tuple[dict[str, A
     """Start the backends; (router config, served model name)."""
     if spec.backend == "fakes":
         p_port, d_port = free_ports(2)
-        stack.enter_context(_fake("fake-prefill", p_port, logs, "bench-prefill"))
-        stack.enter_context(_fake("fake-decode", d_port, logs))
+        stack.enter_context(fake_process("fake-prefill", p_port, logs, "bench-prefill"))
+        stack.enter_context(fake_process("fake-decode", d_port, logs))
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         return router_config(MODEL, p_url, d_url, identity=FAKE_PREFILL_IDENTITY), MODEL
     vllm = stack.enter_context(start_stack(StackOptions(kind="ours", topology="1p1d"), logs))
