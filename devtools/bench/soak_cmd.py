@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bench.results import write_json
 from bench.soak import SoakSpec, format_report, run_soak
-from devstack.managed_process import ProcessStartError
+from devstack.process import ProcessStartError
 
 
 def add_soak_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,13 +29,13 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from e2e_support import RunningRouter, make_prompt, module_stack, running_router
 
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
 from devstack.stack import Stack, StackInstance, StackOptions
 from devstack.vllm_server import VllmServer
-from devstack.waiting import wait_until
+from tests.e2e.e2e_support import RunningRouter, make_prompt, module_stack, running_router
+from tests.support.wait import wait_until
 
 pytestmark = [
     pytest.mark.vllm,
