@@ -117,6 +117,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         access_log=False,
         proxy_headers=False,  # as serve(): the router never reads the client's address
         timeout_graceful_shutdown=int(settings.drain.timeout),
+        timeout_keep_alive=int(settings.limits.keep_alive),
         h11_max_incomplete_event_size=settings.limits.max_header_bytes,
     )
     return 0

@@ -271,6 +271,14 @@ class LimitsConfig(_Frozen):
     max_json_depth: int = Field(default=32, ge=4)
     max_tokens: int = Field(default=1_000_000, ge=1)
     docs: bool = False
+    keep_alive: float = Field(
+        default=75.0,
+        gt=0,
+        description=(
+            "seconds an idle client connection is kept open; longer than clients' own idle "
+            "expiry (httpx: 5 s), so a client never sends on a connection the router is closing"
+        ),
+    )
 
 
 class DrainConfig(_Frozen):

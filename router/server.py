@@ -80,6 +80,7 @@ def serve(
         proxy_headers=False,
         log_config=None,  # the process's logging (text or JSON) is set up by the CLI
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=int(settings.limits.keep_alive),
         h11_max_incomplete_event_size=settings.limits.max_header_bytes,
     )
     DrainingServer(config, app, settings.drain.timeout).run()
