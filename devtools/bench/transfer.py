@@ -14,11 +14,43 @@ import ctypes
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
 Kind = Literal["bare", "connector"]
+REPORT_TIMEOUT_S = 900.0
+
+
+def await_report(
+    kind: str,
+    report: Connection,
+    procs: Sequence[BaseProcess],
+    timeout_s: float = REPORT_TIMEOUT_S,
+) -> Any:
+    """The one object a round's children send on ``report``, watching their liveness meanwhile.
+
+    Raises ``RuntimeError`` at once when a child exits with a non-zero code (naming it and the
+    code), when every child has exited without a report, or after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    running = list(procs)
+    while True:
+        left = deadline - time.monotonic()
+        ready = wait([report, *(p.sentinel for p in running)], timeout=max(left, 0.0))
+        if report in ready or report.poll(0):
+            return report.recv()
+        if not ready:
+            raise RuntimeError(f"{kind}: no result within {timeout_s:g} s")
+        for proc in [p for p in running if p.sentinel in ready]:
+            proc.join()
+            if proc.exitcode != 0:
+                raise RuntimeError(f"{kind}: {proc.name} exited with code {proc.exitcode}")
+            running.remove(proc)
+        if not running:
+            raise RuntimeError(f"{kind}: every process exited without a result")
 
 
 @dataclass(frozen=True)
@@ -162,14 +194,12 @@ def run_kind(kind: Kind, spec: TransferSpec) -> dict[str, Any]:
     a, b = ctx.Pipe()
     report_recv, report_send = ctx.Pipe(duplex=False)
     expected = spec.warmups + spec.iterations
-    target = ctx.Process(target=_target, args=(kind, spec, b, expected))
-    initiator = ctx.Process(target=_initiator, args=(kind, spec, a, report_send))
+    target = ctx.Process(target=_target, args=(kind, spec, b, expected), name="target")
+    initiator = ctx.Process(target=_initiator, args=(kind, spec, a, report_send), name="initiator")
     target.start()
     initiator.start()
     try:
-        if not report_recv.poll(900.0):
-            raise RuntimeError(f"{kind}: no result within 900 s")
-        result: dict[str, Any] = report_recv.recv()
+        result: dict[str, Any] = await_report(kind, report_recv, (initiator, target))
     finally:
         for proc in (initiator, target):
             proc.join(timeout=30.0)

@@ -22,7 +22,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from bench.transfer import TransferSpec
+from bench.transfer import TransferSpec, await_report
 
 PathKind = Literal["bare-notify", "connector-path"]
 _REGISTRATION_LEAD_S = 0.05
@@ -159,14 +159,12 @@ def run_path_kind(kind: PathKind, spec: TransferSpec) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     report_recv, report_send = ctx.Pipe(duplex=False)
-    p_proc = ctx.Process(target=_p_process, args=(kind, spec, a))
-    d_proc = ctx.Process(target=_d_process, args=(kind, spec, b, report_send))
+    p_proc = ctx.Process(target=_p_process, args=(kind, spec, a), name="P")
+    d_proc = ctx.Process(target=_d_process, args=(kind, spec, b, report_send), name="D")
     p_proc.start()
     d_proc.start()
     try:
-        if not report_recv.poll(900.0):
-            raise RuntimeError(f"{kind}: no result within 900 s")
-        times: list[float] = report_recv.recv()
+        times: list[float] = await_report(kind, report_recv, (d_proc, p_proc))
     finally:
         for proc in (d_proc, p_proc):
             proc.join(timeout=30.0)

@@ -13,6 +13,7 @@ work dir); docs/benchmarks/fault-matrix.md is produced by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -185,14 +186,15 @@ def _hang_up_when(router: RunningRouter, ready: Any, what: str) -> tuple[float, 
     are gone after the hang-up, bytes the client had received)."""
     sock = _post_raw(router.url, _long(True, max_tokens=400))
     sock.setblocking(False)
-    got = b""
-    deadline = time.monotonic() + 60
-    while not ready(got):
-        assert time.monotonic() < deadline, f"never saw {what}"
-        try:
-            got += sock.recv(65536)
-        except BlockingIOError:
-            time.sleep(0.005)
+    received: list[bytes] = []
+
+    def seen() -> bool:
+        with contextlib.suppress(BlockingIOError):
+            received.append(sock.recv(65536))
+        return bool(ready(b"".join(received)))
+
+    wait_until(seen, 60, f"{what} before hanging up", interval=0.005)
+    got = b"".join(received)
     sock.close()
     hung_up = time.monotonic()
     wait_until(lambda: _legs_gone(router.url), 30, "the router's legs to end after the hang-up")

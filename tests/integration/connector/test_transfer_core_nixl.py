@@ -21,7 +21,9 @@ import pytest
 from connector.config import ConnectorConfig
 from connector.consumer import PushConsumer
 from connector.nixl_backend import NixlEndpoint, nixl_available
+from connector.records import TransferRecord
 from connector.specs import RecvSpec
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="no NIXL")]
 
@@ -48,6 +50,7 @@ class ProducerProcess:
             env={**__import__("os").environ, "PYTHONPATH": f"{HERE}:{HERE.parents[2]}"},
         )
         self.port = int(self._read()["port"])
+        self._released: set[str] = set()
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -65,7 +68,12 @@ class ProducerProcess:
         return self._read()
 
     def released(self) -> set[str]:
-        return set(self.call(cmd="released")["released"])
+        """Every P request id released so far (P reports each one once; this keeps them)."""
+        self._released |= set(self.call(cmd="released")["released"])
+        return set(self._released)
+
+    def wait_released(self, p_request_id: str) -> None:
+        wait_until(lambda: p_request_id in self.released(), what=f"P to release {p_request_id}")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -97,17 +105,24 @@ class Consumer:
         self.consumer = PushConsumer(self.endpoint, self.cfg)
         self.finished: set[str] = set()
         self.failed: set[str] = set()
+        self.records: list[TransferRecord] = []
 
-    def wait(self, rid: str, timeout: float = 10.0) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            fin, fail = self.consumer.take_results()
-            self.finished |= fin
-            self.failed |= fail
-            if rid in self.finished:
-                return time.monotonic() - t0
-            time.sleep(0.005)
-        raise AssertionError(f"{rid} not finished within {timeout}s")
+    def register(self, spec: RecvSpec) -> None:
+        """Register ``spec`` and wait until P has answered (accepted or refused) it."""
+        self.consumer.register(spec).result(timeout=10.0)
+
+    def done(self, rid: str) -> bool:
+        """Whether ``rid`` finished (collects the results D reported since the last call)."""
+        fin, fail = self.consumer.take_results()
+        self.finished |= fin
+        self.failed |= fail
+        return rid in self.finished
+
+    def wait(self, rid: str) -> TransferRecord:
+        """Wait until ``rid`` finished (ok or failed); its receiver record."""
+        wait_until(lambda: self.done(rid), what=f"transfer of {rid} to finish")
+        self.records += self.consumer.take_records()
+        return next(r for r in self.records if r.request_id == rid)
 
     def close(self) -> None:
         self.consumer.close()
@@ -138,16 +153,14 @@ def test_registration_after_finish_writes_many_blocks(
             "d-req-1", "k1", "p-engine", "127.0.0.1", producer.port, tuple(d_blocks), first_block=0
         )
     )
-    consumer.wait("d-req-1")
+    drec = consumer.wait("d-req-1")
     assert "d-req-1" not in consumer.failed
     _expect_blocks(consumer, d_blocks, p_blocks)
     untouched = sorted(set(range(D_BLOCKS)) - set(d_blocks))
     assert all(np.all(a[untouched] == -1.0) for a in consumer.arrays)
-    time.sleep(0.1)
-    assert "p-req-1" in producer.released()
+    producer.wait_released("p-req-1")
     rec = next(r for r in producer.call(cmd="records")["records"] if r["transfer_key"] == "k1")
     assert rec["ok"] and rec["num_blocks"] == 40 and rec["num_bytes"] == 40 * 2 * 4096
-    drec = consumer.consumer.take_records()[0]
     assert drec.ok and drec.num_blocks == 40
 
 
@@ -155,11 +168,12 @@ def test_registration_before_finish_and_prefix_hit(
     producer: ProducerProcess, consumer: Consumer
 ) -> None:
     # D already has the first 3 blocks cached: it asks only for the tail.
-    consumer.consumer.register(
+    consumer.register(
         RecvSpec("d-req-2", "k2", "p-engine", "127.0.0.1", producer.port, (7, 8), first_block=3)
     )
-    time.sleep(0.2)
+    # P accepted the registration and holds no prefill for it yet: D is still waiting.
     assert consumer.consumer.pending_count() == 1
+    assert not consumer.done("d-req-2")
     producer.call(cmd="finish", key="k2", request_id="p-req-2", blocks=[20, 21, 22, 23, 24])
     consumer.wait("d-req-2")
     assert "d-req-2" not in consumer.failed
@@ -167,30 +181,30 @@ def test_registration_before_finish_and_prefix_hit(
 
 
 def test_abort_on_p_sends_fail_notification(producer: ProducerProcess, consumer: Consumer) -> None:
-    consumer.consumer.register(
+    consumer.register(
         RecvSpec("d-req-3", "k3", "p-engine", "127.0.0.1", producer.port, (1, 2), first_block=0)
     )
-    time.sleep(0.2)
     producer.call(cmd="abort", key="k3", reason="prefill failed")
-    took = consumer.wait("d-req-3", timeout=3.0)
+    # Ended by P's fail notification (its reason), not by D's 5 s timeout.
+    assert consumer.wait("d-req-3").reason == "P failed: prefill failed"
     assert "d-req-3" in consumer.failed
-    # Ended by P's fail notification, not by D's 5 s timeout.
-    assert took < 3.0
-    assert consumer.consumer.take_records()[0].reason == "P failed: prefill failed"
-    # A registration arriving after the abort is refused at once.
-    consumer.consumer.register(
+    # A registration arriving after the abort is refused at once, with P's reason.
+    consumer.register(
         RecvSpec("d-req-4", "k3", "p-engine", "127.0.0.1", producer.port, (3,), first_block=0)
     )
-    consumer.wait("d-req-4", timeout=3.0)
+    assert consumer.wait("d-req-4").reason == "P refused: prefill failed"
     assert "d-req-4" in consumer.failed
 
 
 def test_unregistered_prefill_is_freed_after_lease() -> None:
-    p = ProducerProcess(lease_s=0.5)
+    lease_s = 2.0
+    p = ProducerProcess(lease_s=lease_s)
     try:
+        finished_at = time.monotonic()
         p.call(cmd="finish", key="k5", request_id="p-req-5", blocks=[1, 2])
-        assert p.released() == set()
-        time.sleep(1.0)
+        assert p.released() == set()  # a lease never ends early
+        p.wait_released("p-req-5")
+        assert time.monotonic() - finished_at >= lease_s  # held for the whole lease
         assert p.released() == {"p-req-5"}
     finally:
         p.close()
@@ -200,16 +214,20 @@ def test_timeout_when_p_never_finishes() -> None:
     p = ProducerProcess()
     c = Consumer(transfer_timeout_s=1.0, liveness_interval_s=0.2)
     try:
-        c.consumer.register(
-            RecvSpec("d-req-6", "k6", "p-engine", "127.0.0.1", p.port, (1,), first_block=0)
-        )
-        took = c.wait("d-req-6", timeout=5.0)
+        c.register(RecvSpec("d-req-6", "k6", "p-engine", "127.0.0.1", p.port, (1,), first_block=0))
+        rec = c.wait("d-req-6")
         assert "d-req-6" in c.failed
-        assert 0.9 < took < 3.0
+        # D's budget ran out (D's own timeout, or P's matching expiry of the registration).
+        assert rec.reason in (
+            "timed out waiting for P",
+            "P failed: P never finished a prefill for this transfer",
+        )
+        assert rec.registration_to_write_s >= 1.0  # never before the budget
         # P was told (cancel) and will not WRITE later even if the prefill finishes now.
         p.call(cmd="finish", key="k6", request_id="p-req-6", blocks=[4])
-        time.sleep(0.3)
+        p.wait_released("p-req-6")
         assert p.released() == {"p-req-6"}
+        assert not [r for r in p.call(cmd="records")["records"] if r["transfer_key"] == "k6"]
         assert np.all(c.arrays[0][1] == -1.0)
     finally:
         c.close()
@@ -218,29 +236,28 @@ def test_timeout_when_p_never_finishes() -> None:
 
 def test_p_death_fails_waiting_transfer_fast(consumer: Consumer) -> None:
     p = ProducerProcess()
-    consumer.consumer.register(
+    consumer.register(
         RecvSpec("d-req-7", "k7", "p-engine", "127.0.0.1", p.port, (1,), first_block=0)
     )
-    time.sleep(0.3)
     p.proc.kill()
     p.proc.wait()
-    took = consumer.wait("d-req-7", timeout=5.0)
+    rec = consumer.wait("d-req-7")
     assert "d-req-7" in consumer.failed
-    assert took < 2.0
+    # D's pings found P gone (not D's 5 s transfer timeout).
+    assert rec.reason == f"P at 127.0.0.1:{p.port} is gone"
 
 
 def test_d_cancel_before_write_releases_both_sides(
     producer: ProducerProcess, consumer: Consumer
 ) -> None:
-    consumer.consumer.register(
+    consumer.register(
         RecvSpec("d-req-8", "k8", "p-engine", "127.0.0.1", producer.port, (1, 2), first_block=0)
     )
-    time.sleep(0.2)
     consumer.consumer.cancel("d-req-8")
-    consumer.wait("d-req-8", timeout=3.0)
+    consumer.wait("d-req-8")
     producer.call(cmd="finish", key="k8", request_id="p-req-8", blocks=[5, 6])
-    time.sleep(0.2)
-    assert "p-req-8" in producer.released()
+    producer.wait_released("p-req-8")
+    assert not [r for r in producer.call(cmd="records")["records"] if r["transfer_key"] == "k8"]
     assert np.all(consumer.arrays[0][[1, 2]] == -1.0)
 
 
@@ -250,10 +267,10 @@ def test_wrong_engine_and_unreachable_p_fail_registration(
     consumer.consumer.register(
         RecvSpec("d-req-9", "k9", "other-engine", "127.0.0.1", producer.port, (1,), first_block=0)
     )
-    consumer.wait("d-req-9", timeout=3.0)
+    assert consumer.wait("d-req-9").reason.startswith("P refused: engine id 'other-engine'")
     assert "d-req-9" in consumer.failed
     consumer.consumer.register(
         RecvSpec("d-req-10", "k10", "p-engine", "127.0.0.1", 1, (1,), first_block=0)
     )
-    consumer.wait("d-req-10", timeout=3.0)
+    assert consumer.wait("d-req-10").reason.startswith("P unreachable")
     assert "d-req-10" in consumer.failed
