@@ -220,7 +220,10 @@ def test_in_flight_counts_are_per_replica(dns: DnsServer) -> None:
     with ExitStack() as stack:
         fleet = Fleet(stack)
         p2 = fleet.start("p", "127.0.0.2")
-        fleet.start("d", "127.0.0.5")
+        d5 = fleet.start("d", "127.0.0.5")
+        # D waits for the held prefill's KV longer than the client waits for its answer, so the
+        # only way the held request ends is the client giving up.
+        d5.state.behavior.kv_wait_timeout_s = 60.0
         dns.set_hosts({P_NAME: ["127.0.0.2"], D_NAME: ["127.0.0.5"]})
         settings = _settings(dns, fleet.p_port, fleet.d_port, "round_robin")
         a, b = (stack.enter_context(UvicornThread(create_app(settings))) for _ in range(2))
@@ -235,14 +238,21 @@ def test_in_flight_counts_are_per_replica(dns: DnsServer) -> None:
         label = f"127.0.0.2:{fleet.p_port}"
         body = {"model": MODEL, "prompt": "held", "max_tokens": 2}
         # The client gives up after 5 s (the router then cancels the held leg).
-        held = threading.Thread(target=_post_expecting_timeout, args=(a.url, body), daemon=True)
+        outcome: list[BaseException | int] = []
+        held = threading.Thread(target=_post_held, args=(a.url, body, outcome), daemon=True)
         held.start()
         wait_until(lambda: _in_flight(a.url, label) == 1, timeout=15, what="a to count its leg")
         assert _in_flight(b.url, label) == 0
         held.join(timeout=30)
+        assert len(outcome) == 1 and isinstance(outcome[0], httpx.ReadTimeout), outcome
         wait_until(lambda: p2.state.in_flight == 0, timeout=15, what="the held leg to end")
 
 
-def _post_expecting_timeout(url: str, body: dict[str, Any]) -> None:
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(5.0))
+def _post_held(url: str, body: dict[str, Any], outcome: list[BaseException | int]) -> None:
+    """POST a request the fleet holds; record the status or the client's error in ``outcome``."""
+    try:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(5.0))
+    except httpx.HTTPError as exc:
+        outcome.append(exc)
+        return
+    outcome.append(response.status_code)
