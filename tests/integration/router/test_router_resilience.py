@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -143,7 +144,8 @@ def test_failing_prefill_is_taken_out_then_brought_back_by_a_half_open_probe(
     assert statuses == [200] * 6
     assert len(p0_legs) == 2  # the breaker opened after the threshold; no more traffic to p0
     assert ready["prefill"] == [p1.url]
-    assert "breaker open" in ready["missing"][f"prefill {p0.url}"]
+    # Out by its breaker: open, or half-open if a probe (which still failed) ran at that moment.
+    assert re.match(r"breaker (open|half_open): ", ready["missing"][f"prefill {p0.url}"])
     assert probes_ok >= 1
     assert after.status_code == 200
 
