@@ -229,12 +229,13 @@ class ConsumerState:
 
     def tick(self, now: float) -> list[Ask]:
         """Apply the time bounds; returns cancels for overdue transfers and, every
-        ``liveness_interval_s``, a ping to each P that D still waits on."""
+        ``liveness_interval_s``, a ping to each P that D still waits on, a cancel under way
+        included (a P that dies while the cancel travels answers no cancel, only refusals)."""
         asks = self._expire(now)
         if now >= self._next_ping:
             self._next_ping = now + self._cfg.liveness_interval_s
             with self._lock:
-                targets = {p.target for p in self._pending.values() if not p.cancelling}
+                targets = {p.target for p in self._pending.values()}
             ping = encode_request("ping", {})
             asks += [Ask("ping", host, port, ping) for host, port in sorted(targets)]
         return asks

@@ -168,6 +168,38 @@ def test_two_refused_pings_fail_only_that_ps_transfers(
     assert state.take_records()[0].reason == "P at 10.0.0.1:5601 is gone"
 
 
+def test_p_dying_while_d_aborts_is_released_by_the_pings(
+    state: ConsumerState, clock: FakeClock
+) -> None:
+    """D's abort reaches a dying P (reset, not refused): the pings still find P gone."""
+    state.answer(state.register(spec()), Reply("accepted"))
+    cancel = state.cancel("d-1")
+    assert cancel is not None
+    state.answer(cancel, SideChannelError("connection reset"))  # P may be alive: keep waiting
+    assert state.take_results() == (set(), set())
+    for _ in range(2):  # liveness_interval_s x 2
+        (ping,) = state.tick(clock.now)
+        assert (ping.kind, ping.port) == ("ping", 5601)
+        state.answer(ping, SideChannelRefusedError("refused"))
+        clock.now += CFG.liveness_interval_s
+    assert state.take_results() == ({"d-1"}, set())  # released; an abort, not a failed load
+    assert state.take_records()[0].reason == "P at 10.0.0.1:5601 is gone"
+
+
+def test_a_timed_out_transfer_whose_cancel_is_unanswered_still_pings_p(
+    state: ConsumerState, clock: FakeClock
+) -> None:
+    state.answer(state.register(spec()), Reply("accepted"))
+    clock.now += CFG.transfer_timeout_s + 0.1
+    (cancel,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
+    state.answer(cancel, SideChannelError("timed out"))
+    clock.now += CFG.liveness_interval_s
+    (ping,) = state.tick(clock.now)
+    state.answer(ping, SideChannelRefusedError("refused"))
+    state.answer(ping, SideChannelRefusedError("refused"))
+    assert state.take_results() == ({"d-1"}, {"d-1"})
+
+
 def test_a_pong_resets_the_miss_count(state: ConsumerState, clock: FakeClock) -> None:
     state.answer(state.register(spec()), Reply("accepted"))
     (ping,) = state.tick(clock.now)
@@ -230,3 +262,38 @@ def test_consumer_threads_send_registrations_and_read_notifications(
 
     until(reported)
     assert c.pending_count() == 0
+
+
+class DyingP(Transport):
+    """A P killed while D's abort is on its way: the cancel's connection is reset, and from
+    then on nothing listens (every later request is refused)."""
+
+    def __call__(self, host: str, port: int, payload: bytes, timeout_s: float) -> bytes:
+        kind, _ = decode_request(payload)
+        if kind == "cancel" or ("cancel" in {k for _, _, k in self.seen}):
+            self.seen.append((host, port, kind))
+            if kind == "cancel":
+                raise SideChannelError("connection reset by peer")
+            raise SideChannelRefusedError("connection refused")
+        return super().__call__(host, port, payload, timeout_s)
+
+
+def test_consumer_releases_an_aborted_transfer_when_p_dies_during_the_cancel() -> None:
+    ep, transport = MemoryEndpoint("d-agent"), DyingP()
+    c = PushConsumer(ep, CFG, transport=transport)
+    try:
+        c.register(spec()).result(timeout=3)
+        c.cancel("d-1")
+        finished: set[str] = set()
+
+        def released() -> bool:
+            done_ids, failed = c.take_results()
+            assert not failed  # an abort is not a failed load
+            finished.update(done_ids)
+            return "d-1" in finished
+
+        # the documented bound for a dead P (two pings), plus one interval of slack
+        until(released, timeout=3 * CFG.liveness_interval_s + 0.5)
+        assert ("10.0.0.1", 5601, "ping") in transport.seen
+    finally:
+        c.close()
