@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# The shared case classes assert too: show their values on failure like a test module's.
+pytest.register_assert_rewrite("tests.e2e.pd_cases", "tests.e2e.e2e_support")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test under tests/e2e starts real vLLM: mark it ``vllm`` (and ``slow``)."""

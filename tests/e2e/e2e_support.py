@@ -59,6 +59,39 @@ def reference_text(instance: StackInstance, model: str, prompt: str, chat: bool)
     return text
 
 
+@dataclass
+class Greedy:
+    """A greedy answer as tokens, with each position's top candidates (token -> logprob)."""
+
+    tokens: list[str]
+    top: list[dict[str, float]]
+
+
+def reference_greedy(instance: StackInstance, model: str, prompt: str, top: int) -> Greedy:
+    """Greedy tokens and top-``top`` candidates of one request straight to an instance."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": top,
+    }
+    response = httpx.post(instance.url + "/v1/completions", json=body, timeout=httpx.Timeout(120.0))
+    response.raise_for_status()
+    lp = response.json()["choices"][0]["logprobs"]
+    return Greedy(list(lp["tokens"]), [dict(t) for t in lp["top_logprobs"]])
+
+
+def assert_greedy_close(got: Greedy, want: Greedy, what: str) -> None:
+    """Equal tokens up to the first difference; there, each token is a top candidate of the
+    other side (a near-tie flipped by batching), after which the sequences may differ."""
+    assert len(got.tokens) == len(want.tokens) == MAX_TOKENS, what
+    for i, (g, w) in enumerate(zip(got.tokens, want.tokens, strict=True)):
+        if g != w:
+            assert g in want.top[i] and w in got.top[i], (what, i, got.tokens, want.tokens)
+            return
+
+
 def metrics(instance: StackInstance) -> dict[str, float]:
     """``/metrics`` of an instance, samples summed over labels."""
     response = httpx.get(instance.url + "/metrics", timeout=httpx.Timeout(10.0))

@@ -14,14 +14,19 @@ import pytest
 
 from tests.e2e.e2e_support import (
     MAX_TOKENS,
+    Greedy,
     RunningRouter,
+    assert_greedy_close,
     make_prompt,
     metrics,
+    reference_greedy,
     reference_text,
     router_chat,
     router_completion,
     wait_idle,
 )
+
+TOP_LOGPROBS = 5
 
 DISCONNECT_IDLE_TIMEOUT_S = 5.0
 
@@ -65,34 +70,48 @@ class PDRouterCases:
         assert result.usage.total_tokens == tokens + MAX_TOKENS
 
     def test_eight_concurrent_requests_all_correct(self, router: RunningRouter) -> None:
+        """Eight requests at once (half streamed) each get their own prompt's greedy answer.
+
+        Concurrent requests are batched, and CPU kernels are not batch-invariant: on the tiny
+        random-weight model, whose logits are nearly flat, a batch can flip a near-tie. So the
+        answers are compared like vLLM's own tests compare logprobs: equal tokens up to the first
+        difference, and there each side's token is among the other's top candidates (a request
+        answered from another request's KV would differ far from any near-tie)."""
         model = router.stack.model_name
         prompts = [self._prompt(f"concurrent-{i}") for i in range(8)]
 
-        async def one(client: Any, prompt: str, stream: bool) -> str:
+        async def one(client: Any, prompt: str, stream: bool) -> Greedy:
+            kwargs = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "logprobs": TOP_LOGPROBS,
+            }
             if not stream:
-                result = await client.completions.create(
-                    model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
-                )
-                text: str = result.choices[0].text
-                return text
-            parts: list[str] = []
-            chunks = await client.completions.create(
-                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
-            )
+                result = await client.completions.create(**kwargs)
+                lp = result.choices[0].logprobs
+                return Greedy(list(lp.tokens), [dict(t) for t in lp.top_logprobs])
+            answer = Greedy([], [])
+            chunks = await client.completions.create(**kwargs, stream=True)
             async with chunks:
                 async for chunk in chunks:
-                    parts.extend(choice.text for choice in chunk.choices)
-            return "".join(parts)
+                    for choice in chunk.choices:
+                        if choice.logprobs is not None:
+                            answer.tokens.extend(choice.logprobs.tokens)
+                            answer.top.extend(dict(t) for t in choice.logprobs.top_logprobs)
+            return answer
 
-        async def all_of_them() -> list[str]:
+        async def all_of_them() -> list[Greedy]:
             async with router.async_client() as client:
                 return await asyncio.gather(
                     *(one(client, p, i % 2 == 1) for i, p in enumerate(prompts))
                 )
 
         got = asyncio.run(all_of_them())
-        want = [reference_text(router.stack.prefill[0], model, p, False) for p in prompts]
-        assert got == want
+        for i, (answer, prompt) in enumerate(zip(got, prompts, strict=True)):
+            want = reference_greedy(router.stack.prefill[0], model, prompt, TOP_LOGPROBS)
+            assert_greedy_close(answer, want, f"request {i}")
 
     def test_client_disconnect_mid_stream_leaves_decode_idle(self, router: RunningRouter) -> None:
         decode = router.stack.decode[0]
