@@ -127,3 +127,16 @@ def compute_metrics(
         itl=summarize(itls, percentiles),
         e2el=summarize(e2els, percentiles),
     )
+
+
+def counted_ttft(
+    records: Sequence[RequestRecord],
+    limit_s: float,
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+) -> Distribution:
+    """TTFT over *every* request of a run, a failed one entering at ``limit_s`` (the run's cap).
+
+    :func:`compute_metrics` describes completed requests only, which favours a stack that fails
+    its slowest requests; this is the figure a comparison between stacks uses.
+    """
+    return summarize([r.ttft if r.success else limit_s for r in records], percentiles)

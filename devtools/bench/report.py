@@ -2,10 +2,11 @@
 
 Who calls it: ``disagg-bench scenarios`` (after the sweep) and ``disagg-bench report``
 (re-render from the JSON files in a directory). Inputs in ``out_dir``: ``scenarios.json`` (rows of
-the sweep), optional ``overhead.json`` and ``transfer.json``. Headline points, stated in the
-markdown: *loaded* = the longest input length at the highest rate both stacks completed without
-failures; *light* = the longest input length at the lowest rate. Ratios are of mean TTFT / TPOT,
-like the AWS comparison. A value that could not be measured is ``null`` with its reason.
+the sweep), optional ``overhead.json``, ``transfer*.json`` and ``routing.json``. Headline points:
+*light* and *loaded* = the sweep's named fractions of capacity at the longest input length both
+stacks ran; a ratio is mean(a) / mean(b) over the repetitions, with the per-repetition spread.
+TTFT ratios count a failed request at its point's limit. A value that could not be measured is
+``null`` with its reason.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,46 +37,98 @@ def machine() -> dict[str, Any]:
     return {"cores": os.cpu_count(), "cpu_model": model}
 
 
-def _index(rows: Rows) -> dict[tuple[str, int, float], dict[str, Any]]:
-    return {(r["stack"], r["input_len"], r["rate"]): r["metrics"] for r in rows}
+Point = tuple[str, int, float]  # (stack, input length, fraction of capacity)
 
 
-def _ok(m: dict[str, Any] | None) -> bool:
-    return m is not None and m["completed"] > 0 and m["failed"] == 0
+def _index(rows: Rows) -> dict[Point, list[dict[str, Any]]]:
+    """Metrics of each point's repetitions, in repetition order."""
+    out: dict[Point, list[tuple[int, dict[str, Any]]]] = {}
+    for r in rows:
+        out.setdefault((r["stack"], r["input_len"], r["fraction"]), []).append(
+            (r.get("rep", 0), r["metrics"])
+        )
+    return {k: [m for _, m in sorted(v, key=lambda x: x[0])] for k, v in out.items()}
 
 
-def headline_point(rows: Rows, a: str, b: str, loaded: bool) -> tuple[int, float] | None:
-    """(input_len, rate) where both stacks have clean results: longest input, highest (or lowest)
-    rate."""
+def headline_point(rows: Rows, a: str, b: str, fraction: float) -> int | None:
+    """The longest input length where both stacks ran the point at ``fraction``."""
     idx = _index(rows)
-    points = sorted(
-        {
-            (k[1], k[2])
-            for k in idx
-            if _ok(idx.get((a, k[1], k[2]))) and _ok(idx.get((b, k[1], k[2])))
-        }
-    )
-    if not points:
-        return None
-    longest = max(p[0] for p in points)
-    rates = [p[1] for p in points if p[0] == longest]
-    return (longest, max(rates) if loaded else min(rates))
+    lens = [k[1] for k in idx if k[0] == a and k[2] == fraction and (b, k[1], fraction) in idx]
+    return max(lens) if lens else None
 
 
-def _ratio(rows: Rows, a: str, b: str, metric: str, loaded: bool) -> tuple[float | None, str]:
-    point = headline_point(rows, a, b, loaded)
-    if point is None:
-        return None, f"no sweep point where both {a} and {b} completed without failures"
+@dataclass(frozen=True)
+class Ratio:
+    """A ratio of stack ``a`` to stack ``b`` at one point, over paired repetitions.
+
+    ``value`` is mean(a) / mean(b) over the repetitions both ran; ``low``/``high`` are the
+    smallest and largest per-repetition ratio (equal with one repetition).
+    """
+
+    value: float
+    low: float
+    high: float
+    repetitions: int
+
+    @property
+    def wider_than_gap(self) -> bool:
+        """The spread is wider than the distance from 1 it would claim."""
+        return self.high - self.low > abs(self.value - 1.0)
+
+
+def pair_ratio(
+    rows: Rows, a: str, b: str, metric: str, fraction: float
+) -> tuple[Ratio | None, str]:
+    """``a``'s ``metric`` over ``b``'s at the headline point; ``None`` with the reason."""
+    input_len = headline_point(rows, a, b, fraction)
+    if input_len is None:
+        return None, f"no point at {fraction:g} x capacity that both {a} and {b} ran"
     idx = _index(rows)
-    ma, mb = idx[(a, *point)], idx[(b, *point)]
-    if mb[metric] <= 0:
-        return None, f"{b} {metric} is 0 at input {point[0]}, rate {point[1]:g}"
-    value = ma[metric] / mb[metric]
+    reps_a, reps_b = idx[(a, input_len, fraction)], idx[(b, input_len, fraction)]
+    pairs = [
+        (ma[metric], mb[metric])
+        for ma, mb in zip(reps_a, reps_b, strict=False)
+        if ma["completed"] and mb["completed"]
+    ]
+    where = f"input {input_len} tokens, {fraction:g} x capacity"
+    if not pairs or any(vb <= 0 for _, vb in pairs):
+        return None, f"{b} {metric} is 0 or nothing completed at {where}"
+    per_rep = [va / vb for va, vb in pairs]
+    mean_a = sum(va for va, _ in pairs) / len(pairs)
+    mean_b = sum(vb for _, vb in pairs) / len(pairs)
+    r = Ratio(mean_a / mean_b, min(per_rep), max(per_rep), len(pairs))
     why = (
-        f"{a} {metric} {ma[metric]:.1f} / {b} {mb[metric]:.1f} at input {point[0]} tokens, "
-        f"{point[1]:g} req/s"
+        f"{a} {mean_a:.1f} / {b} {mean_b:.1f} ms ({metric}) at {where}; "
+        f"{r.repetitions} repetition(s), per repetition {r.low:.3f}-{r.high:.3f}"
     )
-    return value, why
+    if r.repetitions > 1 and r.wider_than_gap:
+        why += "; the spread is wider than the gap to 1: no difference this run can claim"
+    return r, why
+
+
+def _point_counts(rows: Rows) -> dict[str, list[dict[str, Any]]]:
+    """Per stack, each point's offered rate and completed / failed requests."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        m = r["metrics"]
+        out.setdefault(r["stack"], []).append(
+            {
+                "input_len": r["input_len"],
+                "fraction": r["fraction"],
+                "rep": r.get("rep", 0),
+                "rate": r.get("rate"),
+                "completed": m["completed"],
+                "failed": m["failed"],
+            }
+        )
+    return out
+
+
+TRANSFER_FILES = {
+    "connector_over_bare_nixl_throughput": "transfer.json",
+    "connector_over_bare_nixl_throughput_64mib": "transfer-64mib.json",
+}
+"""summary.json keys from ``disagg-bench transfer`` results (2 MiB and 64 MiB per WRITE)."""
 
 
 def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -84,26 +138,46 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
     scen = _load(out_dir / "scenarios.json")
     rows: Rows = scen["rows"] if scen else []
     errors: dict[str, str] = scen.get("errors", {}) if scen else {}
+    sweep = scen.get("sweep", {}) if scen else {}
+    named = {
+        True: float(sweep.get("loaded_fraction", 0.9)),
+        False: float(sweep.get("light_fraction", 0.3)),
+    }
+    ttft = "mean_ttft_counted_ms"
     pairs = {
-        "ttft_push_over_pull_loaded": ("ours", "pull", "mean_ttft_ms", True),
+        "ttft_push_over_pull_loaded": ("ours", "pull", ttft, True),
         "tpot_push_over_pull_loaded": ("ours", "pull", "mean_tpot_ms", True),
-        "ttft_ours_over_vllm_push_loaded": ("ours", "vllm-push", "mean_ttft_ms", True),
-        "ttft_push_over_aggregated_light": ("ours", "aggregated", "mean_ttft_ms", False),
+        "ttft_ours_over_vllm_push_loaded": ("ours", "vllm-push", ttft, True),
+        "ttft_push_over_aggregated_light": ("ours", "aggregated", ttft, False),
         # extra keys: our push with NIXL's busy-polling progress thread on, as the vLLM
         # connectors run it (the same handicap as pull), to separate mode from spinner
-        "ttft_push_spin_over_pull_loaded": ("ours-spin", "pull", "mean_ttft_ms", True),
-        "ttft_push_spin_over_push_loaded": ("ours-spin", "ours", "mean_ttft_ms", True),
+        "ttft_push_spin_over_pull_loaded": ("ours-spin", "pull", ttft, True),
+        "ttft_push_spin_over_push_loaded": ("ours-spin", "ours", ttft, True),
     }
+    spreads: dict[str, Any] = {}
     for key, (a, b, metric, loaded) in pairs.items():
         if not rows:
             summary[key], notes[key] = None, "no scenario sweep results (scenarios.json missing)"
             continue
-        value, why = _ratio(rows, a, b, metric, loaded)
-        if value is None:
+        found, why = pair_ratio(rows, a, b, metric, named[loaded])
+        if found is None:
             failing = {s: errors[s] for s in (a, b) if s in errors}
             if failing:
                 why += "; stack errors: " + "; ".join(f"{s}: {e[:300]}" for s, e in failing.items())
-        summary[key], notes[key] = value, why
+            summary[key] = None
+        else:
+            summary[key] = found.value
+            spreads[key] = {
+                "low": found.low,
+                "high": found.high,
+                "repetitions": found.repetitions,
+                "wider_than_gap": found.wider_than_gap,
+            }
+        notes[key] = why
+    summary["spread"] = spreads
+    summary["load_points"] = {"light_fraction": named[False], "loaded_fraction": named[True]}
+    summary["capacity_rps"] = _capacities(scen.get("capacities", []) if scen else [])
+    summary["points"] = _point_counts(rows)
 
     overhead = _load(out_dir / "overhead.json")
     derived = (overhead or {}).get("derived", {})
@@ -136,15 +210,20 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
             else f"no saturation results for {router}"
         )
 
-    transfer = _load(out_dir / "transfer.json")
-    ratio = (transfer or {}).get("connector_over_bare_throughput")
-    summary["connector_over_bare_nixl_throughput"] = ratio
-    notes["connector_over_bare_nixl_throughput"] = (
-        "median-transfer throughput, connector path (PushProducer -> PushConsumer) / "
-        "bare NIXL WRITE + notification, same bytes and descriptors"
-        if ratio is not None
-        else "no transfer results (transfer.json missing or one kind failed)"
-    )
+    for key, name in TRANSFER_FILES.items():
+        transfer = _load(out_dir / name)
+        ratio = (transfer or {}).get("connector_over_bare_throughput")
+        summary[key] = ratio
+        if ratio is None or transfer is None:
+            notes[key] = f"no transfer results ({name} missing or one kind failed)"
+            continue
+        size = transfer.get("bytes_per_write")
+        notes[key] = (
+            "median-transfer throughput, connector path (PushProducer -> PushConsumer) / "
+            "bare NIXL WRITE + notification, same bytes and descriptors"
+            + (f", {size / 2**20:g} MiB per WRITE" if size else "")
+            + f" ({name})"
+        )
     routing = _load(out_dir / "routing.json") or {}
     for key, value in routing_summary(routing).items():
         summary[key] = value
@@ -158,6 +237,14 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
     return summary, notes
 
 
+def _capacities(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per stack and input length (as a string key), the measured capacity in req/s."""
+    out: dict[str, dict[str, float]] = {}
+    for c in records:
+        out.setdefault(c["stack"], {})[str(c["input_len"])] = c["request_throughput"]
+    return out
+
+
 def _load(path: Path) -> dict[str, Any] | None:
     try:
         data: dict[str, Any] = json.loads(path.read_text())
@@ -167,54 +254,107 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 
 def markdown_table(rows: Rows, stacks: list[str]) -> str:
-    """One row per (input length, rate); per stack: mean TTFT, p99 TTFT, mean TPOT (ms)."""
-    idx = _index(rows)
-    points = sorted({(r["input_len"], r["rate"]) for r in rows})
-    head = (
-        "| input | rate | "
-        + " | ".join(f"{s} TTFT mean / p99 | {s} TPOT mean" for s in stacks)
-        + " |"
+    """One row per (input length, fraction, repetition); per stack: offered rate, mean / p99
+    TTFT with failed requests counted at the point's limit, completed / sent, mean TPOT."""
+    by_point = {(r["stack"], r["input_len"], r["fraction"], r.get("rep", 0)): r for r in rows}
+    points = sorted({(r["input_len"], r["fraction"], r.get("rep", 0)) for r in rows})
+    head = "| input | x capacity | rep | " + " | ".join(
+        f"{s} req/s | {s} TTFT mean / p99 | {s} done | {s} TPOT" for s in stacks
     )
-    sep = "|---|---|" + "---|---|" * len(stacks)
-    lines = [head, sep]
-    for input_len, rate in points:
+    lines = [head + " |", "|---|---|---|" + "---|---|---|---|" * len(stacks)]
+    for input_len, fraction, rep in points:
         cells = []
         for s in stacks:
-            m = idx.get((s, input_len, rate))
-            if m is None:
-                cells += ["-", "-"]
+            r = by_point.get((s, input_len, fraction, rep))
+            if r is None:
+                cells += ["-"] * 4
                 continue
-            fail = f" ({m['failed']} failed)" if m["failed"] else ""
-            cells.append(f"{m['mean_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f}{fail}")
+            m = r["metrics"]
+            cells.append(f"{r['rate']:.3g}")
+            cells.append(f"{m['mean_ttft_counted_ms']:.0f} / {m['p99_ttft_counted_ms']:.0f}")
+            cells.append(f"{m['completed']}/{m['completed'] + m['failed']}")
             cells.append(f"{m['mean_tpot_ms']:.1f}")
-        lines.append(f"| {input_len} | {rate:g} | " + " | ".join(cells) + " |")
+        lines.append(f"| {input_len} | {fraction:g} | {rep} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def capacity_table(capacities: list[dict[str, Any]], stacks: list[str]) -> str:
+    """Measured capacity (closed loop, req/s) per input length and stack."""
+    caps = _capacities(capacities)
+    lens = sorted({c["input_len"] for c in capacities})
+    lines = ["| input | " + " | ".join(stacks) + " |", "|---|" + "---|" * len(stacks)]
+    for n in lens:
+        cells = [f"{caps.get(s, {}).get(str(n), float('nan')):.3g}" for s in stacks]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+BREAKDOWN_COLUMNS = (
+    ("router: accept->legs", "router:disagg_router_ttft_stage_seconds{accept_to_legs_sent}"),
+    ("router: prefill", "router:disagg_router_ttft_stage_seconds{prefill}"),
+    (
+        "router: P done->D token",
+        "router:disagg_router_ttft_stage_seconds{prefill_done_to_first_token}",
+    ),
+    ("router: relay", "router:disagg_router_ttft_stage_seconds{relay_to_client}"),
+    ("P queue", "prefill:vllm:request_queue_time_seconds"),
+    ("P prefill", "prefill:vllm:request_prefill_time_seconds"),
+    ("P WRITE", "prefill:disagg_push_write_seconds"),
+    ("D queue (KV wait)", "decode:vllm:request_queue_time_seconds"),
+    ("D prefill", "decode:vllm:request_prefill_time_seconds"),
+    ("agg. queue", "aggregated:vllm:request_queue_time_seconds"),
+    ("agg. prefill", "aggregated:vllm:request_prefill_time_seconds"),
+)
+"""Columns of the TTFT breakdown table: label, ``ttft_breakdown_ms`` key (bench.breakdown)."""
+
+
+def breakdown_table(rows: Rows, stacks: tuple[str, ...], fractions: tuple[float, ...]) -> str:
+    """Mean ms per stage at the named fractions (first repetition) for ``stacks``."""
+    picked = [
+        r
+        for r in rows
+        if r["stack"] in stacks and r["fraction"] in fractions and r.get("rep", 0) == 0
+    ]
+    picked.sort(key=lambda r: (r["input_len"], r["fraction"], stacks.index(r["stack"])))
+    head = "| input | x capacity | stack | TTFT (client) | " + " | ".join(
+        c for c, _ in BREAKDOWN_COLUMNS
+    )
+    lines = [head + " |", "|---|---|---|---|" + "---|" * len(BREAKDOWN_COLUMNS)]
+    for r in picked:
+        b = r.get("ttft_breakdown_ms", {})
+        cells = [f"{b[k]:.1f}" if k in b else "-" for _, k in BREAKDOWN_COLUMNS]
+        lines.append(
+            f"| {r['input_len']} | {r['fraction']:g} | {r['stack']} | "
+            f"{r['metrics']['mean_ttft_ms']:.0f} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
 
 
 def plot(rows: Rows, stacks: list[str], metric: str, label: str, path: Path) -> None:
-    """One panel per input length, ``metric`` against request rate, one line per stack."""
+    """One panel per input length, ``metric`` (mean over repetitions) against the fraction of
+    capacity offered, one line per stack."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lens = sorted({r["input_len"] for r in rows})
+    idx = _index(rows)
+    lens = sorted({k[1] for k in idx})
     if not lens:
         return
     fig, axes = plt.subplots(1, len(lens), figsize=(5 * len(lens), 4), squeeze=False)
     for ax, input_len in zip(axes[0], lens, strict=True):
         for s in stacks:
             pts = sorted(
-                (r["rate"], r["metrics"][metric])
-                for r in rows
-                if r["stack"] == s and r["input_len"] == input_len and r["metrics"]["completed"]
+                (k[2], sum(m[metric] for m in reps) / len(reps))
+                for k, reps in idx.items()
+                if k[0] == s and k[1] == input_len and all(m["completed"] for m in reps)
             )
             if pts:
                 color = f"C{stacks.index(s)}"  # one colour per stack across panels
-                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                ax.plot(xs, ys, marker="o", label=s, color=color)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s, color=color)
         ax.set_title(f"input {input_len} tokens")
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel("offered load (fraction of the stack's measured capacity)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.legend()
@@ -224,14 +364,39 @@ def plot(rows: Rows, stacks: list[str], metric: str, label: str, path: Path) -> 
     plt.close(fig)
 
 
+def _sweep_sections(
+    scen: dict[str, Any], rows: Rows, stacks: list[str], named: dict[str, float]
+) -> list[str]:
+    fractions = (named["light_fraction"], named["loaded_fraction"])
+    return [
+        "",
+        "## Capacity (req/s, closed loop)",
+        "",
+        capacity_table(scen.get("capacities", []), stacks),
+        "",
+        "## Sweep (ms; TTFT counts a failed request at the point's limit)",
+        "",
+        markdown_table(rows, stacks),
+        "",
+        "![TTFT](ttft_vs_load.png)",
+        "",
+        "![TPOT](tpot_vs_load.png)",
+        "",
+        "## TTFT breakdown (mean ms; light and loaded points, first repetition)",
+        "",
+        breakdown_table(rows, ("ours", "aggregated"), fractions),
+    ]
+
+
 def render(out_dir: Path, command: str) -> dict[str, Any]:
     """Write ``results.md``, the plots and ``summary.json`` into ``out_dir``; return the summary."""
     scen = _load(out_dir / "scenarios.json") or {"rows": [], "stacks": [], "errors": {}}
     rows: Rows = scen["rows"]
     stacks = [s for s in scen.get("stacks", []) if any(r["stack"] == s for r in rows)]
     if rows:
-        plot(rows, stacks, "mean_ttft_ms", "mean TTFT (ms)", out_dir / "ttft_vs_rate.png")
-        plot(rows, stacks, "mean_tpot_ms", "mean TPOT (ms)", out_dir / "tpot_vs_rate.png")
+        ttft_label = "mean TTFT, failures at the limit (ms)"
+        plot(rows, stacks, "mean_ttft_counted_ms", ttft_label, out_dir / "ttft_vs_load.png")
+        plot(rows, stacks, "mean_tpot_ms", "mean TPOT (ms)", out_dir / "tpot_vs_load.png")
     summary, notes = summarize(out_dir)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     parts = [
@@ -244,17 +409,20 @@ def render(out_dir: Path, command: str) -> dict[str, Any]:
         "",
         "## Headline (summary.json)",
         "",
-        "| key | value | how / why null |",
-        "|---|---|---|",
+        "| key | value | spread over repetitions | how / why null |",
+        "|---|---|---|---|",
     ]
     for key, value in summary.items():
-        if key in ("measured_at", "machine"):
+        if key not in notes:
             continue
         shown = "null" if value is None else f"{value:.3f}"
-        parts.append(f"| `{key}` | {shown} | {notes.get(key, '')} |")
+        spread = summary["spread"].get(key)
+        band = ""
+        if spread:
+            band = f"{spread['low']:.3f}-{spread['high']:.3f} ({spread['repetitions']})"
+        parts.append(f"| `{key}` | {shown} | {band} | {notes[key]} |")
     if rows:
-        parts += ["", "## Sweep (ms)", "", markdown_table(rows, stacks)]
-        parts += ["", "![TTFT](ttft_vs_rate.png)", "", "![TPOT](tpot_vs_rate.png)"]
+        parts += _sweep_sections(scen, rows, stacks, summary["load_points"])
     overhead = _load(out_dir / "overhead.json")
     if overhead:
         from bench.overhead import format_report

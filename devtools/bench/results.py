@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bench.loadgen import RunResult
-from bench.metrics import BenchmarkMetrics
+from bench.metrics import BenchmarkMetrics, RequestRecord, counted_ttft
 
 
 def _finite(value: float) -> float | None:
@@ -37,6 +39,19 @@ def metrics_to_dict(metrics: BenchmarkMetrics) -> dict[str, Any]:
         for key, value in dist.percentiles_ms.items():
             out[f"{key}_{name}_ms"] = value
     return out
+
+
+def counted_ttft_to_dict(records: Sequence[RequestRecord], limit_s: float) -> dict[str, Any]:
+    """``mean_ttft_counted_ms``, ``median_…``, ``p99_…`` (failed requests at ``limit_s``, see
+    :func:`bench.metrics.counted_ttft`) and ``goodput`` (completed / sent)."""
+    dist = counted_ttft(records, limit_s)
+    done = sum(1 for r in records if r.success)
+    return {
+        "mean_ttft_counted_ms": dist.mean_ms,
+        "median_ttft_counted_ms": dist.median_ms,
+        "p99_ttft_counted_ms": dist.percentile(99.0),
+        "goodput": done / len(records) if records else 0.0,
+    }
 
 
 def result_to_dict(
@@ -72,3 +87,18 @@ def write_outputs(
     if markdown_file:
         markdown_file.parent.mkdir(parents=True, exist_ok=True)
         markdown_file.write_text(report + "\n")
+
+
+def recorded_command(argv: Sequence[str]) -> str:
+    """``disagg-bench <argv>`` as results record it: without ``--work-dir`` (where logs went,
+    a path of the machine that ran it; it changes no number)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--work-dir":
+            skip = True
+        elif not arg.startswith("--work-dir="):
+            out.append(arg)
+    return "disagg-bench " + shlex.join(out)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import tempfile
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from bench.results import write_json
+from bench.results import recorded_command, write_json
 from bench.routing import PARTS, RoutingBenchSpec, routing_summary, run_routing
 
 DEFAULT_OUT = Path("docs/benchmarks")
@@ -59,20 +58,6 @@ def render_markdown(result: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _without_work_dir(argv: list[str]) -> list[str]:
-    """The command line as recorded: ``--work-dir`` (where logs went) changes no number."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--work-dir":
-            skip = True
-        elif not arg.startswith("--work-dir="):
-            out.append(arg)
-    return out
-
-
 def routing_command(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in fields(RoutingBenchSpec) if f.name != "parts"}
     parts = tuple(p for p in args.parts.split(",") if p)
@@ -83,7 +68,7 @@ def routing_command(args: argparse.Namespace) -> int:
     spec = RoutingBenchSpec(parts=parts, **values)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-routing-"))
     work.mkdir(parents=True, exist_ok=True)
-    command = "disagg-bench " + shlex.join(_without_work_dir(sys.argv[1:]))
+    command = recorded_command(sys.argv[1:])
     result = {"command": command, **run_routing(spec, work)}
     out: Path = args.out_dir
     out.mkdir(parents=True, exist_ok=True)

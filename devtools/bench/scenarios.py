@@ -14,9 +14,11 @@ Who calls it: ``disagg-bench scenarios`` (wrap it in ``flock /tmp/vllm-e2e.lock`
 Instances come from :func:`devstack.stack.start_stack` (P on core 0, D on core 1, the
 aggregated instance on core 0). One instance group runs at a time; a group that fails to start
 is recorded with its error and the sweep goes on with the next. Every point writes its JSON.
-Each point has a wall-clock cap (``point_time_limit_s``): unfinished requests are cancelled and
-count as failures; a point where no request completed ends that stack's sweep (recorded as its
-error) so one stalled stack cannot eat the whole budget.
+Load points are fractions of each stack's measured capacity (:class:`SweepSpec`). Each point
+has a wall-clock cap (``point_time_limit_s``): unfinished requests are cancelled and count as
+failures (in the TTFT statistics at the cap: ``*_ttft_counted_ms``); a point where no request
+completed ends that stack's sweep (recorded as its error) so one stalled stack cannot eat the
+whole budget.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ import httpx
 
 from bench.breakdown import histogram_means, scrape
 from bench.client import Target
-from bench.dataset import SyntheticSpec, make_token_prompts
+from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
-from bench.results import metrics_to_dict, write_json
+from bench.results import counted_ttft_to_dict, metrics_to_dict, write_json
 from bench.routers import our_router, vllm_router
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessStartError
+from devstack.vllm_server import read_metrics_text
 
 
 @dataclass(frozen=True)
@@ -66,36 +69,91 @@ STACKS: tuple[str, ...] = ("ours", "vllm-push", "pull", "vllm-router", "aggregat
 
 @dataclass(frozen=True)
 class SweepSpec:
-    """The sweep each stack gets: every input length at every rate."""
+    """The sweep each stack gets: per input length, its capacity, then load at fractions of it.
+
+    For each input length the stack's sustainable request rate (its *capacity*) is measured
+    first: ``capacity_requests`` requests in a closed loop at ``capacity_concurrency``, completed
+    requests / duration. Each point then offers Poisson load at ``fraction x capacity``, the same
+    fractions for every stack. The ``light`` and ``loaded`` fractions name the headline points and
+    run ``repetitions`` times (each repetition with its own prompts) so their ratios carry a
+    spread. Every point starts the same way whether it runs alone or inside a sweep: the
+    instances idle, then ``num_warmups`` unmeasured requests at the point's input length.
+    """
 
     input_lens: tuple[int, ...] = (512, 2048, 8192)
-    rates: tuple[float, ...] = (0.5, 1.0, 2.0)
+    fractions: tuple[float, ...] = (0.3, 0.6, 0.9, 1.2)
+    light_fraction: float = 0.3
+    loaded_fraction: float = 0.9
+    repetitions: int = 2
     output_len: int = 64
     prefix_len: int = 0
-    seconds_per_point: float = 6.0
-    min_requests: int = 6
+    seconds_per_point: float = 20.0
+    min_requests: int = 4
     max_requests: int = 12
-    num_warmups: int = 2
+    capacity_concurrency: int = 4
+    capacity_requests: int = 8
+    num_warmups: int = 1
     burstiness: float = 1.0
     seed: int = 0
     request_timeout_s: float = 120.0
     point_time_limit_s: float = 120.0
+    idle_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.input_lens or not self.fractions:
+            raise ValueError("a sweep needs at least one input length and one fraction")
+        if any(f <= 0 for f in self.fractions):
+            raise ValueError(f"fractions must be positive, got {self.fractions}")
+        if self.repetitions < 1 or self.capacity_requests < 1 or self.capacity_concurrency < 1:
+            raise ValueError("repetitions, capacity requests and concurrency must be >= 1")
 
     def num_requests(self, rate: float) -> int:
         return max(self.min_requests, min(self.max_requests, round(rate * self.seconds_per_point)))
 
+    def repetitions_of(self, fraction: float) -> int:
+        """How often the point at ``fraction`` runs: the headline fractions repeat."""
+        named = (self.light_fraction, self.loaded_fraction)
+        return self.repetitions if fraction in named else 1
 
-def point_name(stack: str, input_len: int, rate: float) -> str:
-    return f"{stack}_in{input_len}_r{rate:g}"
+
+def point_name(stack: str, input_len: int, fraction: float, rep: int = 0) -> str:
+    return f"{stack}_in{input_len}_f{fraction:g}_rep{rep}"
 
 
-def _stack_seed(base: int, stack: str, input_len: int, rate: float) -> int:
-    # Distinct prompts per stack and point: no prefix-cache hit across stacks that share instances.
-    return base + zlib.crc32(f"{stack}/{input_len}/{rate:g}".encode())
+def _stack_seed(base: int, stack: str, input_len: int, what: str) -> int:
+    # Distinct prompts per stack, point and repetition: no prefix-cache hit across points or
+    # across stacks that share instances.
+    return base + zlib.crc32(f"{stack}/{input_len}/{what}".encode())
 
 
 class StackStalled(RuntimeError):
-    """A point of the sweep completed no request within its time limit."""
+    """A point of the sweep (or a capacity measurement) completed no request in its time limit."""
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """One stack's sweep in progress: where it sends, writes and records."""
+
+    stack: str
+    target: Target
+    spec: SweepSpec
+    out_dir: Path
+    vocab_size: int
+    rows: list[dict[str, Any]]
+    capacities: list[dict[str, Any]]
+
+    def prompts(self, n: int, input_len: int, what: str) -> list[BenchRequest]:
+        seed = _stack_seed(self.spec.seed, self.stack, input_len, what)
+        return make_token_prompts(
+            SyntheticSpec(
+                n,
+                input_len,
+                self.spec.output_len,
+                self.spec.prefix_len,
+                vocab_size=self.vocab_size,
+                seed=seed,
+            )
+        )
 
 
 async def sweep_target(
@@ -105,64 +163,94 @@ async def sweep_target(
     out_dir: Path,
     vocab_size: int,
     rows: list[dict[str, Any]],
+    capacities: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Run the whole sweep against one target; write one JSON per point; append summary rows.
+    """Run the whole sweep against one target; write one JSON per point; append summary rows
+    (and one capacity record per input length to ``capacities``).
 
-    Raises ``RuntimeError`` when the warm-up fails and :class:`StackStalled` after a point that
-    completed nothing (the rows of the points run so far stay in ``rows``).
+    Raises :class:`StackStalled` after a capacity run or point that completed nothing (what ran
+    so far stays in ``rows``), ``RuntimeError`` when a warm-up fails.
     """
+    if capacities is None:
+        capacities = []
+    sweep = _Sweep(stack, target, spec, out_dir, vocab_size, rows, capacities)
     async with make_client(request_timeout_s=spec.request_timeout_s) as client:
-        warm = make_token_prompts(
-            SyntheticSpec(
-                spec.num_warmups,
-                spec.input_lens[0],
-                spec.output_len,
-                vocab_size=vocab_size,
-                seed=_stack_seed(spec.seed, stack, 0, 0.0),
-            )
-        )
-        warmed = await run_load(
-            client,
-            target,
-            warm,
-            LoadSpec(max_concurrency=1, show_progress=False, time_limit_s=spec.point_time_limit_s),
-        )
-        failed = [r.error for r in warmed.records if not r.success]
+        for input_len in spec.input_lens:
+            capacity = await _measure_capacity(client, sweep, input_len)
+            for fraction in spec.fractions:
+                for rep in range(spec.repetitions_of(fraction)):
+                    row = await _run_point(client, sweep, input_len, fraction, rep, capacity)
+                    rows.append(row)
+                    if row["metrics"]["completed"] == 0:
+                        raise StackStalled(
+                            f"{point_name(stack, input_len, fraction, rep)} completed no "
+                            f"request ({row['errors'][:1]}); later points of this stack skipped"
+                        )
+
+
+async def _prepare(client: httpx.AsyncClient, sweep: _Sweep, input_len: int, what: str) -> float:
+    """Wait until the instances are idle, then send the warm-ups; returns the idle wait in s."""
+    waited = await wait_idle(client, _instance_metrics(sweep.target), sweep.spec.idle_timeout_s)
+    spec = sweep.spec
+    if spec.num_warmups:
+        warm = sweep.prompts(spec.num_warmups, input_len, f"warm/{what}")
+        limit = spec.point_time_limit_s
+        load = LoadSpec(max_concurrency=1, show_progress=False, time_limit_s=limit)
+        result = await run_load(client, sweep.target, warm, load)
+        failed = [r.error for r in result.records if not r.success]
         if failed:
             raise RuntimeError(f"warm-up failed, stack skipped: {failed[0][:500]}")
-        for input_len in spec.input_lens:
-            for rate in spec.rates:
-                row = await _run_point(
-                    client, stack, target, spec, out_dir, vocab_size, input_len, rate
-                )
-                rows.append(row)
-                if row["metrics"]["completed"] == 0:
-                    raise StackStalled(
-                        f"{point_name(stack, input_len, rate)} completed no request "
-                        f"({row['errors'][:1]}); later points of this stack skipped"
-                    )
+    return waited
+
+
+async def _measure_capacity(client: httpx.AsyncClient, sweep: _Sweep, input_len: int) -> float:
+    """The stack's sustainable request rate at ``input_len``: a closed loop's completed req/s."""
+    spec = sweep.spec
+    await _prepare(client, sweep, input_len, "capacity")
+    print(f"scenarios: {sweep.stack} capacity at {input_len} tokens", file=sys.stderr)
+    requests = sweep.prompts(spec.capacity_requests, input_len, "capacity")
+    load = LoadSpec(
+        max_concurrency=spec.capacity_concurrency,
+        show_progress=False,
+        time_limit_s=spec.point_time_limit_s,
+    )
+    result = await run_load(client, sweep.target, requests, load)
+    m = result.metrics
+    sweep.capacities.append(
+        {
+            "stack": sweep.stack,
+            "input_len": input_len,
+            "request_throughput": m.request_throughput,
+            "completed": m.completed,
+            "failed": m.failed,
+            "concurrency": spec.capacity_concurrency,
+        }
+    )
+    if m.completed == 0:
+        errors = [r.error for r in result.records if not r.success][:1]
+        raise StackStalled(
+            f"{sweep.stack} capacity at {input_len} tokens: no request completed ({errors})"
+        )
+    return m.request_throughput
 
 
 async def _run_point(
     client: httpx.AsyncClient,
-    stack: str,
-    target: Target,
-    spec: SweepSpec,
-    out_dir: Path,
-    vocab_size: int,
+    sweep: _Sweep,
     input_len: int,
-    rate: float,
+    fraction: float,
+    rep: int,
+    capacity: float,
 ) -> dict[str, Any]:
-    """One (input length, rate) point: run it, write ``runs/<point>.json``, return its row."""
+    """One point: Poisson load at ``fraction x capacity``; writes ``runs/<point>.json``."""
+    spec, target = sweep.spec, sweep.target
+    name = point_name(sweep.stack, input_len, fraction, rep)
+    idle_wait_s = await _prepare(client, sweep, input_len, f"f{fraction:g}/{rep}")
+    rate = fraction * capacity
     n = spec.num_requests(rate)
-    seed = _stack_seed(spec.seed, stack, input_len, rate)
-    requests = make_token_prompts(
-        SyntheticSpec(
-            n, input_len, spec.output_len, spec.prefix_len, vocab_size=vocab_size, seed=seed
-        )
-    )
-    name = point_name(stack, input_len, rate)
-    print(f"scenarios: {name} ({n} requests)", file=sys.stderr)
+    requests = sweep.prompts(n, input_len, f"f{fraction:g}/{rep}")
+    print(f"scenarios: {name} ({n} requests at {rate:.3g} req/s)", file=sys.stderr)
+    seed = _stack_seed(spec.seed, sweep.stack, input_len, f"arrivals/{fraction:g}/{rep}")
     load = LoadSpec(
         request_rate=rate,
         burstiness=spec.burstiness,
@@ -174,12 +262,18 @@ async def _run_point(
     before = await scrape(client, dict(target.metrics))
     result = await run_load(client, target, requests, load)
     after = await scrape(client, dict(target.metrics))
+    metrics = metrics_to_dict(result.metrics)
+    metrics.update(counted_ttft_to_dict(result.records, spec.point_time_limit_s))
     row = {
-        "stack": stack,
+        "stack": sweep.stack,
         "input_len": input_len,
+        "fraction": fraction,
+        "rep": rep,
+        "capacity_rps": capacity,
         "rate": rate,
         "num_requests": n,
-        "metrics": metrics_to_dict(result.metrics),
+        "idle_wait_s": idle_wait_s,
+        "metrics": metrics,
         "errors": [r.error for r in result.records if not r.success][:5],
         "ttft_breakdown_ms": histogram_means(before, after),
     }
@@ -194,10 +288,41 @@ async def _run_point(
         for r in result.records
     ]
     write_json(
-        out_dir / "runs" / f"{name}.json",
+        sweep.out_dir / "runs" / f"{name}.json",
         {**row, "started_at": started, "sweep": asdict(spec), "records": records},
     )
     return row
+
+
+def _instance_metrics(target: Target) -> list[str]:
+    """The ``/metrics`` URLs of the target's vLLM instances (not the router's)."""
+    return [url for name, url in target.metrics if name != "router"]
+
+
+async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout_s: float) -> float:
+    """Poll each instance's running + waiting request gauges until all are 0, at most
+    ``timeout_s``; returns the seconds waited (``timeout_s`` when they never got there: the
+    point then starts anyway and its row records the wait). An unreachable ``/metrics`` counts
+    as idle (the point's own requests will fail and say why)."""
+    started = time.monotonic()
+    while True:
+        busy = 0.0
+        for url in urls:
+            try:
+                resp = await client.get(url, timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                values = read_metrics_text(resp.text)
+                busy += values.get("vllm:num_requests_running", 0.0)
+                busy += values.get("vllm:num_requests_waiting", 0.0)
+        waited = time.monotonic() - started
+        if busy == 0.0 or waited >= timeout_s:
+            return min(waited, timeout_s)
+        await asyncio.sleep(_IDLE_POLL_S)
+
+
+_IDLE_POLL_S = 0.2
 
 
 def _targets_for_group(
@@ -245,6 +370,7 @@ def run_scenarios(
     if start_stack is None:
         start_stack = _start_devstack
     rows: list[dict[str, Any]] = []
+    capacities: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
     timings: dict[str, float] = {}
     for group, spec_group in GROUPS.items():
@@ -267,7 +393,9 @@ def run_scenarios(
                 for name, target in targets.items():
                     t1 = time.monotonic()
                     try:
-                        asyncio.run(sweep_target(name, target, spec, out_dir, 4096, rows))
+                        asyncio.run(
+                            sweep_target(name, target, spec, out_dir, 4096, rows, capacities)
+                        )
                     except (OSError, RuntimeError, ValueError) as exc:
                         errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
                     timings[f"{name}_sweep_s"] = time.monotonic() - t1
@@ -276,14 +404,15 @@ def run_scenarios(
                 errors.setdefault(name, f"{type(exc).__name__}: {exc}"[:2000])
         timings[f"{group}_total_s"] = time.monotonic() - t0
         if on_progress is not None:
-            on_progress(_result(spec, stacks, rows, errors, timings))
-    return _result(spec, stacks, rows, errors, timings)
+            on_progress(_result(spec, stacks, rows, capacities, errors, timings))
+    return _result(spec, stacks, rows, capacities, errors, timings)
 
 
 def _result(
     spec: SweepSpec,
     stacks: tuple[str, ...],
     rows: list[dict[str, Any]],
+    capacities: list[dict[str, Any]],
     errors: dict[str, str],
     timings: dict[str, float],
 ) -> dict[str, Any]:
@@ -291,6 +420,7 @@ def _result(
         "sweep": asdict(spec),
         "stacks": list(stacks),
         "rows": list(rows),
+        "capacities": list(capacities),
         "errors": dict(errors),
         "timings": dict(timings),
     }
@@ -302,6 +432,7 @@ def merge_previous(data: dict[str, Any], previous: dict[str, Any] | None) -> dic
         return data
     ran = set(data["stacks"])
     kept_rows = [r for r in previous.get("rows", []) if r["stack"] not in ran]
+    kept_caps = [c for c in previous.get("capacities", []) if c["stack"] not in ran]
     kept_errors = {k: v for k, v in previous.get("errors", {}).items() if k not in ran}
     stacks = [s for s in STACKS if s in ran or s in set(previous.get("stacks", []))]
     timings = {**previous.get("timings", {}), **data["timings"]}
@@ -309,6 +440,7 @@ def merge_previous(data: dict[str, Any], previous: dict[str, Any] | None) -> dic
         **data,
         "stacks": stacks,
         "rows": kept_rows + data["rows"],
+        "capacities": kept_caps + data.get("capacities", []),
         "errors": {**kept_errors, **data["errors"]},
         "timings": timings,
         "previous_commands": [*previous.get("previous_commands", []), previous.get("command")],

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.report import render
-from bench.results import write_json
+from bench.results import recorded_command, write_json
 from bench.scenarios import STACKS, SweepSpec, merge_previous, run_scenarios
 
 DEFAULT_OUT = Path("docs/benchmarks")
@@ -29,13 +28,40 @@ def add_scenarios_arguments(parser: argparse.ArgumentParser) -> None:
     d = SweepSpec()
     parser.add_argument("--stacks", default=",".join(STACKS), help=f"subset of {STACKS}")
     parser.add_argument("--input-lens", default=",".join(str(x) for x in d.input_lens))
-    parser.add_argument("--rates", default=",".join(f"{x:g}" for x in d.rates))
+    parser.add_argument(
+        "--fractions",
+        default=",".join(f"{x:g}" for x in d.fractions),
+        help="load points as fractions of each stack's measured capacity at each input length",
+    )
+    parser.add_argument("--light-fraction", type=float, default=d.light_fraction)
+    parser.add_argument("--loaded-fraction", type=float, default=d.loaded_fraction)
+    parser.add_argument(
+        "--repetitions",
+        type=int,
+        default=d.repetitions,
+        help="runs of the light and loaded points (their ratios get a spread)",
+    )
+    parser.add_argument("--capacity-concurrency", type=int, default=d.capacity_concurrency)
+    parser.add_argument(
+        "--capacity-requests",
+        type=int,
+        default=d.capacity_requests,
+        help="closed-loop requests that measure a stack's capacity per input length",
+    )
     parser.add_argument("--output-len", type=int, default=d.output_len)
     parser.add_argument("--prefix-len", type=int, default=d.prefix_len)
     parser.add_argument("--seconds-per-point", type=float, default=d.seconds_per_point)
     parser.add_argument("--min-requests", type=int, default=d.min_requests)
     parser.add_argument("--max-requests", type=int, default=d.max_requests)
-    parser.add_argument("--num-warmups", type=int, default=d.num_warmups)
+    parser.add_argument(
+        "--num-warmups", type=int, default=d.num_warmups, help="unmeasured requests per point"
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=d.idle_timeout_s,
+        help="seconds to wait for idle instances before each point",
+    )
     parser.add_argument(
         "--point-time-limit",
         type=float,
@@ -61,15 +87,16 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def scenarios_command(args: argparse.Namespace) -> int:
-    stacks = tuple(s for s in args.stacks.split(",") if s)
-    unknown = [s for s in stacks if s not in STACKS]
-    if unknown or not stacks:
-        print(f"error: --stacks: unknown {unknown}, choose from {STACKS}", file=sys.stderr)
-        return 2
-    spec = SweepSpec(
+def _spec(args: argparse.Namespace) -> SweepSpec:
+    return SweepSpec(
         input_lens=_ints(args.input_lens),
-        rates=_floats(args.rates),
+        fractions=_floats(args.fractions),
+        light_fraction=args.light_fraction,
+        loaded_fraction=args.loaded_fraction,
+        repetitions=args.repetitions,
+        capacity_concurrency=args.capacity_concurrency,
+        capacity_requests=args.capacity_requests,
+        idle_timeout_s=args.idle_timeout,
         output_len=args.output_len,
         prefix_len=args.prefix_len,
         seconds_per_point=args.seconds_per_point,
@@ -80,13 +107,26 @@ def scenarios_command(args: argparse.Namespace) -> int:
         burstiness=args.burstiness,
         seed=args.seed,
     )
+
+
+def scenarios_command(args: argparse.Namespace) -> int:
+    stacks = tuple(s for s in args.stacks.split(",") if s)
+    unknown = [s for s in stacks if s not in STACKS]
+    if unknown or not stacks:
+        print(f"error: --stacks: unknown {unknown}, choose from {STACKS}", file=sys.stderr)
+        return 2
+    try:
+        spec = _spec(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-scenarios-"))
-    command = "disagg-bench " + shlex.join(sys.argv[2:])
+    command = recorded_command(sys.argv[1:])
     previous_path = args.out_dir / "scenarios.json"
     previous = json.loads(previous_path.read_text()) if previous_path.exists() else None
 
     def save(partial: dict[str, Any]) -> dict[str, Any]:
-        partial = {**partial, "command": command, "work_dir": str(work)}
+        partial = {**partial, "command": command}
         if args.merge:
             partial = merge_previous(partial, previous)
         write_json(previous_path, partial)
@@ -105,7 +145,19 @@ def scenarios_command(args: argparse.Namespace) -> int:
 
 def rows_from_runs(out_dir: Path) -> list[dict[str, Any]]:
     """The summary rows stored in each per-point file ``runs/*.json``."""
-    keys = ("stack", "input_len", "rate", "num_requests", "metrics", "errors", "ttft_breakdown_ms")
+    keys = (
+        "stack",
+        "input_len",
+        "fraction",
+        "rep",
+        "capacity_rps",
+        "rate",
+        "num_requests",
+        "idle_wait_s",
+        "metrics",
+        "errors",
+        "ttft_breakdown_ms",
+    )
     rows = []
     for path in sorted((out_dir / "runs").glob("*.json")):
         data = json.loads(path.read_text())

@@ -64,6 +64,12 @@ class TransferSpec:
     iterations: int = 50
     warmups: int = 5
     rounds: int = 2
+    #: ``connector-path`` only: the connector's poll cadences (``ConnectorConfig.writer_poll_s``
+    #: and ``receiver_poll_s``); ``None`` keeps the connector's defaults. Set them to the bare
+    #: loop's (P spins, D polls every 0.1 ms) to separate the connector's own work from the
+    #: cadence it chooses to save CPU.
+    writer_poll_s: float | None = None
+    receiver_poll_s: float | None = None
 
     @property
     def bytes_per_write(self) -> int:

@@ -21,6 +21,12 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=defaults.iterations)
     parser.add_argument("--warmups", type=int, default=defaults.warmups)
     parser.add_argument("--rounds", type=int, default=defaults.rounds)
+    parser.add_argument(
+        "--writer-poll-s", type=float, help="connector-path: P's writer cadence (default: ours)"
+    )
+    parser.add_argument(
+        "--receiver-poll-s", type=float, help="connector-path: D's receiver cadence (default: ours)"
+    )
     parser.add_argument("--kinds", default=",".join(ALL_KINDS), help=f"subset of {ALL_KINDS}")
     parser.add_argument("--result-file", type=Path)
 
@@ -34,6 +40,8 @@ def transfer_command(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         warmups=args.warmups,
         rounds=args.rounds,
+        writer_poll_s=args.writer_poll_s,
+        receiver_poll_s=args.receiver_poll_s,
     )
     names = [k for k in args.kinds.split(",") if k]
     kinds: tuple[AnyKind, ...] = tuple(k for k in ALL_KINDS if k in names)

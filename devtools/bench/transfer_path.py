@@ -19,6 +19,7 @@ import ctypes
 import multiprocessing as mp
 import statistics
 import time
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -95,6 +96,8 @@ def _p_process(kind: PathKind, spec: TransferSpec, d: Connection) -> None:
 
     ep = NixlEndpoint("bench-p", _layout(spec, addr))
     cfg = ConnectorConfig(side_channel_port=0, lease_s=300.0, registration_ttl_s=300.0)
+    if spec.writer_poll_s is not None:
+        cfg = replace(cfg, writer_poll_s=spec.writer_poll_s)
     producer = PushProducer(ep, _P_ENGINE, cfg)
     d.send({"port": producer.port})
     while (msg := d.recv()) != "stop":
@@ -132,7 +135,10 @@ def _d_process(kind: PathKind, spec: TransferSpec, p: Connection, report: Connec
         from connector.specs import RecvSpec
 
         ep = NixlEndpoint("bench-d", _layout(spec, addr))
-        consumer = PushConsumer(ep, ConnectorConfig(transfer_timeout_s=120.0))
+        cfg = ConnectorConfig(transfer_timeout_s=120.0)
+        if spec.receiver_poll_s is not None:
+            cfg = replace(cfg, receiver_poll_s=spec.receiver_poll_s)
+        consumer = PushConsumer(ep, cfg)
         port = p.recv()["port"]
         blocks = tuple(range(spec.blocks_per_write))
         for i in range(total):

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Reproduce everything under docs/benchmarks/ on one machine (holds the vLLM lock throughout so
 # no other vLLM run overlaps, and so the router-overhead and transfer numbers see a quiet machine).
-#   bash docs/benchmarks/run_all.sh            # full run (23 min on the 2-core machine)
+#   bash docs/benchmarks/run_all.sh            # full run (about 40 min on the 2-core machine)
 #   SMOKE=1 bash docs/benchmarks/run_all.sh    # tiny sweep into /tmp/bench-smoke (~5 min)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=docs/benchmarks
-SWEEP=(--input-lens 512,2048,8192 --rates 0.5,1,2 --output-len 64 --max-requests 12 --point-time-limit 120)
+SWEEP=(--input-lens 512,2048,8192 --fractions 0.3,0.6,0.9,1.2 --repetitions 2 --output-len 64 --point-time-limit 120)
 OVERHEAD=(--rates 100,250,500 --seconds-per-rate 6 --saturation-requests 1000)
 TRANSFER=(--iterations 50 --rounds 3)
 ROUTING=()
 if [[ "${SMOKE:-0}" == 1 ]]; then
   OUT=/tmp/bench-smoke
-  SWEEP=(--input-lens 512 --rates 1 --min-requests 3 --max-requests 3 --output-len 16)
+  SWEEP=(--input-lens 512 --fractions 0.5,1 --light-fraction 0.5 --loaded-fraction 1 --capacity-requests 4
+         --min-requests 3 --max-requests 3 --output-len 16)
   OVERHEAD=(--rates 100 --seconds-per-rate 2 --saturation-requests 100)
   TRANSFER=(--iterations 10 --rounds 1)
   ROUTING=(--parts uneven --uneven-requests 40)
@@ -24,6 +25,8 @@ exec flock /tmp/vllm-e2e.lock bash -c '
   .venv/bin/disagg-bench overhead '"${OVERHEAD[*]}"' \
       --result-file "$OUT/overhead.json" --markdown-file "$OUT/overhead.md"
   .venv/bin/disagg-bench transfer '"${TRANSFER[*]}"' --result-file "$OUT/transfer.json"
+  .venv/bin/disagg-bench transfer '"${TRANSFER[*]}"' --block-bytes 65536 \
+      --result-file "$OUT/transfer-64mib.json"
   .venv/bin/disagg-bench scenarios '"${SWEEP[*]}"' --out-dir "$OUT" || true
   .venv/bin/disagg-bench routing '"${ROUTING[*]}"' --out-dir "$OUT"
 ' "$OUT"

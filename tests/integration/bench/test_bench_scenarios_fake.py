@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
+
 from bench.report import render
-from bench.scenarios import GROUPS, InstanceGroup, SweepSpec, run_scenarios
+from bench.scenarios import GROUPS, InstanceGroup, SweepSpec, point_name, run_scenarios, wait_idle
 from devstack.ports import free_port
 from devstack.process import http_process
 
@@ -38,7 +42,7 @@ class _FakeStack:
         self.stopped = True
 
 
-def test_runner_sweeps_and_reports(tmp_path: Path) -> None:
+def test_runner_sweeps_at_fractions_of_measured_capacity(tmp_path: Path) -> None:
     started: list[_FakeStack] = []
 
     def start(group: InstanceGroup, logs: Path) -> Any:
@@ -48,24 +52,41 @@ def test_runner_sweeps_and_reports(tmp_path: Path) -> None:
 
     spec = SweepSpec(
         input_lens=(16, 32),
-        rates=(50.0,),
+        fractions=(0.5, 0.8, 1.0),
+        light_fraction=0.5,
+        loaded_fraction=1.0,
+        repetitions=2,
         output_len=4,
         min_requests=3,
         max_requests=3,
+        capacity_requests=6,
         num_warmups=1,
     )
     data = run_scenarios(spec, ("aggregated",), tmp_path, tmp_path / "work", start_stack=start)
     assert data["errors"] == {}
     assert started and started[0].stopped
-    assert [(r["input_len"], r["metrics"]["completed"]) for r in data["rows"]] == [(16, 3), (32, 3)]
-    run_file = tmp_path / "runs" / "aggregated_in16_r50.json"
+    caps = {c["input_len"]: c for c in data["capacities"]}
+    assert set(caps) == {16, 32} and all(c["completed"] == 6 for c in caps.values())
+    # light and loaded points run twice, the others once; each at fraction x that capacity
+    points = [(r["input_len"], r["fraction"], r["rep"]) for r in data["rows"]]
+    reps = {0.5: 2, 0.8: 1, 1.0: 2}
+    assert points == [(n, f, rep) for n in (16, 32) for f in reps for rep in range(reps[f])]
+    for row in data["rows"]:
+        capacity = caps[row["input_len"]]["request_throughput"]
+        assert row["rate"] == pytest.approx(row["fraction"] * capacity)
+        assert row["metrics"]["completed"] == 3 and row["metrics"]["goodput"] == 1.0
+    run_file = tmp_path / "runs" / "aggregated_in16_f0.5_rep1.json"
     assert json.loads(run_file.read_text())["metrics"]["total_output_tokens"] == 12
     (tmp_path / "scenarios.json").write_text(json.dumps(data))
     from bench.scenarios_cmd import rows_from_runs
 
-    assert rows_from_runs(tmp_path) == json.loads(json.dumps(data["rows"]))
+    def name(r: dict[str, Any]) -> str:
+        return point_name("aggregated", r["input_len"], r["fraction"], r["rep"])
+
+    assert rows_from_runs(tmp_path) == sorted(json.loads(json.dumps(data["rows"])), key=name)
     summary = render(tmp_path, "test")
     assert summary["ttft_push_over_pull_loaded"] is None  # only the aggregated stack ran
+    assert set(summary["capacity_rps"]["aggregated"]) == {"16", "32"}
 
 
 def test_failed_stack_start_is_recorded(tmp_path: Path) -> None:
@@ -78,31 +99,65 @@ def test_failed_stack_start_is_recorded(tmp_path: Path) -> None:
     assert data["rows"] == []
 
 
-def test_stalled_point_is_capped_and_ends_that_stack(tmp_path: Path) -> None:
-    """A backend slower than the point's time limit: the point fails fast, later points skip."""
+def test_stalled_capacity_run_is_capped_and_ends_that_stack(tmp_path: Path) -> None:
+    """A backend slower than the time limit: its capacity run fails fast, no point runs."""
     slow: list[_FakeStack] = []
 
     def start(group: InstanceGroup, logs: Path) -> Any:
-        # warm-up passes (its limit is generous), sweep points are capped far below the TTFT
         slow.append(_FakeStack(logs, ttft_s=1.5))
         return slow[-1]
 
     spec = SweepSpec(
         input_lens=(16, 32),
-        rates=(50.0, 100.0),
         output_len=4,
-        min_requests=2,
-        max_requests=2,
+        capacity_requests=2,
         num_warmups=0,
         point_time_limit_s=0.5,
     )
     data = run_scenarios(spec, ("aggregated",), tmp_path, tmp_path / "w", start_stack=start)
-    assert [r["rate"] for r in data["rows"]] == [50.0]  # later points never ran
-    row = data["rows"][0]
-    assert row["metrics"]["completed"] == 0 and row["metrics"]["failed"] == 2
-    assert "time limit of 0.5 s" in row["errors"][0]
-    assert "completed no request" in data["errors"]["aggregated"]
+    assert data["rows"] == []
+    assert [(c["input_len"], c["completed"], c["failed"]) for c in data["capacities"]] == [
+        (16, 0, 2)
+    ]
+    assert "capacity at 16 tokens: no request completed" in data["errors"]["aggregated"]
+    assert "time limit of 0.5 s" in data["errors"]["aggregated"]
     assert slow and slow[0].stopped
+
+
+def test_wait_idle_polls_until_the_instances_report_no_requests() -> None:
+    scrapes: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        scrapes.append(str(request.url))
+        busy = 1 if len(scrapes) < 3 else 0
+        body = f"vllm:num_requests_running 0.0\nvllm:num_requests_waiting {busy}.0\n"
+        return httpx.Response(200, text=body)
+
+    async def go() -> float:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await wait_idle(client, ["http://p/metrics"], timeout_s=60.0)
+
+    waited = asyncio.run(go())
+    assert len(scrapes) == 3 and waited < 60.0
+
+
+def test_wait_idle_gives_up_at_its_bound() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text="vllm:num_requests_running 2.0\n")
+
+    async def go() -> float:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await wait_idle(client, ["http://p/metrics"], timeout_s=0.3)
+
+    assert asyncio.run(go()) == 0.3
+
+
+def test_sweep_spec_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="fractions must be positive"):
+        SweepSpec(fractions=(0.5, 0.0))
+    with pytest.raises(ValueError, match="repetitions"):
+        SweepSpec(repetitions=0)
+    assert SweepSpec().repetitions_of(0.9) == 2 and SweepSpec().repetitions_of(0.6) == 1
 
 
 def test_spin_group_turns_the_progress_thread_on() -> None:

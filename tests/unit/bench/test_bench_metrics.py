@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.metrics import RequestRecord, compute_metrics, percentile
+from bench.metrics import RequestRecord, compute_metrics, counted_ttft, percentile
+from bench.results import counted_ttft_to_dict
 
 
 def test_percentile_matches_linear_interpolation() -> None:
@@ -57,3 +58,16 @@ def test_metrics_all_failed_is_zero_not_error() -> None:
 def test_metrics_rejects_non_positive_duration() -> None:
     with pytest.raises(ValueError, match="duration_s"):
         compute_metrics([], duration_s=0.0)
+
+
+def test_failed_requests_count_at_the_limit() -> None:
+    ok = RequestRecord(True, 10, 4, 0.0, 1.0, 2.0)
+    cut = RequestRecord(False, 10, 0, 0.0, 0.0, 0.0, (), "time limit of 30 s for the run reached")
+    dist = counted_ttft([ok, ok, cut], limit_s=30.0)
+    assert dist.mean_ms == pytest.approx(1000 * 32 / 3)
+    assert dist.percentile(50.0) == pytest.approx(1000.0)
+    # the completed-only statistics would say 1 s: the counted ones never drop the failure
+    assert compute_metrics([ok, ok, cut], 10.0).ttft.mean_ms == pytest.approx(1000.0)
+    as_dict = counted_ttft_to_dict([ok, ok, cut], 30.0)
+    assert as_dict["goodput"] == pytest.approx(2 / 3)
+    assert as_dict["p99_ttft_counted_ms"] == pytest.approx(dist.percentile(99.0))

@@ -9,68 +9,130 @@ from typing import Any
 import pytest
 
 from bench.overhead import derive
-from bench.report import headline_point, markdown_table, render
+from bench.report import Ratio, headline_point, markdown_table, pair_ratio, render
+from bench.results import recorded_command
 
 
 def _row(
-    stack: str, input_len: int, rate: float, ttft: float, tpot: float, failed: int = 0
+    stack: str,
+    input_len: int,
+    fraction: float,
+    ttft: float,
+    tpot: float,
+    failed: int = 0,
+    rep: int = 0,
 ) -> dict[str, Any]:
     metrics = {
         "completed": 5,
         "failed": failed,
         "mean_ttft_ms": ttft,
-        "p99_ttft_ms": ttft * 2,
+        "mean_ttft_counted_ms": ttft,
+        "p99_ttft_counted_ms": ttft * 2,
         "mean_tpot_ms": tpot,
     }
-    return {"stack": stack, "input_len": input_len, "rate": rate, "metrics": metrics}
+    return {
+        "stack": stack,
+        "input_len": input_len,
+        "fraction": fraction,
+        "rep": rep,
+        "rate": fraction * 2,
+        "metrics": metrics,
+    }
 
 
 ROWS = [
-    _row("ours", 512, 1.0, 100.0, 10.0),
-    _row("pull", 512, 1.0, 120.0, 11.0),
-    _row("ours", 2048, 1.0, 200.0, 10.0),
-    _row("pull", 2048, 1.0, 300.0, 12.0),
-    _row("ours", 2048, 4.0, 400.0, 20.0),
-    _row("pull", 2048, 4.0, 1600.0, 40.0),
-    _row("ours", 2048, 8.0, 900.0, 30.0),
-    _row("pull", 2048, 8.0, 5000.0, 50.0, failed=2),  # not clean: not a headline point
-    _row("aggregated", 2048, 1.0, 160.0, 9.0),
-    _row("ours-spin", 2048, 4.0, 800.0, 25.0),
+    _row("ours", 512, 0.9, 100.0, 10.0),
+    _row("pull", 512, 0.9, 120.0, 11.0),
+    _row("ours", 2048, 0.3, 200.0, 10.0),
+    _row("pull", 2048, 0.3, 300.0, 12.0),
+    _row("ours", 2048, 0.9, 400.0, 20.0),
+    _row("pull", 2048, 0.9, 1600.0, 40.0),
+    _row("ours", 2048, 0.9, 600.0, 20.0, rep=1),
+    _row("pull", 2048, 0.9, 1200.0, 40.0, rep=1),
+    _row("ours", 2048, 1.2, 900.0, 30.0),
+    _row("pull", 2048, 1.2, 5000.0, 50.0, failed=2),
+    _row("aggregated", 2048, 0.3, 160.0, 9.0),
+    _row("ours-spin", 2048, 0.9, 800.0, 25.0),
 ]
+SWEEP = {"light_fraction": 0.3, "loaded_fraction": 0.9}
 
 
-def test_headline_points() -> None:
-    assert headline_point(ROWS, "ours", "pull", loaded=True) == (2048, 4.0)
-    assert headline_point(ROWS, "ours", "pull", loaded=False) == (2048, 1.0)
-    assert headline_point(ROWS, "ours", "vllm-push", loaded=True) is None
+def test_headline_point_is_the_longest_input_both_ran_at_the_fraction() -> None:
+    assert headline_point(ROWS, "ours", "pull", 0.9) == 2048
+    assert headline_point(ROWS, "ours", "pull", 0.6) is None
+    assert headline_point(ROWS, "ours", "vllm-push", 0.9) is None
+
+
+def test_ratio_pairs_repetitions_and_reports_their_spread() -> None:
+    found, why = pair_ratio(ROWS, "ours", "pull", "mean_ttft_counted_ms", 0.9)
+    assert found is not None
+    assert found.value == pytest.approx(500 / 1400)
+    assert (found.low, found.high) == (pytest.approx(0.25), pytest.approx(0.5))
+    assert found.repetitions == 2 and not found.wider_than_gap
+    assert "2 repetition(s)" in why
+    wide = Ratio(0.95, 0.8, 1.1, 2)
+    assert wide.wider_than_gap
+
+
+def test_spread_wider_than_the_gap_is_said() -> None:
+    rows = [
+        _row("ours", 8192, 0.9, 900.0, 5.0),
+        _row("pull", 8192, 0.9, 1000.0, 5.0),
+        _row("ours", 8192, 0.9, 1100.0, 5.0, rep=1),
+        _row("pull", 8192, 0.9, 1000.0, 5.0, rep=1),
+    ]
+    _, why = pair_ratio(rows, "ours", "pull", "mean_ttft_counted_ms", 0.9)
+    assert "no difference this run can claim" in why
 
 
 def test_render_writes_summary_table_and_plots(tmp_path: Path) -> None:
-    (tmp_path / "scenarios.json").write_text(
-        json.dumps({"rows": ROWS, "stacks": ["ours", "pull", "aggregated"], "errors": {}})
-    )
+    caps = [{"stack": "ours", "input_len": 2048, "request_throughput": 2.0}]
+    scen = {
+        "rows": ROWS,
+        "capacities": caps,
+        "sweep": SWEEP,
+        "stacks": ["ours", "pull", "aggregated"],
+        "errors": {},
+    }
+    (tmp_path / "scenarios.json").write_text(json.dumps(scen))
     (tmp_path / "transfer.json").write_text(json.dumps({"connector_over_bare_throughput": 0.9}))
     summary = render(tmp_path, "disagg-bench scenarios")
-    assert summary["ttft_push_over_pull_loaded"] == pytest.approx(0.25)
+    assert summary["ttft_push_over_pull_loaded"] == pytest.approx(500 / 1400)
+    assert summary["spread"]["ttft_push_over_pull_loaded"]["repetitions"] == 2
     assert summary["tpot_push_over_pull_loaded"] == pytest.approx(0.5)
     assert summary["ttft_push_over_aggregated_light"] == pytest.approx(200 / 160)
     assert summary["ttft_ours_over_vllm_push_loaded"] is None
-    assert summary["ttft_push_spin_over_pull_loaded"] == pytest.approx(0.5)
+    assert summary["ttft_push_spin_over_pull_loaded"] == pytest.approx(800 / 1600)
     assert summary["ttft_push_spin_over_push_loaded"] == pytest.approx(2.0)
     assert summary["router_added_ms_p50"] is None
     assert summary["connector_over_bare_nixl_throughput"] == pytest.approx(0.9)
+    assert summary["capacity_rps"] == {"ours": {"2048": 2.0}}
+    assert summary["load_points"] == {"light_fraction": 0.3, "loaded_fraction": 0.9}
+    pull_points = summary["points"]["pull"]
+    assert {
+        "input_len": 2048,
+        "fraction": 1.2,
+        "rep": 0,
+        "rate": 2.4,
+        "completed": 5,
+        "failed": 2,
+    } in pull_points
     assert summary["machine"]["cores"] >= 1
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert set(on_disk) >= {"measured_at", "machine", "vllm_router_added_ms_p50"}
+    assert set(on_disk) >= {"measured_at", "machine", "vllm_router_added_ms_p50", "spread"}
     md = (tmp_path / "results.md").read_text()
-    assert "no sweep point where both ours and vllm-push" in md
-    assert (tmp_path / "ttft_vs_rate.png").read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "tpot_vs_rate.png").stat().st_size > 0
+    assert "no point at 0.9 x capacity that both ours and vllm-push ran" in md
+    assert "| `ttft_push_over_pull_loaded` | 0.357 | 0.250-0.500 (2) |" in md
+    assert (tmp_path / "ttft_vs_load.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "tpot_vs_load.png").stat().st_size > 0
 
 
 def test_markdown_marks_failures_and_gaps() -> None:
     table = markdown_table(ROWS, ["ours", "pull", "aggregated"])
-    assert "| 2048 | 8 | 900 / 1800 | 30.0 | 5000 / 10000 (2 failed) | 50.0 | - | - |" in table
+    assert (
+        "| 2048 | 1.2 | 0 | 2.4 | 900 / 1800 | 5/5 | 30.0 | 2.4 | 5000 / 10000 | 5/7 | 50.0 |"
+        " - | - | - | - |" in table
+    )
 
 
 def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> None:
@@ -99,3 +161,8 @@ def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> No
     assert summary["router_throughput_over_direct"] == pytest.approx(0.6)
     assert summary["vllm_router_throughput_over_direct"] is None
     assert "at 500 req/s" in (tmp_path / "results.md").read_text()
+
+
+def test_recorded_command_leaves_out_the_work_dir() -> None:
+    argv = ["scenarios", "--work-dir", "/tmp/x", "--stacks", "ours", "--work-dir=/tmp/y"]
+    assert recorded_command(argv) == "disagg-bench scenarios --stacks ours"
