@@ -24,12 +24,14 @@ whole budget.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import zlib
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from bench.results import counted_ttft_to_dict, metrics_to_dict, write_json
 from bench.routers import our_router, vllm_router
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessStartError
+from devstack.stack import DECODE_CORE, PREFILL_CORE
 from devstack.vllm_server import read_metrics_text
 
 
@@ -98,6 +101,10 @@ class SweepSpec:
     request_timeout_s: float = 120.0
     point_time_limit_s: float = 120.0
     idle_timeout_s: float = 60.0
+    #: Confine each vLLM instance's whole process to its core (P and the aggregated instance:
+    #: core 0, D: core 1) and the routers and the load generator to core 1, instead of pinning
+    #: only the instances' OpenMP compute threads: each instance then has exactly one core.
+    pin_processes: bool = False
 
     def __post_init__(self) -> None:
         if not self.input_lens or not self.fractions:
@@ -326,9 +333,10 @@ _IDLE_POLL_S = 0.2
 
 
 def _targets_for_group(
-    group: str, stack_obj: Any, wanted: tuple[str, ...], logs: Path, es: ExitStack
+    group: str, stack_obj: Any, wanted: tuple[str, ...], logs: Path, es: ExitStack, cpus: str | None
 ) -> dict[str, Target]:
-    """Start the routers of ``group`` over the running instances; return the targets."""
+    """Start the routers of ``group`` (on ``cpus`` when given) over the running instances;
+    return the targets."""
     model = str(stack_obj.model_name)
     targets: dict[str, Target] = {}
     if group == "aggregated":
@@ -344,11 +352,11 @@ def _targets_for_group(
         proc: ChildProcess
         metrics: tuple[tuple[str, str], ...] = instances
         if stack == "vllm-router":
-            proc = vllm_router(p_url, d_url, port, logs, ready_timeout_s=120.0)
+            proc = vllm_router(p_url, d_url, port, logs, ready_timeout_s=120.0, cpus=cpus)
         else:
             config = stack_obj.router_config(with_identity=False)
             config["timeouts"] = {"prefill": 300.0, "first_token": 300.0, "total": 600.0}
-            proc = our_router(config, port, logs, ready_timeout_s=180.0)
+            proc = our_router(config, port, logs, ready_timeout_s=180.0, cpus=cpus)
             metrics = (("router", f"http://127.0.0.1:{port}/metrics"), *instances)
         es.enter_context(proc)
         targets[stack] = Target(f"http://127.0.0.1:{port}", model, metrics=metrics)
@@ -365,10 +373,34 @@ def run_scenarios(
 ) -> dict[str, Any]:
     """Run every wanted stack (grouped by shared instances); returns rows and per-stack errors.
 
-    ``on_progress`` gets the results so far after each group (to save partial results).
+    ``on_progress`` gets the results so far after each group (to save partial results). With
+    ``spec.pin_processes`` this process (the load generator) runs on core 1 until it returns.
     """
     if start_stack is None:
-        start_stack = _start_devstack
+        start_stack = partial(_start_devstack, pin_processes=spec.pin_processes)
+    if not spec.pin_processes:
+        return _run_groups(spec, stacks, out_dir, work_dir, start_stack, on_progress, None)
+    before = os.sched_getaffinity(0)
+    if not {PREFILL_CORE, DECODE_CORE} <= before:
+        raise ValueError(f"pin_processes needs cores {PREFILL_CORE} and {DECODE_CORE}")
+    os.sched_setaffinity(0, {DECODE_CORE})
+    try:
+        return _run_groups(
+            spec, stacks, out_dir, work_dir, start_stack, on_progress, str(DECODE_CORE)
+        )
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _run_groups(
+    spec: SweepSpec,
+    stacks: tuple[str, ...],
+    out_dir: Path,
+    work_dir: Path,
+    start_stack: Callable[[InstanceGroup, Path], Any],
+    on_progress: Callable[[dict[str, Any]], object] | None,
+    router_cpus: str | None,
+) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     capacities: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
@@ -388,7 +420,7 @@ def run_scenarios(
             with ExitStack() as es:
                 stack_obj = start_stack(spec_group, logs)
                 es.callback(stack_obj.stop)
-                targets = _targets_for_group(group, stack_obj, wanted, logs, es)
+                targets = _targets_for_group(group, stack_obj, wanted, logs, es, router_cpus)
                 timings[f"{group}_startup_s"] = time.monotonic() - t0
                 for name, target in targets.items():
                     t1 = time.monotonic()
@@ -447,12 +479,13 @@ def merge_previous(data: dict[str, Any], previous: dict[str, Any] | None) -> dic
     }
 
 
-def _start_devstack(group: InstanceGroup, work_dir: Path) -> Any:
+def _start_devstack(group: InstanceGroup, work_dir: Path, pin_processes: bool = False) -> Any:
     from devstack.stack import StackOptions, start_stack
 
     options = StackOptions(
         kind=group.kind,
         topology=group.topology,  # type: ignore[arg-type]
         connector_extra_config=dict(group.connector_extra_config),
+        pin_processes=pin_processes,
     )
     return start_stack(options, work_dir)

@@ -69,6 +69,11 @@ def add_scenarios_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds per point; unfinished requests then fail, and a point that completed "
         "nothing ends that stack's sweep",
     )
+    parser.add_argument(
+        "--pin-processes",
+        action="store_true",
+        help="whole instance processes on their cores; routers and load generator on core 1",
+    )
     parser.add_argument("--burstiness", type=float, default=d.burstiness)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
@@ -106,6 +111,7 @@ def _spec(args: argparse.Namespace) -> SweepSpec:
         point_time_limit_s=args.point_time_limit,
         burstiness=args.burstiness,
         seed=args.seed,
+        pin_processes=args.pin_processes,
     )
 
 

@@ -75,6 +75,8 @@ class StackOptions:
     connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
     in_process_worker: bool = True
     """Model worker inside the engine-core process (see :mod:`devstack.vllm_server`)."""
+    pin_processes: bool = False
+    """Confine each instance's whole process to its core (:attr:`VllmServerSpec.pin_process`)."""
     extra_args: Sequence[str] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -255,6 +257,7 @@ def build_specs(
             nixl_side_channel_port=nixl_port if role != "aggregated" else None,
             max_model_len=options.max_model_len,
             in_process_worker=options.in_process_worker,
+            pin_process=options.pin_processes,
             extra_env=options.extra_env,
             extra_args=options.extra_args,
         )

@@ -69,6 +69,9 @@ class VllmServerSpec:
     load_format: str = "auto"
     kv_cache_space_gib: int = 1
     in_process_worker: bool = True
+    pin_process: bool = False
+    """Confine the whole process (API server, engine loop, connector threads), not only its
+    OpenMP compute threads, to ``cpu_core`` (``taskset``)."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
     extra_args: Sequence[str] = ()
 
@@ -100,6 +103,8 @@ class VllmServerSpec:
         if self.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
         argv += list(self.extra_args)
+        if self.pin_process:
+            argv = ["taskset", "-c", str(self.cpu_core), *argv]
         return argv
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:

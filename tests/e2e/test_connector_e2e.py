@@ -29,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.stack import Stack, StackInstance, StackOptions
-from tests.e2e.e2e_support import metrics, module_stack, wait_idle
+from tests.e2e.e2e_support import load, metrics, module_stack, wait_idle
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.vllm]
@@ -269,7 +269,9 @@ async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> No
     p, d = stack.prefill[0], stack.decode[0]
     baseline = idle_kv_usage(d)
     rid = uuid.uuid4().hex
-    prompt = tokens("p-abort", 12000)  # long enough that the P leg is still prefilling
+    # The longest prompt the instances take: P prefills it in chunks over several steps, and
+    # the client goes away once P reports the request running, i.e. after its first chunk.
+    prompt = tokens("p-abort", 16000)
     headers = {"X-Request-Id": rid}
     p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": rid}
     p_body = _body(prompt, 1, p_params) | {"stream": True}
@@ -282,16 +284,15 @@ async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> No
             )
         )
         await wait_registered(d)
-        with pytest.raises(httpx.ReadTimeout):  # the client of the P leg gives up mid-prefill
-            async with client.stream(
-                "POST",
-                p.url + "/v1/completions",
-                json=p_body,
-                headers=headers,
-                timeout=httpx.Timeout(0.5, connect=10.0),
-            ) as resp:
-                async for _ in resp.aiter_bytes():
-                    pass
+        p_leg = asyncio.ensure_future(
+            client.post(p.url + "/v1/completions", json=p_body, headers=headers)
+        )
+        await asyncio.to_thread(
+            wait_until, lambda: load(p)[0] >= 1, 60.0, "P to start the prefill", 0.01
+        )
+        p_leg.cancel()  # the client of the P leg goes away mid-prefill: vLLM aborts the request
+        with pytest.raises(asyncio.CancelledError):
+            await p_leg
         resp_d = await d_leg
     assert resp_d.status_code >= 400  # P told D; D reports the load as failed
     # P's failure ended D's wait (its notification, or its refusal of a late registration),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,31 @@ def test_runner_sweeps_at_fractions_of_measured_capacity(tmp_path: Path) -> None
     summary = render(tmp_path, "test")
     assert summary["ttft_push_over_pull_loaded"] is None  # only the aggregated stack ran
     assert set(summary["capacity_rps"]["aggregated"]) == {"16", "32"}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs cores 0 and 1")
+def test_pinned_sweep_runs_the_load_generator_on_core_1(tmp_path: Path) -> None:
+    seen: list[set[int]] = []
+
+    def start(group: InstanceGroup, logs: Path) -> Any:
+        seen.append(os.sched_getaffinity(0))
+        return _FakeStack(logs)
+
+    before = os.sched_getaffinity(0)
+    spec = SweepSpec(
+        input_lens=(16,),
+        fractions=(1.0,),
+        repetitions=1,
+        output_len=4,
+        min_requests=2,
+        max_requests=2,
+        capacity_requests=2,
+        pin_processes=True,
+    )
+    data = run_scenarios(spec, ("aggregated",), tmp_path, tmp_path / "w", start_stack=start)
+    assert data["errors"] == {} and data["sweep"]["pin_processes"] is True
+    assert seen == [{1}]
+    assert os.sched_getaffinity(0) == before
 
 
 def test_failed_stack_start_is_recorded(tmp_path: Path) -> None:

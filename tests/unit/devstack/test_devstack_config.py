@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,15 @@ def test_2p1d_plan_pins_prefills_to_core0_and_decode_to_core1(tmp_path: Path) ->
     assert p0.kv_transfer_config["kv_role"] == "kv_producer"
     assert p0.kv_transfer_config["engine_id"] == stack.prefill[0].engine_id
     assert stack.aggregated[0].server.spec.kv_transfer_config is None
+
+
+def test_pinned_stack_runs_each_whole_instance_on_its_core(tmp_path: Path) -> None:
+    free = _stack(tmp_path, StackOptions(kind="ours"))
+    assert all(i.server.spec.command()[0] != "taskset" for i in free.instances)
+    pinned = _stack(tmp_path, StackOptions(kind="ours", pin_processes=True))
+    heads = [i.server.spec.command()[:3] for i in pinned.instances]
+    assert heads == [["taskset", "-c", "0"], ["taskset", "-c", "1"]]
+    assert pinned.instances[0].server.spec.command()[3:5] == [sys.executable, "-m"]
 
 
 @pytest.mark.parametrize("with_identity", [False, True])
