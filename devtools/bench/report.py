@@ -52,7 +52,12 @@ def _index(rows: Rows) -> dict[Point, list[dict[str, Any]]]:
 
 def headline_point(rows: Rows, a: str, b: str, fraction: float) -> int | None:
     """The longest input length where both stacks ran the point at ``fraction``."""
-    idx = _index(rows)
+    return _longest_common(_index(rows), a, b, fraction)
+
+
+def _longest_common(
+    idx: dict[Point, list[dict[str, Any]]], a: str, b: str, fraction: float
+) -> int | None:
     lens = [k[1] for k in idx if k[0] == a and k[2] == fraction and (b, k[1], fraction) in idx]
     return max(lens) if lens else None
 
@@ -80,10 +85,10 @@ def pair_ratio(
     rows: Rows, a: str, b: str, metric: str, fraction: float
 ) -> tuple[Ratio | None, str]:
     """``a``'s ``metric`` over ``b``'s at the headline point; ``None`` with the reason."""
-    input_len = headline_point(rows, a, b, fraction)
+    idx = _index(rows)
+    input_len = _longest_common(idx, a, b, fraction)
     if input_len is None:
         return None, f"no point at {fraction:g} x capacity that both {a} and {b} ran"
-    idx = _index(rows)
     reps_a, reps_b = idx[(a, input_len, fraction)], idx[(b, input_len, fraction)]
     pairs = [
         (ma[metric], mb[metric])

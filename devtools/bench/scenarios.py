@@ -28,8 +28,8 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -146,7 +146,6 @@ class _Sweep:
     spec: SweepSpec
     out_dir: Path
     vocab_size: int
-    rows: list[dict[str, Any]]
     capacities: list[dict[str, Any]]
 
     def prompts(self, n: int, input_len: int, what: str) -> list[BenchRequest]:
@@ -170,7 +169,7 @@ async def sweep_target(
     out_dir: Path,
     vocab_size: int,
     rows: list[dict[str, Any]],
-    capacities: list[dict[str, Any]] | None = None,
+    capacities: list[dict[str, Any]],
 ) -> None:
     """Run the whole sweep against one target; write one JSON per point; append summary rows
     (and one capacity record per input length to ``capacities``).
@@ -178,9 +177,7 @@ async def sweep_target(
     Raises :class:`StackStalled` after a capacity run or point that completed nothing (what ran
     so far stays in ``rows``), ``RuntimeError`` when a warm-up fails.
     """
-    if capacities is None:
-        capacities = []
-    sweep = _Sweep(stack, target, spec, out_dir, vocab_size, rows, capacities)
+    sweep = _Sweep(stack, target, spec, out_dir, vocab_size, capacities)
     async with make_client(request_timeout_s=spec.request_timeout_s) as client:
         for input_len in spec.input_lens:
             capacity = await _measure_capacity(client, sweep, input_len)
@@ -378,16 +375,21 @@ def run_scenarios(
     """
     if start_stack is None:
         start_stack = partial(_start_devstack, pin_processes=spec.pin_processes)
-    if not spec.pin_processes:
-        return _run_groups(spec, stacks, out_dir, work_dir, start_stack, on_progress, None)
+    pinned = spec.pin_processes
+    router_cpus = str(DECODE_CORE) if pinned else None
+    with _this_process_on(DECODE_CORE) if pinned else nullcontext():
+        return _run_groups(spec, stacks, out_dir, work_dir, start_stack, on_progress, router_cpus)
+
+
+@contextmanager
+def _this_process_on(core: int) -> Iterator[None]:
+    """Run this process (the load generator) on ``core`` only, restoring its CPUs after."""
     before = os.sched_getaffinity(0)
     if not {PREFILL_CORE, DECODE_CORE} <= before:
         raise ValueError(f"pin_processes needs cores {PREFILL_CORE} and {DECODE_CORE}")
-    os.sched_setaffinity(0, {DECODE_CORE})
+    os.sched_setaffinity(0, {core})
     try:
-        return _run_groups(
-            spec, stacks, out_dir, work_dir, start_stack, on_progress, str(DECODE_CORE)
-        )
+        yield
     finally:
         os.sched_setaffinity(0, before)
 
