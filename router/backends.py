@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import httpx
+
 from router.admission import Gate
 from router.breaker import Breaker
 from router.config import AdmissionConfig, BreakerConfig, InstanceConfig, PushIdentity
@@ -47,10 +49,19 @@ class BackendState:
     checked: bool = False  # a health check has completed (passed or failed) at least once
     gate: Gate = field(default_factory=lambda: Gate(AdmissionConfig()))
     breaker: Breaker = field(default_factory=lambda: Breaker(BreakerConfig()))
+    _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def url(self) -> str:
         return self.config.url
+
+    def endpoint(self, path: str) -> httpx.URL:
+        """The URL of ``path`` on this instance, parsed once (httpx parses a string URL on every
+        request; the legs use a handful of paths)."""
+        url = self._endpoints.get(path)
+        if url is None:
+            url = self._endpoints[path] = httpx.URL(self.url + path)
+        return url
 
     @property
     def label(self) -> str:

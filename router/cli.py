@@ -34,11 +34,14 @@ def worker_app() -> FastAPI:
     from router.app import create_app
     from router.config import load_config
     from router.reqlog import configure_logging
+    from router.server import settle_heap
 
     path = Path(os.environ[CONFIG_ENV])
     settings = load_config(path)
     configure_logging(settings.logging, os.environ.get(LOG_LEVEL_ENV, "info"))
-    return create_app(settings, config_path=path)
+    app = create_app(settings, config_path=path)
+    settle_heap()
+    return app
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:

@@ -17,10 +17,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from router import codec
 from router.admission import Slot
 from router.backends import BackendState
 from router.config import PushIdentity
@@ -59,8 +60,13 @@ class _End:
     """Queue sentinel: the D leg finished cleanly."""
 
 
+class _ClientGone:
+    """Queue sentinel: the client went away; the relay ends without another event."""
+
+
 _END = _End()
-DecodeItem = str | dict[str, Any] | RouterError | _End
+_GONE = _ClientGone()
+DecodeItem = str | dict[str, Any] | RouterError | _End | _ClientGone
 
 
 def sse_error_event(exc: RouterError) -> bytes:
@@ -322,6 +328,10 @@ class Dispatch:
             raise
         first_token.end()
 
+    def client_gone(self) -> None:
+        """The client disconnected: the relay ends now (``close()`` then cancels the legs)."""
+        self._queue.put_nowait(_GONE)
+
     def abort(self, reason: str) -> None:
         """End this dispatch early (router stopping): its client gets an error now, before or
         after the commit point; the legs are cancelled by ``close()`` as always."""
@@ -389,46 +399,71 @@ class Dispatch:
     async def _client_event(self, payload: str) -> bytes:
         if '"usage"' in payload:
             try:
-                chunk = json.loads(payload)
+                chunk = codec.loads(payload)
             except ValueError:
                 chunk = None
             if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
                 chunk["usage"] = merge_usage(chunk["usage"], await self._prefill_usage())
-                payload = json.dumps(chunk, separators=(",", ":"))
+                return b"data: " + codec.dumps(chunk) + b"\n\n"
         return b"data: " + payload.encode() + b"\n\n"
 
-    async def sse_events(self) -> AsyncIterator[bytes]:
+    async def sse_events(self) -> AsyncGenerator[bytes, None]:
         """Client SSE bytes from the first token on; a later failure ends it with one error event.
 
-        Sets ``outcome``. Never raises :class:`RouterError` (headers are already sent by then).
+        What D has already sent goes out in one write (the events of one upstream read arrive
+        together); nothing waits for more, so the client sees every event as soon as it would
+        alone. Sets ``outcome``. Never raises :class:`RouterError` (headers are already sent).
         """
         deadline = self.started + self.runtime.settings.timeouts.total
-        item = self._first
+        item: DecodeItem | None = self._first
         while True:
-            if isinstance(item, _End):
-                self.outcome = "ok"
-                yield b"data: [DONE]\n\n"
+            events, item = await self._ready_events(item)
+            end = self._end_event(item)
+            if events or end is not None:
+                yield b"".join(events if end is None else [*events, end])
+            if events and "client_first" not in self._stamps:
+                self._observe_ttft_stages()
+            if end is not None or isinstance(item, _ClientGone):
                 return
-            if isinstance(item, RouterError):
-                self.outcome = "decode_failed_midstream"
-                log.warning("dispatch %s failed mid-stream: %s", self.request_id, item.message)
-                yield sse_error_event(item)
-                return
-            if isinstance(item, str):
-                yield await self._client_event(item)
-                if "client_first" not in self._stamps:
-                    self._observe_ttft_stages()
-            left = deadline - time.monotonic()
+            if not isinstance(item, str):
+                item = await self._next_item(deadline)
+
+    async def _ready_events(self, item: DecodeItem | None) -> tuple[list[bytes], DecodeItem | None]:
+        """Client events for ``item`` and the payloads queued behind it; returns them with the
+        first item not taken (None: the queue is empty). A usage chunk may wait for P's answer,
+        so it starts a batch of its own: the events before it are not held back."""
+        batch: list[bytes] = []
+        while isinstance(item, str):
+            if batch and '"usage"' in item:
+                break
+            batch.append(await self._client_event(item))
             try:
-                if left <= 0:
-                    raise TimeoutError
-                try:
-                    item = self._queue.get_nowait()  # fast path: no timer task when data is ready
-                except asyncio.QueueEmpty:
-                    item = await asyncio.wait_for(self._queue.get(), left)
-            except TimeoutError:
-                limit = self.runtime.settings.timeouts.total
-                item = UpstreamTimeout("decode", self.decode.label, f"total {limit:g}s exceeded")
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                item = None
+        return batch, item
+
+    def _end_event(self, item: DecodeItem | None) -> bytes | None:
+        """The stream's last event if ``item`` ends it (sets ``outcome``); None otherwise."""
+        if isinstance(item, _End):
+            self.outcome = "ok"
+            return b"data: [DONE]\n\n"
+        if isinstance(item, RouterError):
+            self.outcome = "decode_failed_midstream"
+            log.warning("dispatch %s failed mid-stream: %s", self.request_id, item.message)
+            return sse_error_event(item)
+        return None
+
+    async def _next_item(self, deadline: float) -> DecodeItem:
+        """D's next item, or a timeout error once the total timeout is spent."""
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(self._queue.get(), left)
+        except TimeoutError:
+            limit = self.runtime.settings.timeouts.total
+            return UpstreamTimeout("decode", self.decode.label, f"total {limit:g}s exceeded")
 
     async def json_response(self) -> dict[str, Any]:
         """The non-streamed answer for the client (after ``open()``), usage merged."""

@@ -23,7 +23,7 @@ from router.metrics import RouterMetrics
 from router.pools import Pool
 from router.routing import LiveRouting, ModelPools
 from router.tracing import NoTracer, Tracer, make_tracer
-from router.transport import AiohttpTransport
+from router.transport import AiohttpTransport, UpstreamClient
 
 
 @dataclass(frozen=True)
@@ -80,14 +80,14 @@ class Runtime:
 def http_client(
     settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
-    """The one upstream client: explicit timeouts, generous pool limits.
+    """The one upstream client: explicit timeouts, generous pool limits, no cookies.
 
     Its connections are aiohttp's (:mod:`router.transport`); ``transport`` replaces them (tests).
     """
     t = settings.timeouts
     timeout = httpx.Timeout(connect=t.connect, read=t.total, write=t.total, pool=t.connect)
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
-    return httpx.AsyncClient(
+    return UpstreamClient(
         timeout=timeout, limits=limits, transport=transport or AiohttpTransport(limits=limits)
     )
 

@@ -1,4 +1,4 @@
-"""The upstream client's transport: aiohttp's connections behind httpx's API.
+"""The upstream client: httpx's API over aiohttp's connections, keeping no cookies.
 
 Who calls it: :func:`router.runtime.http_client` (the router's one upstream client). httpcore's
 pool polls every pooled connection on each request; with the connections a loaded router keeps,
@@ -6,11 +6,14 @@ that cost more CPU than everything else the router does (docs/benchmarks/README.
 HTTP client"). ``httpx-aiohttp`` runs httpx requests over aiohttp instead; this subclass makes
 its errors the ones httpx's own transport raises for the same failure (the package calls a
 refused or dropped connection a connect timeout), so callers see no difference.
+:class:`UpstreamClient` keeps no cookies: a proxy must not carry one upstream answer's
+``Set-Cookie`` into the next request, and parsing them was a few per cent of a loaded router's CPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import httpx
@@ -66,3 +69,18 @@ class AiohttpTransport(httpx_aiohttp.AiohttpTransport):
         assert isinstance(response.stream, httpx.AsyncByteStream)
         response.stream = _Stream(response.stream)
         return response
+
+
+class _NoCookies(httpx.Cookies):
+    """A cookie store that stores nothing (upstream ``Set-Cookie`` headers are not read)."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        """Ignore the answer's cookies."""
+
+
+class UpstreamClient(httpx.AsyncClient):
+    """``httpx.AsyncClient`` that keeps no cookies (see the module doc); takes its arguments."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._cookies = _NoCookies()

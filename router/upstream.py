@@ -9,7 +9,6 @@ side effect: what a failure means for the instance's health is decided by the ca
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import httpx
 from httpx_sse import SSEError
 
+from router import codec
 from router.backends import BackendState
 from router.errors import (
     UpstreamConnectTimeout,
@@ -59,10 +59,6 @@ def _detail(resp: httpx.Response) -> Any:
         return resp.text
 
 
-def _encode(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
 async def post_json(
     client: httpx.AsyncClient,
     backend: BackendState,
@@ -75,8 +71,8 @@ async def post_json(
     """POST ``body`` and return the JSON object answered; HTTP errors raise."""
     try:
         resp = await client.post(
-            backend.url + path,
-            content=_encode(body),
+            backend.endpoint(path),
+            content=codec.dumps(body),
             headers=leg_headers(backend, request_id, headers),
         )
     except httpx.HTTPError as exc:
@@ -84,7 +80,7 @@ async def post_json(
     if resp.status_code >= 400:
         raise UpstreamHTTPError(leg, backend.label, resp.status_code, _detail(resp))
     try:
-        data = resp.json()
+        data = codec.loads(resp.content)
     except ValueError as exc:
         raise UpstreamProtocolError(leg, backend.label, "answer is not JSON") from exc
     if not isinstance(data, dict):
@@ -109,8 +105,8 @@ async def open_sse(
     """
     request = client.build_request(
         "POST",
-        backend.url + path,
-        content=_encode(body),
+        backend.endpoint(path),
+        content=codec.dumps(body),
         headers=leg_headers(backend, request_id, headers),
     )
     try:
@@ -124,6 +120,7 @@ async def open_sse(
             except httpx.HTTPError as exc:
                 raise _translate(exc, leg, backend) from exc
             raise UpstreamHTTPError(leg, backend.label, resp.status_code, _detail(resp))
+        resp.encoding = "utf-8"  # what an event stream always is; skips parsing Content-Type
         yield _sse_payloads(resp, leg, backend)
     finally:
         await resp.aclose()

@@ -16,6 +16,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router import codec
 from router.config import LimitsConfig
 from router.errors import ClientRequestError
 
@@ -68,6 +69,16 @@ def _depth(value: Any, limit: int) -> bool:
 
 def _load(raw: bytes, max_depth: int) -> Any:
     try:
+        body = codec.loads_fast(raw)
+    except (ValueError, RecursionError):  # msgspec refused it: json decides, with its messages
+        body = _load_slow(raw, max_depth)
+    if not _depth(body, max_depth):
+        raise ClientRequestError(f"request body nests deeper than {max_depth} levels", None)
+    return body
+
+
+def _load_slow(raw: bytes, max_depth: int) -> Any:
+    try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ClientRequestError(f"request body is not UTF-8: {exc.reason}", None) from exc
@@ -79,8 +90,6 @@ def _load(raw: bytes, max_depth: int) -> Any:
         ) from exc
     except ValueError as exc:
         raise ClientRequestError(f"request body is not valid JSON: {exc}", None) from exc
-    if not _depth(body, max_depth):
-        raise ClientRequestError(f"request body nests deeper than {max_depth} levels", None)
     return body
 
 

@@ -141,6 +141,10 @@ def test_prefix_affinity_pins_a_prefix_to_one_prefill(fake: dict[str, FakeVllmSe
     data = settings.model_dump()
     data["prefill"]["policy"] = "prefix_affinity"
     data["prefill"]["prefix_chars"] = 64
+    # Rendezvous weights hash the instances' labels: fixed names keep the prefixes' placement
+    # the same on every run (a URL label carries a random port).
+    for i, instance in enumerate(data["prefill"]["instances"]):
+        instance["name"] = f"p{i}"
     settings = settings_from_mapping(data)
     systems = [f"system prompt number {i}: " + "be helpful. " * 10 for i in range(8)]
     with running_router(settings) as router:
