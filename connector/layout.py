@@ -143,6 +143,8 @@ def descriptors(layout: LayoutSpec) -> list[Descriptor]:
 def physical_blocks(layout: LayoutSpec, logical_ids: Sequence[int]) -> list[int]:
     """Expand logical block ids to the physical (kernel) block ids they cover, in order."""
     k = layout.blocks_per_logical
+    if k == 1:
+        return list(logical_ids)
     return [b * k + i for b in logical_ids for i in range(k)]
 
 
@@ -153,12 +155,15 @@ def descriptor_ids(layout: LayoutSpec, logical_ids: Sequence[int]) -> list[int]:
     """
     phys = physical_blocks(layout, logical_ids)
     out: list[int] = []
+    if not phys:
+        return out
+    low, high = min(phys), max(phys)
     offset = 0
     for region in layout.regions:
-        for b in phys:
-            if not 0 <= b < region.num_blocks:
-                raise ValueError(f"block {b} outside region of {region.num_blocks} blocks")
-            out.append(offset + b)
+        if low < 0 or high >= region.num_blocks:
+            bad = low if low < 0 else high
+            raise ValueError(f"block {bad} outside region of {region.num_blocks} blocks")
+        out.extend([offset + b for b in phys])
         offset += region.num_blocks
     return out
 

@@ -3,8 +3,12 @@
 
 vLLM-independent. Who calls it: the P worker (``add_finished``/``abort`` from vLLM's engine
 thread, ``take_released``/``take_records`` once per step) and the side-channel thread
-(registrations and cancels from D). All endpoint calls happen on the ``dpc-writer`` thread.
-See :mod:`connector.producer_state` for the invariants.
+(registrations and cancels from D). The ``dpc-writer`` thread makes every endpoint call (connect,
+post, poll, release, notify, progress) except one: with ``post_on_finish``, ``add_finished``
+posts the WRITE to a D that already registered and is connected on the calling thread, saving
+the writer's wake-up (docs/benchmarks/README.md, "Transfer efficiency"); the writer polls it
+from then on. The endpoint's lock orders the two threads' calls. See
+:mod:`connector.producer_state` for the invariants.
 """
 
 from __future__ import annotations
@@ -51,8 +55,12 @@ class PushProducer:
 
     # ---- engine thread -------------------------------------------------------------------
     def add_finished(self, spec: SendSpec) -> None:
-        """P finished this prefill; its blocks stay pinned until released."""
+        """P finished this prefill; its blocks stay pinned until released. Posts its WRITE
+        here when D is ready for it (``post_on_finish``; see the module doc)."""
         self._state.add_finished(spec)
+        if self._cfg.post_on_finish:
+            for write in self._state.plan_connected(self._clock()):
+                self._post(write)
         self._wake.set()
 
     def abort(self, spec: SendAbort) -> None:

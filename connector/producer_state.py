@@ -230,6 +230,16 @@ class ProducerState:
         writes = [w for w in ready if self._prepare(w, now)]
         return WriterWork(connect=warm, writes=writes)
 
+    def plan_connected(self, now: float) -> list[Write]:
+        """Take the ready WRITEs whose D agent is already connected (what the thread finishing
+        a prefill may post at once); the others stay for :meth:`plan` on the writer thread."""
+        with self._lock:
+            ready = [w for w in self._ready.values() if w.reg.d_agent_name in self._known_agents]
+            for write in ready:
+                del self._ready[write.key]
+                self._inflight[write.key] = write  # visible to cancel before the post
+        return [w for w in ready if self._prepare(w, now)]
+
     def _prepare(self, write: Write, now: float) -> bool:
         reg = write.reg
         if now > write.entry.start_by:

@@ -34,6 +34,10 @@ class MemoryEndpoint:
         self.peers: set[str] = set()
         self.fail_writes = False
         self.write_state: XferState = "DONE"
+        self.writers: list[str] = []  # the thread that posted each WRITE
+        self.progress_open = threading.Event()  # clear it to park the next progress() caller
+        self.progress_open.set()
+        self.in_progress = threading.Event()  # set when a progress() call starts
 
     def metadata(self) -> bytes:
         return b"meta:" + self.name.encode()
@@ -51,6 +55,7 @@ class MemoryEndpoint:
         if self.fail_writes:
             raise TransferError("NIXL rejected the WRITE")
         self.writes.append((agent_name, local_ids, remote_ids, decode_notification(notif)))
+        self.writers.append(threading.current_thread().name)
         return len(self.writes)
 
     def state(self, handle: object) -> XferState:
@@ -73,6 +78,8 @@ class MemoryEndpoint:
         return out
 
     def progress(self) -> None:
+        self.in_progress.set()
+        assert self.progress_open.wait(10), "progress() parked for 10 s"
         self.notifs.extend(self.unsent)
         self.unsent.clear()
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -154,3 +156,36 @@ def test_registration_overtaken_by_its_cancel_never_writes(env: Any) -> None:
     assert late.status == "failed" and "cancelled" in late.reason
     until(lambda: "p-o" in producer.take_released())
     assert ep.writes == []
+
+
+def _second_write_poster(producer: PushProducer, ep: MemoryEndpoint) -> str:
+    """Connect D's agent with a first transfer, park the writer thread, finish a second prefill
+    whose D registered: the name of the thread that posted the second WRITE."""
+    producer.handle_request(reg("a", (1,)))
+    producer.add_finished(SendSpec("p-a", "a", (5,)))
+    until(lambda: len(ep.writes) == 1)  # the writer connected D's agent before any WRITE
+    ep.in_progress.clear()
+    ep.progress_open.clear()
+    assert ep.in_progress.wait(10)  # the writer is parked after planning its step
+    producer.handle_request(reg("b", (2,)))
+    producer.add_finished(SendSpec("p-b", "b", (6,)))
+    ep.progress_open.set()
+    until(lambda: len(ep.writes) == 2)
+    assert ep.writes[1][1:3] == ([6], [2])
+    until(lambda: "p-b" in producer.take_released())
+    return ep.writers[1]
+
+
+def test_a_write_to_a_connected_d_is_posted_by_the_thread_finishing_the_prefill(env: Any) -> None:
+    producer, ep, _ = env
+    assert _second_write_poster(producer, ep) == threading.current_thread().name
+
+
+def test_without_post_on_finish_the_writer_thread_posts_every_write() -> None:
+    ep, clock = MemoryEndpoint(), FakeClock()
+    cfg = ConnectorConfig(side_channel_port=0, lease_s=5.0, registration_ttl_s=5.0)
+    producer = PushProducer(ep, "p0", replace(cfg, post_on_finish=False), clock=clock)
+    try:
+        assert _second_write_poster(producer, ep) == "dpc-writer"
+    finally:
+        producer.close()
