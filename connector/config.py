@@ -56,12 +56,12 @@ class ConnectorConfig:
     """D: how often the receiver thread drains NIXL notifications while transfers are pending
     (every 50 ms when none are). Shorter: D learns of a WRITE sooner, more of D's core (measured
     while one transfer waits: 1.5 % of a core at 2 ms, 3.6 % at 0.5 ms, 7 % at 0.2 ms)."""
-    post_on_finish: bool = True
-    """P: post the WRITE on the thread that finishes the prefill (vLLM's engine thread) when its D
-    has registered and is already connected, instead of waking the writer thread for it. Saves
-    the writer's wake-up on the push path; the engine thread then spends the WRITE's posting
-    (descriptor ids and NIXL's post; with host memory UCX may copy while posting). Off: every
-    WRITE is posted by the writer thread."""
+    post_on_finish: bool = False
+    """P: post the WRITE on the thread that finishes the prefill (vLLM's worker thread) when its D
+    has registered and is already connected, instead of waking the writer thread for it. That
+    thread then spends the WRITE's posting (descriptor ids and NIXL's post; with host memory UCX
+    copies while posting). Off by default: on host memory it measured no gain (docs/benchmarks,
+    "Transfer efficiency")."""
     nixl_progress_thread: bool = False
     """Both: start NIXL's UCX progress thread (it busy-polls a core in nixl 1.5.1; see
     ``connector.nixl_backend``). Off: the connector's own threads drive progress."""

@@ -81,7 +81,7 @@ def fake_process(
     )
 
 
-def _summary(metrics: dict[str, Any], cpu_s: float) -> dict[str, Any]:
+def _summary(metrics: dict[str, Any], cpu_s: float, fakes_cpu_s: float) -> dict[str, Any]:
     keys = (
         "completed",
         "failed",
@@ -95,25 +95,38 @@ def _summary(metrics: dict[str, Any], cpu_s: float) -> dict[str, Any]:
     out = {k: metrics[k] for k in keys}
     done = metrics["completed"]
     out["cpu_ms_per_request"] = 1000 * cpu_s / done if done else None
+    out["fakes_cpu_ms_per_request"] = 1000 * fakes_cpu_s / done if done else None
     return out
 
 
+def _cpu(pgids: list[int]) -> float:
+    return sum(group_cpu_seconds(pgid) for pgid in pgids)
+
+
 async def _timed_load(
-    client: Any, target: Target, requests: list[Any], load: LoadSpec, pgid: int | None
+    client: Any,
+    target: Target,
+    requests: list[Any],
+    load: LoadSpec,
+    pgid: int | None,
+    fakes: list[int],
 ) -> tuple[Any, dict[str, Any]]:
-    """One load on ``target``: its result and its summary (with the CPU its processes used)."""
-    before = group_cpu_seconds(pgid) if pgid else 0.0
+    """One load on ``target``: its result and its summary, with the CPU its processes used and
+    the CPU the fake instances (process groups ``fakes``) used for it."""
+    before, fakes_before = (group_cpu_seconds(pgid) if pgid else 0.0), _cpu(fakes)
     result = await run_load(client, target, requests, load)
     used = group_cpu_seconds(pgid) - before if pgid else 0.0
-    return result, _summary(metrics_to_dict(result.metrics), used)
+    return result, _summary(metrics_to_dict(result.metrics), used, _cpu(fakes) - fakes_before)
 
 
 async def measure(
     targets: dict[str, Target], spec: OverheadSpec, pgids: dict[str, int] | None = None
 ) -> dict[str, Any]:
     """Offer the fixed-rate loads and the saturation loop to every target (interleaved);
-    ``pgids``: the process group whose CPU time counts for each target."""
+    ``pgids``: the process group whose CPU time counts for each target (``prefill`` and
+    ``direct``: the fakes', counted for every target)."""
     pgids = pgids or {}
+    fakes = [pgids[name] for name in ("prefill", "direct") if name in pgids]
     out: dict[str, Any] = {"fixed_rate": [], "saturation": {}}
     saturated: set[str] = set()
     async with make_client() as client:
@@ -132,7 +145,7 @@ async def measure(
                 print(f"overhead: {name} at {rate:g} req/s ({n} requests)", file=sys.stderr)
                 load = LoadSpec(request_rate=rate, seed=spec.seed, show_progress=False)
                 result, row["targets"][name] = await _timed_load(
-                    client, target, requests, load, pgids.get(name)
+                    client, target, requests, load, pgids.get(name), fakes
                 )
                 if result.metrics.request_throughput < 0.5 * rate:
                     saturated.add(name)
@@ -152,7 +165,7 @@ async def measure(
             )
             requests = make_token_prompts(SyntheticSpec(n, spec.input_len, spec.output_len, seed=1))
             _, out["saturation"][name] = await _timed_load(
-                client, target, requests, load, pgids.get(name)
+                client, target, requests, load, pgids.get(name), fakes
             )
     return out
 
@@ -188,10 +201,23 @@ def derive(raw: dict[str, Any]) -> dict[str, Any]:
             "ratio_to_direct": _ratio(m["request_throughput"], base_rate),
             "failed": m["failed"],
             "cpu_ms_per_request": m.get("cpu_ms_per_request"),
+            **_fakes_limit(m.get("fakes_cpu_ms_per_request"), base_rate),
         }
         for name, m in sat.items()
     }
     return {"added": added, "saturation": saturation}
+
+
+def _fakes_limit(fakes_ms: float | None, direct_rate: float) -> dict[str, float | None]:
+    """The fakes' CPU per request of one target's closed loop, and what it caps: the fakes share
+    one pinned core, so no target can pass ``1000 / fakes_ms`` req/s on it, whatever a router in
+    front costs (``fakes_limit_over_direct``: that cap / direct's measured rate)."""
+    limit = 1000 / fakes_ms if fakes_ms else None
+    return {
+        "fakes_cpu_ms_per_request": fakes_ms,
+        "fakes_limit_rps": limit,
+        "fakes_limit_over_direct": _ratio(limit, direct_rate) if limit else None,
+    }
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -216,13 +242,16 @@ def format_report(derived: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "| target | sustained req/s (closed loop) | vs direct | failed | CPU ms/request |",
-        "|---|---|---|---|---|",
+        "| target | sustained req/s (closed loop) | vs direct | failed | CPU ms/request "
+        "| fakes' CPU ms/request | fakes' core limit vs direct |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, s in derived["saturation"].items():
         lines.append(
             f"| {name} | {s['max_request_rate']:.1f} | {_fmt(s['ratio_to_direct'])} "
-            f"| {s['failed']} | {_ms(s.get('cpu_ms_per_request'))} |"
+            f"| {s['failed']} | {_ms(s.get('cpu_ms_per_request'))} "
+            f"| {_ms(s.get('fakes_cpu_ms_per_request'))} "
+            f"| {_fmt(s.get('fakes_limit_over_direct'))} |"
         )
     return "\n".join(lines)
 

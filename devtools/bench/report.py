@@ -215,6 +215,17 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
             else f"no saturation results for {router}"
         )
 
+    ours = saturation.get("ours") or {}
+    ceiling = ours.get("fakes_limit_over_direct")
+    summary["router_throughput_ceiling_over_direct"] = ceiling
+    notes["router_throughput_ceiling_over_direct"] = (
+        "the most any router could reach in the same closed loop: the fakes share one pinned core "
+        "and spent fakes_cpu_ms_per_request of it per routed request (P and D legs), against one "
+        "D request direct"
+        if ceiling is not None
+        else "no fakes' CPU in the overhead results"
+    )
+
     for key, name in TRANSFER_FILES.items():
         transfer = _load(out_dir / name)
         ratio = (transfer or {}).get("connector_over_bare_throughput")

@@ -70,6 +70,9 @@ class TransferSpec:
     #: cadence it chooses to save CPU.
     writer_poll_s: float | None = None
     receiver_poll_s: float | None = None
+    #: ``connector-path`` only: ``ConnectorConfig.post_on_finish`` (True: the thread finishing
+    #: the prefill posts the WRITE; the A/B for the writer's wake-up).
+    post_on_finish: bool = False
 
     @property
     def bytes_per_write(self) -> int:

@@ -27,6 +27,11 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--receiver-poll-s", type=float, help="connector-path: D's receiver cadence (default: ours)"
     )
+    parser.add_argument(
+        "--post-on-finish",
+        action="store_true",
+        help="connector-path: the thread finishing the prefill posts the WRITE (post_on_finish)",
+    )
     parser.add_argument("--kinds", default=",".join(ALL_KINDS), help=f"subset of {ALL_KINDS}")
     parser.add_argument("--result-file", type=Path)
 
@@ -42,6 +47,7 @@ def transfer_command(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         writer_poll_s=args.writer_poll_s,
         receiver_poll_s=args.receiver_poll_s,
+        post_on_finish=args.post_on_finish,
     )
     names = [k for k in args.kinds.split(",") if k]
     kinds: tuple[AnyKind, ...] = tuple(k for k in ALL_KINDS if k in names)

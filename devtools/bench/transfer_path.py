@@ -98,6 +98,7 @@ def _p_process(kind: PathKind, spec: TransferSpec, d: Connection) -> None:
     cfg = ConnectorConfig(side_channel_port=0, lease_s=300.0, registration_ttl_s=300.0)
     if spec.writer_poll_s is not None:
         cfg = replace(cfg, writer_poll_s=spec.writer_poll_s)
+    cfg = replace(cfg, post_on_finish=spec.post_on_finish)
     producer = PushProducer(ep, _P_ENGINE, cfg)
     d.send({"port": producer.port})
     while (msg := d.recv()) != "stop":

@@ -17,8 +17,11 @@ def test_router_config_is_valid_for_the_router() -> None:
     assert settings.prefill.instances[0].identity is not None
 
 
-def _m(rate: float, ttft50: float, ttft99: float, e2el50: float, e2el99: float) -> dict[str, float]:
+def _m(
+    rate: float, ttft50: float, ttft99: float, e2el50: float, e2el99: float, fakes_ms: float = 0.0
+) -> dict[str, float]:
     return {
+        "fakes_cpu_ms_per_request": fakes_ms,
         "completed": 10,
         "failed": 0,
         "request_throughput": rate,
@@ -51,3 +54,18 @@ def test_derive_subtracts_and_divides_by_direct() -> None:
     assert row["e2el_p99_ratio"] == pytest.approx(1.5)
     assert d["saturation"]["ours"]["ratio_to_direct"] == pytest.approx(0.25)
     assert "| ours | 10 | 2.00 / 5.00 |" in format_report(d)
+
+
+def test_the_fakes_core_caps_what_any_router_could_reach() -> None:
+    raw = {
+        "fixed_rate": [],
+        "saturation": {
+            "direct": _m(2000, 0, 0, 0, 0, fakes_ms=0.4),
+            "ours": _m(800, 0, 0, 0, 0, fakes_ms=1.0),
+        },
+    }
+    sat = derive(raw)["saturation"]
+    assert sat["ours"]["fakes_limit_rps"] == pytest.approx(1000.0)
+    assert sat["ours"]["fakes_limit_over_direct"] == pytest.approx(0.5)  # 1000 of 2000 req/s
+    assert sat["direct"]["fakes_limit_over_direct"] == pytest.approx(1.25)
+    assert "| ours | 800.0 | 0.40x | 0 | n/a | 1.00 | 0.50x |" in format_report(derive(raw))

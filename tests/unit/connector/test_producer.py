@@ -176,16 +176,13 @@ def _second_write_poster(producer: PushProducer, ep: MemoryEndpoint) -> str:
     return ep.writers[1]
 
 
-def test_a_write_to_a_connected_d_is_posted_by_the_thread_finishing_the_prefill(env: Any) -> None:
-    producer, ep, _ = env
-    assert _second_write_poster(producer, ep) == threading.current_thread().name
-
-
-def test_without_post_on_finish_the_writer_thread_posts_every_write() -> None:
+@pytest.mark.parametrize("post_on_finish", [True, False])
+def test_who_posts_a_write_to_a_connected_d(post_on_finish: bool) -> None:
     ep, clock = MemoryEndpoint(), FakeClock()
     cfg = ConnectorConfig(side_channel_port=0, lease_s=5.0, registration_ttl_s=5.0)
-    producer = PushProducer(ep, "p0", replace(cfg, post_on_finish=False), clock=clock)
+    producer = PushProducer(ep, "p0", replace(cfg, post_on_finish=post_on_finish), clock=clock)
     try:
-        assert _second_write_poster(producer, ep) == "dpc-writer"
+        poster = _second_write_poster(producer, ep)
     finally:
         producer.close()
+    assert poster == (threading.current_thread().name if post_on_finish else "dpc-writer")

@@ -33,10 +33,12 @@ def answer(text: str, kv: dict[str, Any] | None) -> dict[str, Any]:
 
 
 class Upstream:
-    """Answers like vLLM P and D (health, JSON, SSE); counts generation requests (not probes)."""
+    """Answers like vLLM P and D (health, JSON, SSE); counts generation requests (not probes).
+    A streamed answer carries ``tokens`` events, all in one body."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: int = 1) -> None:
         self.generations = 0
+        self.tokens = tokens
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
@@ -46,6 +48,6 @@ class Upstream:
             self.generations += 1
         if body.get("stream"):
             chunk = {"id": "x", "choices": [{"index": 0, "text": "a", "finish_reason": None}]}
-            sse = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+            sse = f"data: {json.dumps(chunk)}\n\n" * self.tokens + "data: [DONE]\n\n"
             return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
         return httpx.Response(200, json=answer("a", KV))
