@@ -20,13 +20,13 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -123,45 +123,23 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
 
 
-class _DispatchStream(Response):
-    """The streamed answer of one dispatch: D's events as they come.
-
-    One task watches for the client going away and ends the relay (the dispatch's legs are then
-    cancelled); the dispatch is closed and ``on_close`` called however the stream ends. Unlike
-    Starlette's ``StreamingResponse`` it needs no task group per request (a loaded router's CPU
-    went there, docs/benchmarks/README.md "Router overhead").
-    """
+class _DispatchStream(StreamingResponse):
+    """SSE response that always closes its dispatch, however the stream ends."""
 
     def __init__(self, dispatch: Dispatch, on_close: Callable[[Dispatch], None]) -> None:
-        # No body to render: the headers are set here instead of by Response.__init__.
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"x-request-id", dispatch.request_id.encode()),
-        ]
+        super().__init__(dispatch.sse_events(), media_type="text/event-stream")
         self.dispatch = dispatch
         self.on_close = on_close
+        self.headers["X-Request-Id"] = dispatch.request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watch = asyncio.ensure_future(self._watch(receive))
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async with aclosing(self.dispatch.sse_events()) as events:
-                async for chunk in events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await super().__call__(scope, receive, send)
         finally:
-            watch.cancel()
             if self.dispatch.outcome == "in_progress":
                 self.dispatch.outcome = "client_disconnected"
             await self.dispatch.close()
             self.on_close(self.dispatch)
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.dispatch.client_gone()
 
 
 def _signal_targets(runtime: Runtime) -> list[BackendState]:

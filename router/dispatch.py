@@ -60,13 +60,8 @@ class _End:
     """Queue sentinel: the D leg finished cleanly."""
 
 
-class _ClientGone:
-    """Queue sentinel: the client went away; the relay ends without another event."""
-
-
 _END = _End()
-_GONE = _ClientGone()
-DecodeItem = str | dict[str, Any] | RouterError | _End | _ClientGone
+DecodeItem = str | dict[str, Any] | RouterError | _End
 
 
 def sse_error_event(exc: RouterError) -> bytes:
@@ -328,10 +323,6 @@ class Dispatch:
             raise
         first_token.end()
 
-    def client_gone(self) -> None:
-        """The client disconnected: the relay ends now (``close()`` then cancels the legs)."""
-        self._queue.put_nowait(_GONE)
-
     def abort(self, reason: str) -> None:
         """End this dispatch early (router stopping): its client gets an error now, before or
         after the commit point; the legs are cancelled by ``close()`` as always."""
@@ -423,7 +414,7 @@ class Dispatch:
                 yield b"".join(events if end is None else [*events, end])
             if events and "client_first" not in self._stamps:
                 self._observe_ttft_stages()
-            if end is not None or isinstance(item, _ClientGone):
+            if end is not None:
                 return
             if not isinstance(item, str):
                 item = await self._next_item(deadline)
