@@ -7,8 +7,7 @@ thread, ``take_released``/``take_records`` once per step) and the side-channel t
 post, poll, release, notify, progress) except one: with ``post_on_finish``, ``add_finished``
 posts the WRITE to a D that already registered and is connected on the calling thread, saving
 the writer's wake-up (off by default: docs/benchmarks/README.md, "Transfer efficiency"); the
-writer polls it
-from then on. The endpoint's lock orders the two threads' calls. See
+writer polls it from then on. The endpoint's lock orders the two threads' calls. See
 :mod:`connector.producer_state` for the invariants.
 """
 

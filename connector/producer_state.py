@@ -223,10 +223,7 @@ class ProducerState:
         with self._lock:
             warm = list(self._warm.values())
             self._warm.clear()
-            ready = list(self._ready.values())
-            self._ready.clear()
-            for write in ready:
-                self._inflight[write.key] = write  # visible to cancel before the post
+            ready = self._take_ready(list(self._ready.values()))
         writes = [w for w in ready if self._prepare(w, now)]
         return WriterWork(connect=warm, writes=writes)
 
@@ -234,11 +231,18 @@ class ProducerState:
         """Take the ready WRITEs whose D agent is already connected (what the thread finishing
         a prefill may post at once); the others stay for :meth:`plan` on the writer thread."""
         with self._lock:
-            ready = [w for w in self._ready.values() if w.reg.d_agent_name in self._known_agents]
-            for write in ready:
-                del self._ready[write.key]
-                self._inflight[write.key] = write  # visible to cancel before the post
+            ready = self._take_ready(
+                [w for w in self._ready.values() if w.reg.d_agent_name in self._known_agents]
+            )
         return [w for w in ready if self._prepare(w, now)]
+
+    def _take_ready(self, writes: list[Write]) -> list[Write]:
+        """Move ``writes`` from ready to in flight (caller holds the lock): visible to cancel
+        before the post."""
+        for write in writes:
+            del self._ready[write.key]
+            self._inflight[write.key] = write
+        return writes
 
     def _prepare(self, write: Write, now: float) -> bool:
         reg = write.reg

@@ -37,6 +37,6 @@ def loads_fast(raw: bytes | str) -> Any:
 def loads(raw: bytes | str) -> Any:
     """``raw`` parsed as ``json.loads`` would; raises ``ValueError`` when it is not JSON."""
     try:
-        return _decoder.decode(raw)
+        return loads_fast(raw)
     except (msgspec.DecodeError, RecursionError):
         return json.loads(raw)
