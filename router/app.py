@@ -238,7 +238,8 @@ def _finish(
     runtime: Runtime | None = getattr(request.app.state, "runtime", None)
     if runtime is None:
         return
-    runtime.metrics.requests.labels(runtime.settings.mode, endpoint, outcome).inc()
+    m = runtime.metrics
+    m.child(m.requests, runtime.settings.mode, endpoint, outcome).inc()
     if not runtime.settings.logging.requests:
         return
     log_request(
@@ -284,7 +285,8 @@ async def _generate(request: Request, chat: bool) -> Response:
         _finish(request, endpoint, outcome_label(exc), exc.status, req)
         return _error_response(exc)
     if req.stream:
-        rt.metrics.ttft.labels(rt.settings.mode).observe(time.monotonic() - accepted)
+        m = rt.metrics
+        m.child(m.ttft, rt.settings.mode).observe(time.monotonic() - accepted)
         return _DispatchStream(
             dispatch, lambda d: _finish(request, endpoint, d.outcome, 200, req, d)
         )

@@ -45,7 +45,8 @@ async def read_body(request: Request, limits: LimitsConfig) -> bytes:
     """The whole body, at most ``max_body_bytes`` (413), within ``body_timeout`` seconds (408);
     :class:`ClientDisconnected` if the client goes away (or stops short) meanwhile."""
     try:
-        return await asyncio.wait_for(_read(request, limits.max_body_bytes), limits.body_timeout)
+        async with asyncio.timeout(limits.body_timeout):
+            return await _read(request, limits.max_body_bytes)
     except TimeoutError as exc:
         raise BodyTimeout(f"request body not received within {limits.body_timeout:g}s") from exc
     except ClientDisconnect as exc:

@@ -116,28 +116,30 @@ class Dispatch:
         """Feed a leg's failure to its instance's breaker (a 4xx is not the instance's fault)."""
         if exc.instance_fault and backend.breaker.record_failure(exc.message, trip=exc.unreachable):
             log.warning("%s %s taken out by its breaker: %s", backend.role, backend.label, exc)
-            self.runtime.metrics.breaker_open.labels(backend.role, backend.label).set(1)
+            m = self.runtime.metrics
+            m.child(m.breaker_open, backend.role, backend.label).set(1)
 
     def _leg_ok(self, backend: BackendState) -> None:
         if not backend.breaker.closed or backend.breaker.failures:
             backend.breaker.record_success()
-            self.runtime.metrics.breaker_open.labels(backend.role, backend.label).set(0)
+            m = self.runtime.metrics
+            m.child(m.breaker_open, backend.role, backend.label).set(0)
 
     async def _admit(self, backend: BackendState) -> None:
         m = self.runtime.metrics
-        queue = m.admission_queue.labels(backend.role, backend.label)
+        queue = m.child(m.admission_queue, backend.role, backend.label)
         queued = not backend.gate.has_room()
         if queued:
             queue.inc()
         try:
             slot, waited = await backend.gate.acquire(backend.label)
         except RouterError:
-            m.admission_rejected.labels(backend.role, backend.label).inc()
+            m.child(m.admission_rejected, backend.role, backend.label).inc()
             raise
         finally:
             if queued:
                 queue.dec()
-        m.admission_wait.labels(backend.role).observe(waited)
+        m.child(m.admission_wait, backend.role).observe(waited)
         self._slots[backend.role] = slot
 
     # ---- legs -------------------------------------------------------------------------------
@@ -145,7 +147,8 @@ class Dispatch:
     @contextmanager
     def _track(self, backend: BackendState) -> Iterator[Span]:
         """Around one leg: in-flight count, its trace span, its admission slot released after."""
-        gauge = self.runtime.metrics.in_flight.labels(backend.role, backend.label)
+        m = self.runtime.metrics
+        gauge = m.child(m.in_flight, backend.role, backend.label)
         backend.in_flight += 1
         gauge.set(backend.in_flight)
         span = self.ctx.trace.child(
@@ -176,8 +179,8 @@ class Dispatch:
         try:
             with self._track(prefill) as span:
                 try:
-                    data = await asyncio.wait_for(
-                        post_json(
+                    async with asyncio.timeout(t.prefill):
+                        data = await post_json(
                             self.runtime.client,
                             prefill,
                             "prefill",
@@ -185,9 +188,7 @@ class Dispatch:
                             body,
                             self.request_id,
                             span.headers(),
-                        ),
-                        t.prefill,
-                    )
+                        )
                 except TimeoutError as exc:
                     outcome = "timeout"
                     raise UpstreamTimeout(
@@ -211,9 +212,8 @@ class Dispatch:
             self._leg_failed(prefill, exc)
             raise
         finally:
-            self.runtime.metrics.prefill_duration.labels(prefill.label, outcome).observe(
-                time.monotonic() - start
-            )
+            m = self.runtime.metrics
+            m.child(m.prefill_duration, prefill.label, outcome).observe(time.monotonic() - start)
 
     def _check_prefill_answer(self, prefill: BackendState, data: dict[str, Any]) -> None:
         kv = data.get("kv_transfer_params")
@@ -253,7 +253,8 @@ class Dispatch:
             body = await self._decode_body()
             start = time.monotonic()
             self._stamp("decode_sent")
-            first = self.runtime.metrics.decode_first_token.labels(self.decode.label)
+            m = self.runtime.metrics
+            first = m.child(m.decode_first_token, self.decode.label)
             args = (self.runtime.client, self.decode, "decode", self.request.path, body)
             with self._track(self.decode) as span:
                 if self.request.stream:
@@ -382,7 +383,8 @@ class Dispatch:
             return None
         left = self.started + self.runtime.settings.timeouts.total - time.monotonic()
         try:
-            answer = await asyncio.wait_for(asyncio.shield(self._p_task), max(left, 0.0))
+            async with asyncio.timeout(max(left, 0.0)):
+                answer = await asyncio.shield(self._p_task)
         except (RouterError, TimeoutError):
             return None
         return prefill_usage(answer)
@@ -451,7 +453,8 @@ class Dispatch:
         try:
             if left <= 0:
                 raise TimeoutError
-            return await asyncio.wait_for(self._queue.get(), left)
+            async with asyncio.timeout(left):
+                return await self._queue.get()
         except TimeoutError:
             limit = self.runtime.settings.timeouts.total
             return UpstreamTimeout("decode", self.decode.label, f"total {limit:g}s exceeded")
@@ -468,9 +471,9 @@ class Dispatch:
     def _observe_ttft_stages(self) -> None:
         """Record the TTFT stages once the first answer byte is on its way to the client."""
         self._stamp("client_first")
-        histogram = self.runtime.metrics.ttft_stage
+        m = self.runtime.metrics
         for stage, seconds in ttft_stages({**self.timings, **self._stamps}).items():
-            histogram.labels(stage).observe(seconds)
+            m.child(m.ttft_stage, stage).observe(seconds)
 
     async def close(self) -> None:
         """Cancel whatever leg still runs and wait for it to unwind (idempotent).

@@ -54,7 +54,7 @@ async def open_dispatch(
     found = runtime.model(request.model)
     routed = RoutingInput(request.body, request.chat, request.headers)
     decision = decide(found, routed)
-    runtime.metrics.routing_decisions.labels(request.model, decision).inc()
+    runtime.metrics.child(runtime.metrics.routing_decisions, request.model, decision).inc()
     attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
     avoid: set[str] = set()
     failure: UpstreamError | None = None

@@ -61,6 +61,9 @@ def log_request(
     timings: dict[str, float] | None = None,
 ) -> None:
     """The summary line of one generation request (INFO; WARNING for a 5xx)."""
+    level = logging.WARNING if status >= 500 else logging.INFO
+    if not log.isEnabledFor(level):
+        return
     fields: dict[str, Any] = {
         "request_id": dispatch_id or ctx.request_id,
         "client_request_id": ctx.client_id,
@@ -72,6 +75,5 @@ def log_request(
         "status": status,
         "timings": timings or {},
     }
-    level = logging.WARNING if status >= 500 else logging.INFO
     text = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, {}))
     log.log(level, "request %s", text, extra={_SUMMARY: fields})

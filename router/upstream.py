@@ -41,6 +41,21 @@ def leg_headers(
     return headers
 
 
+def _post(
+    client: httpx.AsyncClient, url: httpx.URL, body: dict[str, Any], headers: dict[str, str]
+) -> httpx.Request:
+    """The POST of one leg, built as ``client.build_request`` would (the client's default
+    headers under the leg's, its timeouts) without re-merging base URL, cookies and query
+    parameters the legs never use: half of ``build_request``'s cost, twice per request."""
+    return httpx.Request(
+        "POST",
+        url,
+        content=codec.dumps(body),
+        headers={**client.headers, **headers},
+        extensions={"timeout": client.timeout.as_dict()},
+    )
+
+
 def _translate(exc: httpx.HTTPError, leg: str, backend: BackendState) -> UpstreamError:
     """Our error for an httpx one (pure: the backend is only named)."""
     if isinstance(exc, httpx.ConnectTimeout):
@@ -70,10 +85,8 @@ async def post_json(
 ) -> dict[str, Any]:
     """POST ``body`` and return the JSON object answered; HTTP errors raise."""
     try:
-        resp = await client.post(
-            backend.endpoint(path),
-            content=codec.dumps(body),
-            headers=leg_headers(backend, request_id, headers),
+        resp = await client.send(
+            _post(client, backend.endpoint(path), body, leg_headers(backend, request_id, headers))
         )
     except httpx.HTTPError as exc:
         raise _translate(exc, leg, backend) from exc
@@ -103,12 +116,7 @@ async def open_sse(
     The iterator stops after ``[DONE]`` (not yielded); a stream that ends without it, or breaks,
     raises an :class:`UpstreamError`.
     """
-    request = client.build_request(
-        "POST",
-        backend.endpoint(path),
-        content=codec.dumps(body),
-        headers=leg_headers(backend, request_id, headers),
-    )
+    request = _post(client, backend.endpoint(path), body, leg_headers(backend, request_id, headers))
     try:
         resp = await client.send(request, stream=True)
     except httpx.HTTPError as exc:

@@ -72,7 +72,9 @@ def _load(raw: bytes, max_depth: int) -> Any:
         body = codec.loads_fast(raw)
     except (ValueError, RecursionError):  # msgspec refused it: json decides, with its messages
         body = _load_slow(raw, max_depth)
-    if not _depth(body, max_depth):
+    # Each container opens with a bracket, so a body with no more brackets than the limit (one
+    # prompt of token ids has one) cannot nest deeper: the walk is only for the rest.
+    if raw.count(b"[") + raw.count(b"{") > max_depth and not _depth(body, max_depth):
         raise ClientRequestError(f"request body nests deeper than {max_depth} levels", None)
     return body
 
@@ -129,7 +131,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+    # type() of each element in C; {int} excludes bool, as _is_int does.
+    return isinstance(value, list) and bool(value) and set(map(type, value)) == {int}
 
 
 def _check_prompt(prompt: Any) -> None:
