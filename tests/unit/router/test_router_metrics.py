@@ -1,0 +1,33 @@
+"""RouterMetrics.child: the series it keeps are the registry's, and a forgotten backend's go."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from router.metrics import RouterMetrics
+
+
+def _sample(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def test_child_records_into_the_registered_series() -> None:
+    registry = CollectorRegistry()
+    m = RouterMetrics(registry)
+    m.child(m.in_flight, "decode", "d0").set(3)
+    assert m.child(m.in_flight, "decode", "d0") is m.child(m.in_flight, "decode", "d0")
+    m.child(m.in_flight, "decode", "d0").inc()
+    labels = {"role": "decode", "backend": "d0"}
+    assert _sample(registry, "disagg_router_backend_in_flight", labels) == 4.0
+
+
+def test_forgotten_backend_gets_a_fresh_exported_series() -> None:
+    registry = CollectorRegistry()
+    m = RouterMetrics(registry)
+    labels = {"role": "prefill", "backend": "p0"}
+    m.child(m.in_flight, "prefill", "p0").set(2)
+    m.forget_backend("prefill", "p0")
+    assert _sample(registry, "disagg_router_backend_in_flight", labels) is None
+    # The instance comes back: what is recorded must be exported again, not go to the old series.
+    m.child(m.in_flight, "prefill", "p0").set(1)
+    assert _sample(registry, "disagg_router_backend_in_flight", labels) == 1.0
