@@ -136,10 +136,16 @@ class _DispatchStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            last = False
             async with aclosing(self.dispatch.sse_events()) as events:
                 async for chunk in events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    # The chunk that ends the stream (outcome set) also ends the body: one write.
+                    last = self.dispatch.outcome != "in_progress"
+                    if last:
+                        self.watch.stop()  # the answer is complete: a disconnect changes nothing
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if not last:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not self.watch.left():
                 raise

@@ -405,7 +405,9 @@ class Dispatch:
 
         What D has already sent goes out in one write (the events of one upstream read arrive
         together); nothing waits for more, so the client sees every event as soon as it would
-        alone. Sets ``outcome``. Never raises :class:`RouterError` (headers are already sent).
+        alone. Sets ``outcome`` before it yields the stream's last chunk, and only then (the
+        response ends the body with that chunk). Never raises :class:`RouterError` (headers are
+        already sent).
         """
         deadline = self.started + self.runtime.settings.timeouts.total
         item: DecodeItem | None = self._first

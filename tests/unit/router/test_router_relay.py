@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import MutableMapping
+from typing import Any
 
 import httpx
 
@@ -33,3 +36,50 @@ async def test_events_d_sent_together_reach_the_client_in_one_write() -> None:
     events = [e.removeprefix(b"data: ") for e in writes[0].split(b"\n\n") if e]
     assert events[-1] == b"[DONE]"
     assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["a"] * 5
+
+
+async def test_the_stream_s_last_events_end_the_body_in_the_same_message() -> None:
+    """No separate empty message (a write of its own) after the events that end the stream."""
+    settings = settings_from_mapping(
+        {
+            "models": ["m"],
+            "prefill": {"instances": [{"url": P}]},
+            "decode": {"instances": [{"url": D}]},
+        }
+    )
+    app = create_app(settings, transport=httpx.MockTransport(Upstream(tokens=3)))
+    request_body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True})
+    pending = [{"type": "http.request", "body": request_body.encode(), "more_body": False}]
+    messages: list[MutableMapping[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client stays connected
+        raise AssertionError("unreachable")
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        messages.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    async with app.router.lifespan_context(app):
+        await app.state.runtime.lifecycle.initial_check_done.wait()
+        await app(scope, receive, send)
+    bodies = [m for m in messages if m["type"] == "http.response.body"]
+    assert messages[0]["status"] == 200
+    assert all(m["body"] for m in bodies)
+    assert bodies[-1]["more_body"] is False
+    assert bodies[-1]["body"].endswith(b"data: [DONE]\n\n")
