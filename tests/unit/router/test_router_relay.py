@@ -8,13 +8,15 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import httpx
+from fastapi import FastAPI
 
 from router import create_app
 from router.config import settings_from_mapping
 from tests.unit.router.mock_upstream import D, P, Upstream
 
 
-async def test_events_d_sent_together_reach_the_client_in_one_write() -> None:
+def _app(tokens: int) -> FastAPI:
+    """A 1P1D router app over mock instances whose D streams ``tokens`` events in one body."""
     settings = settings_from_mapping(
         {
             "models": ["m"],
@@ -22,7 +24,11 @@ async def test_events_d_sent_together_reach_the_client_in_one_write() -> None:
             "decode": {"instances": [{"url": D}]},
         }
     )
-    app = create_app(settings, transport=httpx.MockTransport(Upstream(tokens=5)))
+    return create_app(settings, transport=httpx.MockTransport(Upstream(tokens=tokens)))
+
+
+async def test_events_d_sent_together_reach_the_client_in_one_write() -> None:
+    app = _app(tokens=5)
     body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
     async with (
         app.router.lifespan_context(app),
@@ -40,14 +46,7 @@ async def test_events_d_sent_together_reach_the_client_in_one_write() -> None:
 
 async def test_the_stream_s_last_events_end_the_body_in_the_same_message() -> None:
     """No separate empty message (a write of its own) after the events that end the stream."""
-    settings = settings_from_mapping(
-        {
-            "models": ["m"],
-            "prefill": {"instances": [{"url": P}]},
-            "decode": {"instances": [{"url": D}]},
-        }
-    )
-    app = create_app(settings, transport=httpx.MockTransport(Upstream(tokens=3)))
+    app = _app(tokens=3)
     request_body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True})
     pending = [{"type": "http.request", "body": request_body.encode(), "more_body": False}]
     messages: list[MutableMapping[str, Any]] = []
