@@ -41,17 +41,22 @@ def leg_headers(
     return headers
 
 
-def _post(
-    client: httpx.AsyncClient, url: httpx.URL, body: dict[str, Any], headers: dict[str, str]
+def _leg_request(
+    client: httpx.AsyncClient,
+    backend: BackendState,
+    path: str,
+    body: dict[str, Any],
+    request_id: str,
+    headers: Mapping[str, str] | None,
 ) -> httpx.Request:
     """The POST of one leg, built as ``client.build_request`` would (the client's default
-    headers under the leg's, its timeouts) without re-merging base URL, cookies and query
-    parameters the legs never use: half of ``build_request``'s cost, twice per request."""
+    headers under :func:`leg_headers`, its timeouts) without re-merging base URL, cookies and
+    query parameters the legs never use: half of ``build_request``'s cost, twice per request."""
     return httpx.Request(
         "POST",
-        url,
+        backend.endpoint(path),
         content=codec.dumps(body),
-        headers={**client.headers, **headers},
+        headers={**client.headers, **leg_headers(backend, request_id, headers)},
         extensions={"timeout": client.timeout.as_dict()},
     )
 
@@ -85,9 +90,7 @@ async def post_json(
 ) -> dict[str, Any]:
     """POST ``body`` and return the JSON object answered; HTTP errors raise."""
     try:
-        resp = await client.send(
-            _post(client, backend.endpoint(path), body, leg_headers(backend, request_id, headers))
-        )
+        resp = await client.send(_leg_request(client, backend, path, body, request_id, headers))
     except httpx.HTTPError as exc:
         raise _translate(exc, leg, backend) from exc
     if resp.status_code >= 400:
@@ -116,7 +119,7 @@ async def open_sse(
     The iterator stops after ``[DONE]`` (not yielded); a stream that ends without it, or breaks,
     raises an :class:`UpstreamError`.
     """
-    request = _post(client, backend.endpoint(path), body, leg_headers(backend, request_id, headers))
+    request = _leg_request(client, backend, path, body, request_id, headers)
     try:
         resp = await client.send(request, stream=True)
     except httpx.HTTPError as exc:
