@@ -72,7 +72,14 @@ class PushConsumer:
         self._submit(self._state.forget(cancel))
 
     def take_results(self) -> tuple[set[str], set[str]]:
-        """``(finished, failed)`` since the last call; ``failed`` is a subset of ``finished``."""
+        """``(finished, failed)`` since the last call; ``failed`` is a subset of ``finished``.
+
+        While a transfer is pending this first reads NIXL's notifications itself (a local,
+        non-blocking call), so a WRITE that landed counts at the engine's next step instead of
+        at the receiver's next poll; the receiver still reads them when the engine is idle.
+        """
+        if not self._state.idle():
+            self._read_notifs()
         return self._state.take_results()
 
     def take_records(self) -> list[TransferRecord]:
@@ -102,12 +109,16 @@ class PushConsumer:
             self._send(follow_up)
 
     # ---- receiver thread -----------------------------------------------------------------
+    def _read_notifs(self) -> None:
+        """Apply the notifications NIXL received (receiver thread; engine thread while busy)."""
+        try:
+            self._state.notifications(self._ep.take_notifs())
+        except TransferError as exc:  # the deadlines and pings still bound every wait
+            logger.warning("could not read NIXL notifications: %s", exc)
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self._state.notifications(self._ep.take_notifs())
-            except TransferError as exc:  # the deadlines and pings still bound every wait
-                logger.warning("could not read NIXL notifications: %s", exc)
+            self._read_notifs()
             for ask in self._state.tick(self._clock()):
                 self._submit(ask)
             self._wake.wait(0.05 if self._state.idle() else self._cfg.receiver_poll_s)

@@ -42,6 +42,22 @@ class _Registered:
     reg: Registration
     received_at: float
     start_by: float
+    remote_ids: list[int]
+    """D's descriptor ids, computed on arrival while P still prefills (off the WRITE's path)."""
+    notif: bytes
+    """The ``done`` notification, also encoded on arrival."""
+    remote_error: str = ""
+    """Why D's block ids do not fit D's own layout (the WRITE then fails when planned)."""
+
+
+def _registered(reg: Registration, now: float) -> _Registered:
+    """A registration with its WRITE's D-side half prepared."""
+    notif = encode_notification(Notification("done", reg.transfer_key, reg.d_request_id))
+    try:
+        remote_ids = descriptor_ids(reg.d_layout, reg.block_ids[0])
+    except ValueError as exc:
+        return _Registered(reg, now, now + reg.budget_s, [], notif, str(exc))
+    return _Registered(reg, now, now + reg.budget_s, remote_ids, notif)
 
 
 @dataclass
@@ -184,8 +200,7 @@ class ProducerState:
         return None
 
     def _accept(self, reg: Registration) -> str | None:
-        now = self._clock()
-        entry = _Registered(reg, now, now + reg.budget_s)
+        entry = _registered(reg, self._clock())
         key = reg.transfer_key
         with self._lock:
             if key in self._failed:
@@ -249,21 +264,23 @@ class ProducerState:
         if now > write.entry.start_by:
             self.finish(write, ok=False, reason="D's budget passed before the prefill")
             return False
-        d_blocks = list(reg.block_ids[0])
-        p_blocks = list(write.fin.block_ids[reg.first_block : reg.first_block + len(d_blocks)])
-        if len(p_blocks) != len(d_blocks):
+        num_blocks = len(reg.block_ids[0])
+        p_blocks = write.fin.block_ids[reg.first_block : reg.first_block + num_blocks]
+        if len(p_blocks) != num_blocks:
             reason = f"P has {len(write.fin.block_ids)} blocks, D asked for {reg.first_block}+"
-            self.finish(write, ok=False, reason=reason + str(len(d_blocks)))
+            self.finish(write, ok=False, reason=reason + str(num_blocks))
             return False
         try:
             write.local_ids = descriptor_ids(self._layout, p_blocks)
-            write.remote_ids = descriptor_ids(reg.d_layout, d_blocks)
+            if write.entry.remote_error:
+                raise ValueError(write.entry.remote_error)
         except ValueError as exc:
             self.finish(write, ok=False, reason=f"WRITE could not be posted: {exc}")
             return False
-        write.notif = encode_notification(Notification("done", write.key, reg.d_request_id))
-        write.num_blocks = len(d_blocks)
-        write.num_bytes = transfer_bytes(reg.d_layout, len(d_blocks))
+        write.remote_ids = write.entry.remote_ids
+        write.notif = write.entry.notif
+        write.num_blocks = num_blocks
+        write.num_bytes = transfer_bytes(reg.d_layout, num_blocks)
         return True
 
     def connected(self, agent_name: str) -> None:

@@ -297,3 +297,25 @@ def test_consumer_releases_an_aborted_transfer_when_p_dies_during_the_cancel() -
         assert ("10.0.0.1", 5601, "ping") in transport.seen
     finally:
         c.close()
+
+
+class _NoReceiver(PushConsumer):
+    """A consumer whose receiver thread never reads (as if it slept through the WRITE)."""
+
+    def _run(self) -> None:
+        self._stop.wait()
+
+
+def test_the_engine_step_reads_a_landed_write_itself_while_one_is_pending() -> None:
+    ep, transport = MemoryEndpoint("d-agent"), Transport()
+    c = _NoReceiver(ep, CFG, transport=transport)
+    try:
+        ep.deliver(done("d-0", "k0"))  # for nobody pending: not read while D waits on nothing
+        assert c.take_results() == (set(), set())
+        assert ep.take_notifs() == [done("d-0", "k0")]
+        c.register(spec()).result(timeout=3)
+        ep.deliver(done())
+        assert c.take_results() == ({"d-1"}, set())
+        assert c.pending_count() == 0
+    finally:
+        c.close()

@@ -123,6 +123,15 @@ def test_bad_registrations_are_refused_with_a_reason(env: Any) -> None:
     assert ep.notifs and ep.notifs[-1][1].kind == "failed"
 
 
+def test_d_blocks_outside_ds_layout_fail_the_write_with_the_reason(env: Any) -> None:
+    producer, ep, _ = env
+    producer.handle_request(reg("o", (LAYOUT.regions[0].num_blocks,)))  # one past D's last
+    producer.add_finished(SendSpec("p-o", "o", (1,)))
+    until(lambda: "p-o" in producer.take_released())
+    assert ep.writes == []
+    assert ep.notifs[-1][1].kind == "failed" and "outside region" in ep.notifs[-1][1].reason
+
+
 def test_failed_write_is_reported_to_d(env: Any) -> None:
     producer, ep, _ = env
     ep.fail_writes = True
