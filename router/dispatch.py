@@ -272,7 +272,8 @@ class Dispatch:
                     self._queue.put_nowait(answer)
             self._queue.put_nowait(_END)
         except RouterError as exc:
-            if isinstance(exc, UpstreamError):
+            # In pull mode D's body waits for P: P's error surfaces here too, and is P's fault.
+            if isinstance(exc, UpstreamError) and exc.leg == "decode":
                 self._leg_failed(self.decode, exc)
             self._queue.put_nowait(exc)
 
