@@ -50,6 +50,10 @@ class BackendState:
     gate: Gate = field(default_factory=lambda: Gate(AdmissionConfig()))
     breaker: Breaker = field(default_factory=lambda: Breaker(BreakerConfig()))
     _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False, compare=False)
+    leg_headers_cache: tuple[httpx.Headers, httpx.Headers] | None = field(
+        default=None, repr=False, compare=False
+    )
+    """``(client headers, headers of every leg)``: kept by :mod:`router.upstream`."""
 
     @property
     def url(self) -> str:

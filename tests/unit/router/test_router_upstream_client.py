@@ -10,7 +10,11 @@ import httpx
 import pytest
 
 from devstack.ports import free_port
+from router import codec
+from router.backends import BackendState
+from router.config import InstanceConfig
 from router.transport import AiohttpTransport
+from router.upstream import leg_headers, post_json
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -82,3 +86,45 @@ async def test_an_answer_passes_through() -> None:
     async with _server(handler) as url, _client() as client:
         resp = await client.get(url + "/x")
         assert (resp.status_code, resp.text) == (200, "ok")
+
+
+async def test_a_leg_goes_out_with_the_headers_and_body_httpx_would_send() -> None:
+    """A leg's request (built from the backend's prepared headers) reaches the instance as the
+    client's own ``build_request`` would have sent it, each header once, with the API key."""
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while not reader.at_eof():
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            seen.append(head + await reader.readexactly(length))
+            writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"ok":true}')
+            await writer.drain()
+        writer.close()
+
+    trace = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
+    async with _server(handler) as url, _client() as client:
+        backend = BackendState(InstanceConfig(url=url, api_key="sk-1"), "decode")
+        body = {"model": "m", "prompt": [1, 2], "max_tokens": 1}
+        for rid in ("r-1", "r-2"):
+            answer = await post_json(client, backend, "decode", "/v1/completions", body, rid, trace)
+            assert answer == {"ok": True}
+        expected = client.build_request(
+            "POST",
+            url + "/v1/completions",
+            content=codec.dumps(body),
+            headers=leg_headers(backend, "r-2", trace),
+        )
+    head, _, sent_body = seen[1].partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "POST /v1/completions HTTP/1.1"
+    names = [line.split(":", 1)[0].lower() for line in lines[1:]]
+    assert len(names) == len(set(names))  # no header twice
+    sent = dict(line.lower().split(": ", 1) for line in lines[1:])
+    for name in ("host", "content-type", "content-length", "x-request-id", "authorization"):
+        assert sent[name] == expected.headers[name].lower(), name
+    assert sent["traceparent"] == trace["traceparent"]
+    assert sent_body == expected.content
