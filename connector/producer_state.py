@@ -68,8 +68,6 @@ class Write:
     fin: SendSpec
     entry: _Registered
     local_ids: list[int] = field(default_factory=list)
-    remote_ids: list[int] = field(default_factory=list)
-    notif: bytes = b""
     num_blocks: int = 0
     num_bytes: int = 0
     handle: object | None = None
@@ -78,6 +76,16 @@ class Write:
     @property
     def reg(self) -> Registration:
         return self.entry.reg
+
+    @property
+    def remote_ids(self) -> list[int]:
+        """D's descriptor ids (prepared when the registration arrived)."""
+        return self.entry.remote_ids
+
+    @property
+    def notif(self) -> bytes:
+        """The ``done`` notification the WRITE carries."""
+        return self.entry.notif
 
 
 @dataclass(frozen=True)
@@ -272,13 +280,13 @@ class ProducerState:
             return False
         try:
             write.local_ids = descriptor_ids(self._layout, p_blocks)
-            if write.entry.remote_error:
-                raise ValueError(write.entry.remote_error)
         except ValueError as exc:
-            self.finish(write, ok=False, reason=f"WRITE could not be posted: {exc}")
+            why = str(exc)
+        else:
+            why = write.entry.remote_error
+        if why:
+            self.finish(write, ok=False, reason=f"WRITE could not be posted: {why}")
             return False
-        write.remote_ids = write.entry.remote_ids
-        write.notif = write.entry.notif
         write.num_blocks = num_blocks
         write.num_bytes = transfer_bytes(reg.d_layout, num_blocks)
         return True
