@@ -410,19 +410,23 @@ class Dispatch:
         response ends the body with that chunk). Never raises :class:`RouterError` (headers are
         already sent).
         """
-        deadline = self.started + self.runtime.settings.timeouts.total
+        left = self.started + self.runtime.settings.timeouts.total - time.monotonic()
+        expiry = asyncio.get_running_loop().call_later(max(left, 0.0), self._expire)
         item: DecodeItem | None = self._first
-        while True:
-            events, item = await self._ready_events(item)
-            end = self._end_event(item)
-            if events or end is not None:
-                yield b"".join(events if end is None else [*events, end])
-            if events and "client_first" not in self._stamps:
-                self._observe_ttft_stages()
-            if end is not None:
-                return
-            if not isinstance(item, str):
-                item = await self._next_item(deadline)
+        try:
+            while True:
+                events, item = await self._ready_events(item)
+                end = self._end_event(item)
+                if events or end is not None:
+                    yield b"".join(events if end is None else [*events, end])
+                if events and "client_first" not in self._stamps:
+                    self._observe_ttft_stages()
+                if end is not None:
+                    return
+                if not isinstance(item, str):
+                    item = await self._queue.get()
+        finally:
+            expiry.cancel()
 
     async def _ready_events(self, item: DecodeItem | None) -> tuple[list[bytes], DecodeItem | None]:
         """Client events for ``item`` and the payloads queued behind it; returns them with the
@@ -450,17 +454,13 @@ class Dispatch:
             return sse_error_event(item)
         return None
 
-    async def _next_item(self, deadline: float) -> DecodeItem:
-        """D's next item, or a timeout error once the total timeout is spent."""
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise TimeoutError
-            async with asyncio.timeout(left):
-                return await self._queue.get()
-        except TimeoutError:
-            limit = self.runtime.settings.timeouts.total
-            return UpstreamTimeout("decode", self.decode.label, f"total {limit:g}s exceeded")
+    def _expire(self) -> None:
+        """The relay's one timer: at the total timeout, queue the error that ends the stream
+        (no timer per awaited token; what D queued before it is still relayed)."""
+        limit = self.runtime.settings.timeouts.total
+        self._queue.put_nowait(
+            UpstreamTimeout("decode", self.decode.label, f"total {limit:g}s exceeded")
+        )
 
     async def json_response(self) -> dict[str, Any]:
         """The non-streamed answer for the client (after ``open()``), usage merged."""
