@@ -3,6 +3,8 @@
 # no other vLLM run overlaps, and so the router-overhead and transfer numbers see a quiet machine).
 #   bash docs/benchmarks/run_all.sh            # full run (about 40 min on the 2-core machine)
 #   SMOKE=1 bash docs/benchmarks/run_all.sh    # tiny sweep into /tmp/bench-smoke (~5 min)
+#   SPEED=1 bash docs/benchmarks/run_all.sh    # the router/connector speed numbers, one run, into
+#                                              # docs/benchmarks/speed (~35 min on the 2-core machine)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=docs/benchmarks
@@ -10,6 +12,16 @@ SWEEP=(--input-lens 512,2048,8192 --fractions 0.3,0.6,0.9,1.2 --repetitions 2 --
 OVERHEAD=(--rates 100,250,500 --seconds-per-rate 6 --saturation-requests 3000)
 TRANSFER=(--iterations 50 --rounds 3)
 ROUTING=()
+PINNED=()
+if [[ "${SPEED:-0}" == 1 ]]; then
+  # Overhead, both transfer sizes, ours against aggregated at light and loaded points of every
+  # input length (the TTFT breakdown), and the same at 8192 tokens with one core per instance.
+  OUT=docs/benchmarks/speed
+  SWEEP=(--stacks ours,aggregated --input-lens 512,2048,8192 --fractions 0.3,0.9 --repetitions 2
+         --output-len 64 --point-time-limit 120)
+  PINNED=(--stacks ours,aggregated --input-lens 8192 --fractions 0.3,0.9 --repetitions 2
+          --output-len 64 --point-time-limit 120 --pin-processes)
+fi
 if [[ "${SMOKE:-0}" == 1 ]]; then
   OUT=/tmp/bench-smoke
   SWEEP=(--input-lens 512 --fractions 0.5,1 --light-fraction 0.5 --loaded-fraction 1 --capacity-requests 4
@@ -28,5 +40,9 @@ exec flock /tmp/vllm-e2e.lock bash -c '
   .venv/bin/disagg-bench transfer '"${TRANSFER[*]}"' --block-bytes 65536 \
       --result-file "$OUT/transfer-64mib.json"
   .venv/bin/disagg-bench scenarios '"${SWEEP[*]}"' --out-dir "$OUT" || true
-  .venv/bin/disagg-bench routing '"${ROUTING[*]}"' --out-dir "$OUT"
-' "$OUT"
+  if [[ "$1" != 0 ]]; then
+    .venv/bin/disagg-bench scenarios '"${PINNED[*]}"' --out-dir "$OUT/pinned"
+  else
+    .venv/bin/disagg-bench routing '"${ROUTING[*]}"' --out-dir "$OUT"
+  fi
+' "$OUT" "${#PINNED[@]}"
