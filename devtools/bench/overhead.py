@@ -1,7 +1,8 @@
-"""Router overhead: our router and vLLM-router (P/D mode) vs direct-to-backend, on zero-delay fakes.
+"""Router overhead: our router and vLLM-router (P/D mode) vs direct-to-backend, on fake instances.
 
 Who calls it: ``disagg-bench overhead``. It starts, as separate processes, a fake prefill and
-a fake decode instance (``devstack.fake_vllm``, zero delays), our router in push mode over
+a fake decode instance (``devstack.fake_vllm``; zero delays unless ``token_delay`` spaces the
+streamed tokens as a decoding instance would), our router in push mode over
 them, and ``vllm-router --vllm-pd-disaggregation`` over the same fakes. With two or more CPUs
 the fakes are pinned to the first and the routers to the last (``taskset``), so a router never
 competes with the backends for its core. Then, in one process and interleaved per rate so drift
@@ -52,6 +53,9 @@ class OverheadSpec:
     routers: tuple[str, ...] = ("ours", "vllm-router")
     seed: int = 0
     pin: bool = True
+    token_delay: float = 0.0
+    """Seconds the fakes wait between streamed tokens: 0 sends them back to back (the router's
+    per-request cost); a decode step's time makes each token its own read and write."""
 
 
 def cpu_split(pin: bool) -> tuple[str | None, str | None]:
@@ -63,7 +67,12 @@ def cpu_split(pin: bool) -> tuple[str | None, str | None]:
 
 
 def fake_process(
-    name: str, port: int, logs: Path, engine_id: str | None = None, cpus: str | None = None
+    name: str,
+    port: int,
+    logs: Path,
+    engine_id: str | None = None,
+    cpus: str | None = None,
+    token_delay: float = 0.0,
 ) -> ChildProcess:
     argv = [
         sys.executable,
@@ -76,6 +85,8 @@ def fake_process(
     ]
     if engine_id:
         argv += ["--engine-id", engine_id]
+    if token_delay:
+        argv += ["--token-delay", str(token_delay)]
     return http_process(
         name, pinned(argv, cpus), f"http://127.0.0.1:{port}/health", logs / f"{name}.log"
     )
@@ -279,8 +290,10 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
             pgids[name] = process.pid
 
     with ExitStack() as stack:
-        started("prefill", fake_process("fake-prefill", p_port, logs, PREFILL_ENGINE_ID, fake_cpus))
-        started("direct", fake_process("fake-decode", d_port, logs, cpus=fake_cpus))
+        delay = spec.token_delay
+        p_fake = fake_process("fake-prefill", p_port, logs, PREFILL_ENGINE_ID, fake_cpus, delay)
+        started("prefill", p_fake)
+        started("direct", fake_process("fake-decode", d_port, logs, None, fake_cpus, delay))
         targets = {"direct": Target(d_url, MODEL)}
         if "ours" in spec.routers:
             config = router_config(MODEL, p_url, d_url, identity=FAKE_PREFILL_IDENTITY)

@@ -24,6 +24,12 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routers", default=",".join(ROUTERS), help="subset of ours,vllm-router")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--token-delay",
+        type=float,
+        default=0.0,
+        help="seconds the fakes wait between streamed tokens (default 0: back to back)",
+    )
+    parser.add_argument(
         "--no-pin",
         action="store_true",
         help="do not pin the fakes to the first CPU and the routers to the last",
@@ -49,6 +55,7 @@ def overhead_command(args: argparse.Namespace) -> int:
         routers=routers,
         seed=args.seed,
         pin=not args.no_pin,
+        token_delay=args.token_delay,
     )
     try:
         load_before = os.getloadavg()
