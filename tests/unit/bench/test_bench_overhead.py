@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.overhead import FAKE_PREFILL_IDENTITY as IDENTITY
-from bench.overhead import derive, format_report
+from bench.overhead import derive, fake_process, format_report
 from bench.routers import router_config
 from router.config import settings_from_mapping
 
@@ -15,6 +17,13 @@ def test_router_config_is_valid_for_the_router() -> None:
     settings = settings_from_mapping(config)
     assert settings.mode == "push"
     assert settings.prefill.instances[0].identity is not None
+
+
+def test_token_delay_reaches_the_fakes_command_line(tmp_path: Path) -> None:
+    """``--token-delay`` is the fake's own flag (``devstack.fake_vllm``); 0 leaves it out."""
+    paced = fake_process("fake", 1, tmp_path, token_delay=0.02).process.argv
+    assert paced[paced.index("--token-delay") + 1] == "0.02"
+    assert "--token-delay" not in fake_process("fake", 1, tmp_path).process.argv
 
 
 def _m(
