@@ -1,15 +1,38 @@
 """Free loopback TCP ports for tests and dev stacks.
 
-Who calls it: fixtures and :mod:`devstack.stack` before starting servers. The port is found
-by binding port 0 and closing the socket, so another process may grab it before the caller binds;
-:func:`free_ports` hands out distinct ports within one call, which is what a stack needs.
+Who calls it: fixtures and :mod:`devstack.stack` before starting servers. A port is checked by
+binding it and closing the socket, so it is free when handed out, and the caller binds it later
+(a vLLM instance binds its connector's side channel half a minute after start). Ports are taken
+below the kernel's ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``) when it leaves
+room: the kernel hands ports of that range to every bind of port 0 and to every outgoing
+connection of every process, so a port from it (what binding port 0 here would give) can be
+taken by a vLLM instance's own sockets or connections before the caller binds it. Below the
+range only an explicit bind can take it. :func:`free_ports` hands out distinct ports within one
+call, which is what a stack needs; where the range cannot be read, ports come from binding port 0.
 """
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 10000
+_MIN_CHOICES = 1000
+_TRIES = 200
+_random = random.SystemRandom()  # independent of any seed a test sets on ``random``
+
+
+def fixed_port_range() -> range | None:
+    """The ports below the ephemeral range, from 10000 (``None``: unknown, or too few)."""
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(_LOWEST, low) if low - _LOWEST >= _MIN_CHOICES else None
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -19,14 +42,34 @@ def free_port(host: str = LOOPBACK) -> int:
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     """Return ``count`` distinct ports, all bound at once so they cannot repeat within the call."""
+    choices = fixed_port_range()
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, 0))
-            sockets.append(sock)
+            sockets.append(_bind_one(host, choices))
         return [int(sock.getsockname()[1]) for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _bind_one(host: str, choices: range | None) -> socket.socket:
+    """A socket bound to a random free port of ``choices`` (port 0 when none is free)."""
+    if choices is not None:
+        for _ in range(_TRIES):
+            sock = _socket()
+            try:
+                sock.bind((host, _random.choice(choices)))
+            except OSError:
+                sock.close()
+                continue
+            return sock
+    sock = _socket()
+    sock.bind((host, 0))
+    return sock
+
+
+def _socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return sock
