@@ -139,10 +139,20 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Bind this step's metadata and hand its decisions to the transfer core (non-blocking).
+
+        vLLM binds a step's metadata before the step's forward pass, but calls ``start_load_kv``
+        after it when the step loads nothing synchronously (vLLM 0.32 and 0.33): a finished
+        prefill handed over there would wait for the whole next step, on a busy P another
+        request's prefill, before P posts its WRITE.
+        """
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, PushConnectorMetadata):
+            self._work().start_step(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, PushConnectorMetadata)
-        self._work().start_step(meta)
+        """No-op: the step's work was handed over when its metadata was bound."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """No-op: D's KV arrives before the request is scheduled (async load)."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -14,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import connector
 from connector.facade import DisaggPushConnector
+from connector.metadata import PushConnectorMetadata
+from connector.specs import SendSpec
 from connector.worker import WorkerStep
 
 
@@ -30,7 +34,14 @@ def test_class_name_resolves_like_vllms_factory_and_is_not_a_builtin_name() -> N
 
 
 class _StubWorker:
-    """Stands in for PushWorker.collect(): one finished send, one ok and one failed receive."""
+    """Stands in for PushWorker: records the steps handed over; collect() reports one finished
+    send, one ok and one failed receive."""
+
+    def __init__(self) -> None:
+        self.steps: list[PushConnectorMetadata] = []
+
+    def start_step(self, meta: PushConnectorMetadata) -> None:
+        self.steps.append(meta)
 
     def collect(self) -> WorkerStep:
         return WorkerStep(
@@ -59,3 +70,23 @@ def test_both_worker_result_apis() -> None:
     assert old.get_finished(set()) == ({"p-1"}, {"d-ok", "d-bad"})
     assert old.get_block_ids_with_load_errors() == {7, 8}
     assert old.get_block_ids_with_load_errors() == set()
+
+
+def test_a_steps_decisions_reach_the_worker_before_its_forward_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's model runner calls ``start_load_kv`` after the forward pass when a step loads
+    nothing synchronously; a finished prefill must reach P's writer before that forward, which
+    on a busy P is the next request's prefill."""
+    mixin = importlib.import_module("vllm.v1.worker.kv_connector_model_runner_mixin")
+    facade = _facade()
+    monkeypatch.setattr(mixin, "get_kv_transfer_group", lambda: facade)
+    monkeypatch.setattr(mixin, "get_forward_context", lambda: None)
+    meta = PushConnectorMetadata()
+    meta.finished_prefills.append(SendSpec("p-1", "t:1", (3, 4)))
+    step = SimpleNamespace(
+        kv_connector_metadata=meta, has_sync_kv_loads=False, finished_req_ids=set()
+    )
+    with mixin.KVConnectorModelRunnerMixin._get_kv_connector_output(step):
+        assert facade._worker.steps == [meta]  # the forward pass runs here
+    assert facade._worker.steps == [meta]  # handed over once
