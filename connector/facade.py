@@ -148,8 +148,8 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         request's prefill, before P posts its WRITE.
         """
         super().bind_connector_metadata(connector_metadata)
-        if isinstance(connector_metadata, PushConnectorMetadata):
-            self._work().start_step(connector_metadata)
+        assert isinstance(connector_metadata, PushConnectorMetadata)
+        self._work().start_step(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """No-op: the step's work was handed over when its metadata was bound."""
