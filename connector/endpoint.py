@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from connector.layout import LayoutSpec
+from connector.layout import DescriptorIndex, LayoutSpec
 
 XferState = Literal["DONE", "PROC", "ERR"]
 """State of a posted WRITE: landed, in progress, failed."""
@@ -45,9 +45,14 @@ class Endpoint(Protocol):
         ...
 
     def write(
-        self, agent_name: str, local_ids: list[int], remote_ids: list[int], notif: bytes
+        self,
+        agent_name: str,
+        local_ids: DescriptorIndex,
+        remote_ids: DescriptorIndex,
+        notif: bytes,
     ) -> object:
-        """Post a WRITE of local descriptors into the peer's; ``notif`` arrives after the data.
+        """Post a WRITE of local descriptors into the peer's (positions from
+        :func:`connector.layout.descriptor_index`); ``notif`` arrives after the data.
         Returns a handle for :meth:`state` and :meth:`release`."""
         ...
 

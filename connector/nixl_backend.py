@@ -22,7 +22,7 @@ from typing import Any
 
 from connector.endpoint import XferState
 from connector.errors import NixlUnavailableError, TransferError
-from connector.layout import LayoutSpec, descriptors, memory_spans
+from connector.layout import DescriptorIndex, LayoutSpec, descriptors, memory_spans
 
 
 def _load_nixl() -> tuple[ModuleType | None, ImportError | None]:
@@ -140,7 +140,11 @@ class NixlEndpoint:
             self._agent.make_connection(agent_name)
 
     def write(
-        self, agent_name: str, local_ids: list[int], remote_ids: list[int], notif: bytes
+        self,
+        agent_name: str,
+        local_ids: DescriptorIndex,
+        remote_ids: DescriptorIndex,
+        notif: bytes,
     ) -> Any:
         """Post a WRITE of local descriptors into the peer's; ``notif`` arrives after the data."""
         with self.lock, _nixl("WRITE"):

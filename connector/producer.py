@@ -125,6 +125,7 @@ class PushProducer:
 
     def _post(self, write: Write) -> None:
         reg = write.reg
+        assert write.local_ids is not None  # planning set them
         try:
             self._ep.prepare_remote(reg.d_agent_name, reg.d_agent_metadata, reg.d_layout)
             handle = self._ep.write(

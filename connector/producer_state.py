@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from connector.config import ConnectorConfig
 from connector.endpoint import XferState
 from connector.errors import ProtocolError
-from connector.layout import LayoutSpec, descriptor_ids, transfer_bytes
+from connector.layout import DescriptorIndex, LayoutSpec, descriptor_index, transfer_bytes
 from connector.protocol import (
     Notification,
     Registration,
@@ -42,8 +42,9 @@ class _Registered:
     reg: Registration
     received_at: float
     start_by: float
-    remote_ids: list[int]
-    """D's descriptor ids, computed on arrival while P still prefills (off the WRITE's path)."""
+    remote_ids: DescriptorIndex
+    """D's descriptor ids, computed on arrival while P still prefills (off the WRITE's path);
+    empty when they do not fit D's layout (``remote_error`` says why)."""
     notif: bytes
     """The ``done`` notification, also encoded on arrival."""
     remote_error: str = ""
@@ -54,9 +55,10 @@ def _registered(reg: Registration, now: float) -> _Registered:
     """A registration with its WRITE's D-side half prepared."""
     notif = encode_notification(Notification("done", reg.transfer_key, reg.d_request_id))
     try:
-        remote_ids = descriptor_ids(reg.d_layout, reg.block_ids[0])
+        remote_ids = descriptor_index(reg.d_layout, reg.block_ids[0])
     except ValueError as exc:
-        return _Registered(reg, now, now + reg.budget_s, [], notif, str(exc))
+        no_ids = descriptor_index(reg.d_layout, ())
+        return _Registered(reg, now, now + reg.budget_s, no_ids, notif, str(exc))
     return _Registered(reg, now, now + reg.budget_s, remote_ids, notif)
 
 
@@ -67,7 +69,8 @@ class Write:
     key: str
     fin: SendSpec
     entry: _Registered
-    local_ids: list[int] = field(default_factory=list)
+    local_ids: DescriptorIndex | None = None
+    """P's descriptor ids, set when the WRITE is planned."""
     num_blocks: int = 0
     num_bytes: int = 0
     handle: object | None = None
@@ -78,7 +81,7 @@ class Write:
         return self.entry.reg
 
     @property
-    def remote_ids(self) -> list[int]:
+    def remote_ids(self) -> DescriptorIndex:
         """D's descriptor ids (prepared when the registration arrived)."""
         return self.entry.remote_ids
 
@@ -279,7 +282,7 @@ class ProducerState:
             self.finish(write, ok=False, reason=reason + str(num_blocks))
             return False
         try:
-            write.local_ids = descriptor_ids(self._layout, p_blocks)
+            write.local_ids = descriptor_index(self._layout, p_blocks)
         except ValueError as exc:
             why = str(exc)
         else:

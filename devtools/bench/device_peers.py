@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bench.bare_nixl import BareNixlEndpoint
+from bench.bare_nixl import BareNixlEndpoint, positions
 from bench.device_kv import CacheShape, KVCache
 from connector.config import ConnectorConfig
 from connector.consumer import PushConsumer
@@ -101,8 +101,9 @@ def producer_main(conn: Connection, shape: CacheShape, device: str) -> None:
             bare.connect(args[0], descriptors(d_layout), d_layout.mem_type)
             conn.send(True)
         elif name == "bare_write" and bare is not None:
+            local, remote = positions(args[1]), positions(args[2])
             t0 = time.monotonic()
-            handle = bare.write(args[1], f"bare-{args[0]}".encode(), remote_ids=args[2])
+            handle = bare.write(local, f"bare-{args[0]}".encode(), remote_ids=remote)
             conn.send(t0)
             while (state := bare.state(handle)) == "PROC":
                 time.sleep(0)

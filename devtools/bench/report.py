@@ -132,8 +132,10 @@ def _point_counts(rows: Rows) -> dict[str, list[dict[str, Any]]]:
 TRANSFER_FILES = {
     "connector_over_bare_nixl_throughput": "transfer.json",
     "connector_over_bare_nixl_throughput_64mib": "transfer-64mib.json",
+    "connector_over_bare_nixl_throughput_16k_descriptors": "transfer-16k-descriptors.json",
 }
-"""summary.json keys from ``disagg-bench transfer`` results (2 MiB and 64 MiB per WRITE)."""
+"""summary.json keys from ``disagg-bench transfer`` results (2 MiB and 64 MiB per WRITE in 1,024
+descriptors; 4 MiB in 16,384, the descriptor count of a long prompt on a many-layer model)."""
 
 
 def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -234,10 +236,12 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
             notes[key] = f"no transfer results ({name} missing or one kind failed)"
             continue
         size = transfer.get("bytes_per_write")
+        descs = transfer.get("descriptors_per_write")
         notes[key] = (
             "median-transfer throughput, connector path (PushProducer -> PushConsumer) / "
             "bare NIXL WRITE + notification, same bytes and descriptors"
             + (f", {size / 2**20:g} MiB per WRITE" if size else "")
+            + (f" in {descs} descriptors" if descs else "")
             + f" ({name})"
         )
     routing = _load(out_dir / "routing.json") or {}
@@ -380,6 +384,24 @@ def plot(rows: Rows, stacks: list[str], metric: str, label: str, path: Path) -> 
     plt.close(fig)
 
 
+def _transfer_section(name: str, transfer: dict[str, Any] | None) -> list[str]:
+    """results.md lines for one ``disagg-bench transfer`` result file (none if it is missing)."""
+    if not transfer or not transfer.get("rounds"):
+        return []
+    lines = ["", f"## Transfer (`{name}`)", ""]
+    lines.append(
+        f"{transfer['bytes_per_write']} bytes in {transfer['descriptors_per_write']} "
+        "descriptors per WRITE; per round: median ms per transfer (GB/s)."
+    )
+    lines += ["", "| round | kind | median ms | GB/s |", "|---|---|---|---|"]
+    for r in transfer["rounds"]:
+        ms = r.get("median_write_ms", r.get("median_latency_ms", 0.0))
+        lines.append(
+            f"| {r['round']} | {r['kind']} | {ms:.3f} | {r['median_throughput_gbps']:.3f} |"
+        )
+    return lines
+
+
 def _sweep_sections(
     scen: dict[str, Any], rows: Rows, stacks: list[str], named: dict[str, float]
 ) -> list[str]:
@@ -447,19 +469,8 @@ def render(out_dir: Path, command: str) -> dict[str, Any]:
         parts.append(format_report(overhead["derived"]))
         if "loadavg_before_after" in overhead:
             parts += ["", f"Load average before / after: {overhead['loadavg_before_after']}"]
-    transfer = _load(out_dir / "transfer.json")
-    if transfer and transfer.get("rounds"):
-        parts += ["", "## Transfer (`transfer.json`)", ""]
-        parts.append(
-            f"{transfer['bytes_per_write']} bytes in {transfer['descriptors_per_write']} "
-            "descriptors per WRITE; per round: median ms per transfer (GB/s)."
-        )
-        parts += ["", "| round | kind | median ms | GB/s |", "|---|---|---|---|"]
-        for r in transfer["rounds"]:
-            ms = r.get("median_write_ms", r.get("median_latency_ms", 0.0))
-            parts.append(
-                f"| {r['round']} | {r['kind']} | {ms:.3f} | {r['median_throughput_gbps']:.3f} |"
-            )
+    for name in TRANSFER_FILES.values():
+        parts += _transfer_section(name, _load(out_dir / name))
     if scen.get("errors"):
         parts += ["", "## Stack errors", ""]
         parts += [f"- `{s}`: {e[:500]}" for s, e in scen["errors"].items()]

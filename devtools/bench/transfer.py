@@ -100,18 +100,20 @@ class _Endpoint:
         self.spec = spec
         self.impl: Any
         if kind == "bare":
-            from bench.bare_nixl import BareNixlEndpoint, contiguous_descs
+            from bench.bare_nixl import BareNixlEndpoint, contiguous_descs, positions
 
             n = spec.regions * spec.blocks_per_region
             descs = contiguous_descs(self.addr, spec.block_bytes, n)
             self.impl = BareNixlEndpoint(name, descs, spans=[(self.addr, spec.block_bytes * n, 0)])
-            self.ids = [
-                r * spec.blocks_per_region + b
-                for r in range(spec.regions)
-                for b in range(spec.blocks_per_write)
-            ]
+            self.ids = positions(
+                [
+                    r * spec.blocks_per_region + b
+                    for r in range(spec.regions)
+                    for b in range(spec.blocks_per_write)
+                ]
+            )
         else:
-            from connector.layout import LayoutSpec, RegionSpec, descriptor_ids
+            from connector.layout import LayoutSpec, RegionSpec, descriptor_index
             from connector.nixl_backend import NixlEndpoint
 
             region_bytes = spec.blocks_per_region * spec.block_bytes
@@ -127,7 +129,7 @@ class _Endpoint:
                 )
             )
             self.impl = NixlEndpoint(name, self.layout)
-            self.ids = descriptor_ids(self.layout, list(range(spec.blocks_per_write)))
+            self.ids = descriptor_index(self.layout, list(range(spec.blocks_per_write)))
         self.peer = ""
 
     def hello(self) -> dict[str, Any]:

@@ -62,12 +62,16 @@ def _bare(name: str, spec: TransferSpec, addr: int) -> Any:
     return BareNixlEndpoint(name, _descs(spec, addr), spans=[(addr, total, 0)])
 
 
-def _ids(spec: TransferSpec) -> list[int]:
-    return [
-        r * spec.blocks_per_region + b
-        for r in range(spec.regions)
-        for b in range(spec.blocks_per_write)
-    ]
+def _ids(spec: TransferSpec) -> Any:
+    from bench.bare_nixl import positions
+
+    return positions(
+        [
+            r * spec.blocks_per_region + b
+            for r in range(spec.regions)
+            for b in range(spec.blocks_per_write)
+        ]
+    )
 
 
 def _p_process(kind: PathKind, spec: TransferSpec, d: Connection) -> None:

@@ -14,7 +14,7 @@ TRANSFER=(--iterations 50 --rounds 3)
 ROUTING=()
 PINNED=()
 if [[ "${SPEED:-0}" == 1 ]]; then
-  # Overhead, both transfer sizes, ours against aggregated at light and loaded points of every
+  # Overhead, the three transfer shapes, ours against aggregated at light and loaded points of every
   # input length (the TTFT breakdown), and the same at 8192 tokens with one core per instance.
   OUT=docs/benchmarks/speed
   SWEEP=(--stacks ours,aggregated --input-lens 512,2048,8192 --fractions 0.3,0.9 --repetitions 2
@@ -39,6 +39,8 @@ exec flock /tmp/vllm-e2e.lock bash -c '
   .venv/bin/disagg-bench transfer '"${TRANSFER[*]}"' --result-file "$OUT/transfer.json"
   .venv/bin/disagg-bench transfer '"${TRANSFER[*]}"' --block-bytes 65536 \
       --result-file "$OUT/transfer-64mib.json"
+  .venv/bin/disagg-bench transfer '"${TRANSFER[*]}"' --regions 64 --block-bytes 256 \
+      --result-file "$OUT/transfer-16k-descriptors.json"
   .venv/bin/disagg-bench scenarios '"${SWEEP[*]}"' --out-dir "$OUT" || true
   if [[ "$1" != 0 ]]; then
     .venv/bin/disagg-bench scenarios '"${PINNED[*]}"' --out-dir "$OUT/pinned"

@@ -170,3 +170,35 @@ def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> No
 def test_recorded_command_leaves_out_the_work_dir() -> None:
     argv = ["scenarios", "--work-dir", "/tmp/x", "--stacks", "ours", "--work-dir=/tmp/y"]
     assert recorded_command(argv) == "disagg-bench scenarios --stacks ours"
+
+
+def test_each_transfer_file_gives_its_key_and_its_section(tmp_path: Path) -> None:
+    rounds = [
+        {
+            "round": 0,
+            "kind": "bare-notify",
+            "median_latency_ms": 0.5,
+            "median_throughput_gbps": 8.0,
+        },
+        {
+            "round": 0,
+            "kind": "connector-path",
+            "median_latency_ms": 1.0,
+            "median_throughput_gbps": 4.0,
+        },
+    ]
+    many = {
+        "connector_over_bare_throughput": 0.5,
+        "bytes_per_write": 4 * 2**20,
+        "descriptors_per_write": 16384,
+        "rounds": rounds,
+    }
+    (tmp_path / "transfer-16k-descriptors.json").write_text(json.dumps(many))
+    summary = render(tmp_path, "disagg-bench transfer")
+    assert summary["connector_over_bare_nixl_throughput_16k_descriptors"] == pytest.approx(0.5)
+    assert summary["connector_over_bare_nixl_throughput"] is None
+    results = (tmp_path / "results.md").read_text()
+    assert "4 MiB per WRITE in 16384 descriptors (transfer-16k-descriptors.json)" in results
+    assert "## Transfer (`transfer-16k-descriptors.json`)" in results
+    assert "## Transfer (`transfer.json`)" not in results
+    assert "| 0 | connector-path | 1.000 | 4.000 |" in results

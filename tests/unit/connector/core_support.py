@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from connector.endpoint import Endpoint, XferState
 from connector.errors import TransferError
-from connector.layout import LayoutSpec, RegionSpec
+from connector.layout import DescriptorIndex, LayoutSpec, RegionSpec
 from connector.protocol import Notification, decode_notification
 from tests.support.wait import wait_until
 
@@ -49,12 +49,19 @@ class MemoryEndpoint:
         assert agent_name in self.peers
 
     def write(
-        self, agent_name: str, local_ids: list[int], remote_ids: list[int], notif: bytes
+        self,
+        agent_name: str,
+        local_ids: DescriptorIndex,
+        remote_ids: DescriptorIndex,
+        notif: bytes,
     ) -> int:
         assert agent_name in self.peers
         if self.fail_writes:
             raise TransferError("NIXL rejected the WRITE")
-        self.writes.append((agent_name, local_ids, remote_ids, decode_notification(notif)))
+        # NIXL's make_prepped_xfer takes positions as a list or an int32 array.
+        assert local_ids.dtype.name == remote_ids.dtype.name == "int32"
+        ids = (local_ids.tolist(), remote_ids.tolist())
+        self.writes.append((agent_name, *ids, decode_notification(notif)))
         self.writers.append(threading.current_thread().name)
         return len(self.writes)
 

@@ -14,6 +14,7 @@ from connector.layout import (
     LayoutSpec,
     RegionSpec,
     descriptor_ids,
+    descriptor_index,
     descriptors,
     layout_from_kv_caches,
     physical_blocks,
@@ -30,6 +31,18 @@ def test_descriptors_are_region_major_and_ids_match_blocks() -> None:
     assert transfer_bytes(layout, 2) == 2 * 2 * 64
     with pytest.raises(ValueError, match="outside region"):
         descriptor_ids(layout, [4])
+
+
+def test_descriptor_index_is_the_int32_array_nixl_takes() -> None:
+    layout = LayoutSpec(
+        regions=(RegionSpec(0, 64, 64, 8), RegionSpec(4096, 64, 64, 8)), blocks_per_logical=2
+    )
+    index = descriptor_index(layout, [3, 0])
+    assert index.dtype.name == "int32"
+    assert index.tolist() == [6, 7, 0, 1, 14, 15, 8, 9] == descriptor_ids(layout, [3, 0])
+    assert descriptor_index(layout, []).tolist() == []
+    with pytest.raises(ValueError, match="block 9 outside region of 8 blocks"):
+        descriptor_index(layout, [4])
 
 
 def test_physical_blocks_per_logical_expand_in_order() -> None:
