@@ -4,7 +4,7 @@
 #   bash docs/benchmarks/run_all.sh            # full run (about 40 min on the 2-core machine)
 #   SMOKE=1 bash docs/benchmarks/run_all.sh    # tiny sweep into /tmp/bench-smoke (~5 min)
 #   SPEED=1 bash docs/benchmarks/run_all.sh    # the router/connector speed numbers, one run, into
-#                                              # docs/benchmarks/speed (~35 min on the 2-core machine)
+#                                              # docs/benchmarks/speed (~20 min on the 2-core machine)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=docs/benchmarks
