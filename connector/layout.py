@@ -157,10 +157,11 @@ def descriptor_index(layout: LayoutSpec, logical_ids: Sequence[int]) -> Descript
     """Descriptor indices (into :func:`descriptors`) for ``logical_ids`` in every region,
     region-major, as the int32 array NIXL's ``make_prepped_xfer`` takes without converting.
 
-    Who calls it: P's transfer core once per WRITE and once per registration, on the WRITE's path
-    (vector arithmetic: a 16,384-descriptor WRITE costs microseconds here, and NIXL copies the
-    array instead of converting a list element by element). NumPy comes with vLLM and NIXL; it is
-    imported here, not when the package is, so the router never loads it.
+    Who calls it: P's transfer core, for D's side when a registration arrives and for P's side
+    when the WRITE is planned, on the WRITE's path (vector arithmetic: 16,384 positions cost
+    microseconds here, and NIXL copies the array instead of converting a list element by
+    element). NumPy comes with vLLM and NIXL; it is imported here, not when the package is, so
+    the router never loads it.
     Raises ``ValueError`` for a block id outside the layout.
     """
     import numpy as np
