@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 Descs = Sequence[tuple[int, int, int]]
+"""``(address, length, device id)`` per descriptor."""
 Positions: TypeAlias = "npt.NDArray[np.int32]"
 """Descriptor positions as NIXL takes them fastest (a list is converted element by element)."""
 
@@ -27,9 +28,6 @@ def positions(ids: Sequence[int]) -> Positions:
     import numpy as np
 
     return np.asarray(ids, dtype=np.int32)
-
-
-"""``(address, length, device id)`` per descriptor."""
 
 
 def contiguous_descs(addr: int, desc_bytes: int, num_descs: int) -> list[tuple[int, int, int]]:

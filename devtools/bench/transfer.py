@@ -89,6 +89,20 @@ class TransferSpec:
             raise ValueError("regions, block_bytes and iterations must be >= 1")
 
 
+def bare_positions(spec: TransferSpec) -> Any:
+    """The bare loops' WRITE: the first ``blocks_per_write`` descriptors of every region, as
+    the int32 array NIXL posts without converting (what the connector's arithmetic gives)."""
+    from bench.bare_nixl import positions
+
+    return positions(
+        [
+            r * spec.blocks_per_region + b
+            for r in range(spec.regions)
+            for b in range(spec.blocks_per_write)
+        ]
+    )
+
+
 class _Endpoint:
     """Both kinds behind one shape: ``write(notif)`` posts the spec's WRITE."""
 
@@ -100,18 +114,12 @@ class _Endpoint:
         self.spec = spec
         self.impl: Any
         if kind == "bare":
-            from bench.bare_nixl import BareNixlEndpoint, contiguous_descs, positions
+            from bench.bare_nixl import BareNixlEndpoint, contiguous_descs
 
             n = spec.regions * spec.blocks_per_region
             descs = contiguous_descs(self.addr, spec.block_bytes, n)
             self.impl = BareNixlEndpoint(name, descs, spans=[(self.addr, spec.block_bytes * n, 0)])
-            self.ids = positions(
-                [
-                    r * spec.blocks_per_region + b
-                    for r in range(spec.regions)
-                    for b in range(spec.blocks_per_write)
-                ]
-            )
+            self.ids = bare_positions(spec)
         else:
             from connector.layout import LayoutSpec, RegionSpec, descriptor_index
             from connector.nixl_backend import NixlEndpoint

@@ -23,7 +23,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from bench.transfer import TransferSpec, await_report
+from bench.transfer import TransferSpec, await_report, bare_positions
 
 PathKind = Literal["bare-notify", "connector-path"]
 _REGISTRATION_LEAD_S = 0.05
@@ -62,18 +62,6 @@ def _bare(name: str, spec: TransferSpec, addr: int) -> Any:
     return BareNixlEndpoint(name, _descs(spec, addr), spans=[(addr, total, 0)])
 
 
-def _ids(spec: TransferSpec) -> Any:
-    from bench.bare_nixl import positions
-
-    return positions(
-        [
-            r * spec.blocks_per_region + b
-            for r in range(spec.regions)
-            for b in range(spec.blocks_per_write)
-        ]
-    )
-
-
 def _p_process(kind: PathKind, spec: TransferSpec, d: Connection) -> None:
     buf = _buffer(spec)
     addr = ctypes.addressof(buf)
@@ -83,7 +71,7 @@ def _p_process(kind: PathKind, spec: TransferSpec, d: Connection) -> None:
         d.send({"metadata": bare.metadata(), "addr": addr})
         bare_hello = d.recv()
         bare.connect(bare_hello["metadata"], _descs(spec, bare_hello["addr"]))
-        ids = _ids(spec)
+        ids = bare_positions(spec)
         while (msg := d.recv()) != "stop":
             t0 = time.monotonic()
             handle = bare.write(ids, f"it-{msg}".encode())
