@@ -53,6 +53,12 @@ MARGIN_S = 5.0  # engine steps that report the release, and /metrics catching up
 IMMEDIATE_BOUND_S = MARGIN_S  # connector/README.md: P answers D's cancel, P frees at once
 P_DEAD_BOUND_S = 2 * CONNECTOR.liveness_interval_s + MARGIN_S  # README: "P dies" (two pings)
 LONG_PROMPT_WORDS = 2000  # ~7k tokens of the tiny model: under max_model_len 16384
+# The SIGTERM case needs a stream that outlives the drain: D decodes the tiny model at about
+# 3,000 tokens/s on this machine's core, so 3,000 tokens once finished inside a 1 s drain. 6,000
+# tokens (still under max_model_len with the long prompt) against a 0.25 s drain leave a margin
+# of about 8x.
+SIGTERM_DRAIN_S = 0.25
+SIGTERM_MAX_TOKENS = 6000
 ROWS: list[dict[str, str]] = []
 
 
@@ -251,7 +257,7 @@ def test_client_disconnect_mid_stream(stack: Stack) -> None:
 
 def test_router_sigterm_with_requests_in_flight(stack: Stack, tmp_path: Path) -> None:
     config = stack.router_config(with_identity=True)
-    config["drain"] = {"timeout": 1.0}
+    config["drain"] = {"timeout": SIGTERM_DRAIN_S}
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
@@ -260,7 +266,10 @@ def test_router_sigterm_with_requests_in_flight(stack: Stack, tmp_path: Path) ->
     with ChildProcess(ProcessSpec("router", argv, tmp_path / "router.log")) as proc:
         wait_until(lambda: _ready(url), 60, "the router process to be ready")
         with httpx.stream(
-            "POST", f"{url}/v1/completions", json=_long(True, max_tokens=3000), timeout=120
+            "POST",
+            f"{url}/v1/completions",
+            json=_long(True, max_tokens=SIGTERM_MAX_TOKENS),
+            timeout=120,
         ) as resp:
             lines = resp.iter_lines()
             first = next(lines)
@@ -275,7 +284,8 @@ def test_router_sigterm_with_requests_in_flight(stack: Stack, tmp_path: Path) ->
         next_status = _next_ok(router.url, stack.model_name) + " (a new router)"
     got = _final_event(text)
     assert "shutting down" in got
-    _row("SIGTERM of the router mid-stream (drain 1 s)", got, took, blocks, next_status)
+    case = f"SIGTERM of the router mid-stream (drain {SIGTERM_DRAIN_S:g} s)"
+    _row(case, got, took, blocks, next_status)
 
 
 def _ready(url: str) -> bool:
