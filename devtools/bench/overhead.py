@@ -279,6 +279,7 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
     """Start the processes, measure, stop them; returns raw and derived numbers."""
     logs = log_dir or Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     logs.mkdir(parents=True, exist_ok=True)
+    print(f"child process logs: {logs}", file=sys.stderr)  # not in the results: a local path
     p_port, d_port, r_port, v_port = free_ports(4)
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     fake_cpus, router_cpus = cpu_split(spec.pin)
@@ -307,7 +308,6 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
     return {
         "spec": spec.__dict__,
         "cpus": cpus,
-        "logs": str(logs),
         "raw": raw,
         "derived": derive(raw),
     }

@@ -14,6 +14,7 @@ connection is open), the maximum, and the last minus the first.
 from __future__ import annotations
 
 import asyncio
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -121,13 +122,14 @@ def run_soak(spec: SoakSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start backends and the router process, soak, stop everything; the raw results."""
     logs = log_dir or Path(tempfile.mkdtemp(prefix="bench-soak-"))
     logs.mkdir(parents=True, exist_ok=True)
+    print(f"child process logs: {logs}", file=sys.stderr)  # not in the results: a local path
     with ExitStack() as stack:
         config, model = _backends(spec, logs, stack)
         (port,) = free_ports(1)
         router = stack.enter_context(our_router(config, port, logs))
         assert router.pid is not None
         raw = asyncio.run(_soak(Target(f"http://127.0.0.1:{port}", model), router.pid, spec))
-    return {"spec": asdict(spec), "logs": str(logs), **raw}
+    return {"spec": asdict(spec), **raw}
 
 
 def _trend(samples: list[dict[str, float]], key: str, fmt: Callable[[float], str]) -> str:

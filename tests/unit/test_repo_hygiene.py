@@ -1,9 +1,10 @@
 """The repository speaks about the product, to its users and contributors.
 
 Over every file git tracks (``git ls-files``; a symlink is checked by its target): no talk of
-development sessions, owners or roles, and no absolute path of a particular machine's checkout or
-home directory. Also: README.md stays short (it is the user's entry point; reference material
-lives in ``docs/`` and ``connector/README.md``).
+development sessions, owners or roles, no absolute path of a particular machine's checkout or
+home directory, and no run's temporary directory as a value in committed data. Also: README.md
+stays short (it is the user's entry point; reference material lives in ``docs/`` and
+``connector/README.md``).
 Skipped outside a git checkout (e.g. an unpacked sdist), where there is no file list to check.
 """
 
@@ -27,6 +28,7 @@ FORBIDDEN = {
         r"|\bOwners?:"
     ),
     "machine path": re.compile(r"/(?:work|root)/"),
+    "a run's temporary directory in committed data": re.compile(r'":\s*"/tmp/'),
 }
 
 
@@ -84,11 +86,13 @@ def test_patterns_catch_what_they_must() -> None:
             "as the devel" + "oper saw",
         ],
         "machine path": ["see /wo" + "rk/main/.venv", "/ro" + "ot/.cache/x"],
+        "a run's temporary directory in committed data": ['  "logs": "/tm' + 'p/bench-x1"'],
     }
     for what, texts in samples.items():
         for text in texts:
             assert FORBIDDEN[what].search(text), (what, text)
-    assert not any(p.search("a pytest session directory; /opt/models") for p in FORBIDDEN.values())
+    for text in ("a pytest session directory; /opt/models", "flock /tmp/vllm-e2e.lock pytest"):
+        assert not any(p.search(text) for p in FORBIDDEN.values()), text
 
 
 def test_readme_is_short() -> None:
