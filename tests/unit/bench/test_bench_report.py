@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from bench.overhead import derive
-from bench.report import Ratio, headline_point, markdown_table, pair_ratio, render
+from bench.report import (
+    Ratio,
+    breakdown_table,
+    headline_point,
+    markdown_table,
+    pair_ratio,
+    render,
+)
 from bench.results import recorded_command
 
 
@@ -125,6 +132,26 @@ def test_render_writes_summary_table_and_plots(tmp_path: Path) -> None:
     assert "| `ttft_push_over_pull_loaded` | 0.357 | 0.250-0.500 (2) |" in md
     assert (tmp_path / "ttft_vs_load.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "tpot_vs_load.png").stat().st_size > 0
+
+
+def test_breakdown_has_a_row_per_repetition_and_the_instances_own_ttft() -> None:
+    stage = "router:disagg_router_ttft_stage_seconds{prefill_done_to_first_token}"
+    rows = [
+        {**_row("ours", 512, 0.9, 150.0, 10.0, rep=1), "ttft_breakdown_ms": {stage: 18.5}},
+        {
+            **_row("ours", 512, 0.9, 143.0, 10.0),
+            "ttft_breakdown_ms": {stage: 43.7, "decode:vllm:time_to_first_token_seconds": 123.6},
+        },
+        _row("pull", 512, 0.9, 120.0, 11.0),  # not a stack the table shows
+        _row("ours", 2048, 0.6, 400.0, 20.0),  # not a fraction it shows
+    ]
+    lines = breakdown_table(rows, ("ours", "aggregated"), (0.3, 0.9)).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert len(cells) == 2
+    assert [row[head.index("rep")] for row in cells] == ["0", "1"]
+    assert [row[head.index("router: P done->D token")] for row in cells] == ["43.7", "18.5"]
+    assert [row[head.index("D TTFT (vLLM)")] for row in cells] == ["123.6", "-"]
 
 
 def test_markdown_marks_failures_and_gaps() -> None:
