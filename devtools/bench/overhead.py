@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +93,9 @@ def fake_process(
     )
 
 
-def _summary(metrics: dict[str, Any], cpu_s: float, fakes_cpu_s: float) -> dict[str, Any]:
+def _summary(
+    metrics: dict[str, Any], cpu_s: float, fakes_cpu_s: float, client_cpu_s: float
+) -> dict[str, Any]:
     keys = (
         "completed",
         "failed",
@@ -107,6 +110,7 @@ def _summary(metrics: dict[str, Any], cpu_s: float, fakes_cpu_s: float) -> dict[
     done = metrics["completed"]
     out["cpu_ms_per_request"] = 1000 * cpu_s / done if done else None
     out["fakes_cpu_ms_per_request"] = 1000 * fakes_cpu_s / done if done else None
+    out["client_cpu_ms_per_request"] = 1000 * client_cpu_s / done if done else None
     return out
 
 
@@ -122,12 +126,16 @@ async def _timed_load(
     pgid: int | None,
     fakes: list[int],
 ) -> tuple[Any, dict[str, Any]]:
-    """One load on ``target``: its result and its summary, with the CPU its processes used and
-    the CPU the fake instances (process groups ``fakes``) used for it."""
+    """One load on ``target``: its result and its summary, with the CPU its processes used, the
+    CPU the fake instances (process groups ``fakes``) used for it, and the load generator's own
+    (this process: ``time.process_time`` counts no child)."""
     before, fakes_before = (group_cpu_seconds(pgid) if pgid else 0.0), _cpu(fakes)
+    client_before = time.process_time()
     result = await run_load(client, target, requests, load)
+    client_used = time.process_time() - client_before
     used = group_cpu_seconds(pgid) - before if pgid else 0.0
-    return result, _summary(metrics_to_dict(result.metrics), used, _cpu(fakes) - fakes_before)
+    metrics = metrics_to_dict(result.metrics)
+    return result, _summary(metrics, used, _cpu(fakes) - fakes_before, client_used)
 
 
 async def measure(
@@ -138,7 +146,8 @@ async def measure(
     ``direct``: the fakes', counted for every target)."""
     pgids = pgids or {}
     fakes = [pgids[name] for name in ("prefill", "direct") if name in pgids]
-    out: dict[str, Any] = {"fixed_rate": [], "saturation": {}}
+    cores = len(os.sched_getaffinity(0))  # the load generator's, the fakes' and routers' too
+    out: dict[str, Any] = {"fixed_rate": [], "saturation": {}, "cpu_count": cores}
     saturated: set[str] = set()
     async with make_client() as client:
         warm = make_token_prompts(SyntheticSpec(20, spec.input_len, spec.output_len, seed=99))
@@ -213,10 +222,29 @@ def derive(raw: dict[str, Any]) -> dict[str, Any]:
             "failed": m["failed"],
             "cpu_ms_per_request": m.get("cpu_ms_per_request"),
             **_fakes_limit(m.get("fakes_cpu_ms_per_request"), base_rate),
+            **_machine_limit(m, base_rate, raw.get("cpu_count")),
         }
         for name, m in sat.items()
     }
     return {"added": added, "saturation": saturation}
+
+
+def _machine_limit(
+    m: dict[str, Any], direct_rate: float, cpu_count: int | None
+) -> dict[str, float | None]:
+    """What the whole machine caps, from one target's closed loop: the load generator and the
+    fakes took ``client + fakes`` ms of CPU per request, so on ``cpu_count`` cores no router in
+    front, even one that cost nothing, could pass ``cpu_count * 1000 / (client + fakes)`` req/s
+    (``machine_limit_over_direct``: that cap / direct's measured rate). None when a cost or the
+    core count is unknown."""
+    client, fakes = m.get("client_cpu_ms_per_request"), m.get("fakes_cpu_ms_per_request")
+    if not client or not fakes or not cpu_count:
+        return {"client_cpu_ms_per_request": client, "machine_limit_over_direct": None}
+    limit = cpu_count * 1000 / (client + fakes)
+    return {
+        "client_cpu_ms_per_request": client,
+        "machine_limit_over_direct": _ratio(limit, direct_rate),
+    }
 
 
 def _fakes_limit(fakes_ms: float | None, direct_rate: float) -> dict[str, float | None]:
@@ -254,15 +282,18 @@ def format_report(derived: dict[str, Any]) -> str:
     lines += [
         "",
         "| target | sustained req/s (closed loop) | vs direct | failed | CPU ms/request "
-        "| fakes' CPU ms/request | fakes' core limit vs direct |",
-        "|---|---|---|---|---|---|---|",
+        "| fakes' CPU ms/request | fakes' core limit vs direct | load generator CPU ms/request "
+        "| machine limit vs direct |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in derived["saturation"].items():
         lines.append(
             f"| {name} | {s['max_request_rate']:.1f} | {_fmt(s['ratio_to_direct'])} "
             f"| {s['failed']} | {_ms(s.get('cpu_ms_per_request'))} "
             f"| {_ms(s.get('fakes_cpu_ms_per_request'))} "
-            f"| {_fmt(s.get('fakes_limit_over_direct'))} |"
+            f"| {_fmt(s.get('fakes_limit_over_direct'))} "
+            f"| {_ms(s.get('client_cpu_ms_per_request'))} "
+            f"| {_fmt(s.get('machine_limit_over_direct'))} |"
         )
     return "\n".join(lines)
 

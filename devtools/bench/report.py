@@ -227,6 +227,15 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
         if ceiling is not None
         else "no fakes' CPU in the overhead results"
     )
+    machine_cap = ours.get("machine_limit_over_direct")
+    summary["router_throughput_machine_limit_over_direct"] = machine_cap
+    notes["router_throughput_machine_limit_over_direct"] = (
+        "the most any router could reach on this machine in the same closed loop: the load "
+        "generator and the fakes alone spent client_cpu_ms_per_request + fakes_cpu_ms_per_request "
+        "of the machine's cores per routed request"
+        if machine_cap is not None
+        else "no load generator CPU in the overhead results"
+    )
 
     for key, name in TRANSFER_FILES.items():
         transfer = _load(out_dir / name)

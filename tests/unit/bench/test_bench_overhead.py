@@ -77,4 +77,28 @@ def test_the_fakes_core_caps_what_any_router_could_reach() -> None:
     assert sat["ours"]["fakes_limit_rps"] == pytest.approx(1000.0)
     assert sat["ours"]["fakes_limit_over_direct"] == pytest.approx(0.5)  # 1000 of 2000 req/s
     assert sat["direct"]["fakes_limit_over_direct"] == pytest.approx(1.25)
-    assert "| ours | 800.0 | 0.40x | 0 | n/a | 1.00 | 0.50x |" in format_report(derive(raw))
+    assert "| ours | 800.0 | 0.40x | 0 | n/a | 1.00 | 0.50x | n/a | n/a |" in format_report(
+        derive(raw)
+    )
+
+
+def test_the_whole_machine_caps_it_with_the_load_generators_cpu() -> None:
+    raw = {
+        "cpu_count": 2,
+        "fixed_rate": [],
+        "saturation": {
+            "direct": {**_m(1000, 0, 0, 0, 0, fakes_ms=0.5), "client_cpu_ms_per_request": 0.5},
+            "ours": {**_m(500, 0, 0, 0, 0, fakes_ms=1.5), "client_cpu_ms_per_request": 1.0},
+            "vllm-router": _m(600, 0, 0, 0, 0, fakes_ms=1.5),  # no load generator CPU recorded
+        },
+    }
+    sat = derive(raw)["saturation"]
+    # 2 cores / (1.0 + 1.5 ms) = 800 req/s of direct's 1000, whatever the router costs
+    assert sat["ours"]["machine_limit_over_direct"] == pytest.approx(0.8)
+    assert sat["direct"]["machine_limit_over_direct"] == pytest.approx(2.0)
+    assert sat["vllm-router"]["machine_limit_over_direct"] is None
+    assert "| 1.00 | 0.80x |" in format_report(derive(raw))
+    assert (
+        derive({**raw, "cpu_count": None})["saturation"]["ours"]["machine_limit_over_direct"]
+        is None
+    )

@@ -191,6 +191,7 @@ def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> No
     assert summary["router_throughput_over_direct"] == pytest.approx(0.6)
     assert summary["vllm_router_throughput_over_direct"] is None
     assert summary["router_throughput_ceiling_over_direct"] == pytest.approx(0.5)  # 200 of 400
+    assert summary["router_throughput_machine_limit_over_direct"] is None  # no client CPU in raw
     assert "at 500 req/s" in (tmp_path / "results.md").read_text()
 
 
