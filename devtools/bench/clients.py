@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import aiohttp
 import httpx
 
 from bench.overhead import MODEL, cpu_split, fake_process
-from bench.results import write_outputs
+from bench.results import log_folder, write_outputs
 from devstack.ports import free_port
 from router.sse import aiter_data
 from router.transport import AiohttpTransport
@@ -103,8 +102,7 @@ async def _round(kind: str, url: str, body: bytes, spec: ClientsSpec) -> dict[st
 
 def run_clients(spec: ClientsSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start the fake, run every client for every round; per client the median round."""
-    logs = log_dir or Path(tempfile.mkdtemp(prefix="bench-clients-"))
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = log_folder(log_dir, "bench-clients-")
     fake_cpus, own_cpus = cpu_split(True)
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1/completions"

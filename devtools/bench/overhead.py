@@ -19,7 +19,6 @@ import asyncio
 import os
 import shutil
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import Any
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
-from bench.results import metrics_to_dict
+from bench.results import log_folder, metrics_to_dict
 from bench.routers import our_router, pinned, router_config, vllm_router
 from devstack.ports import free_ports
 from devstack.process import ChildProcess, group_cpu_seconds, http_process
@@ -308,9 +307,7 @@ def _ms(value: float | None) -> str:
 
 def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start the processes, measure, stop them; returns raw and derived numbers."""
-    logs = log_dir or Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    logs.mkdir(parents=True, exist_ok=True)
-    print(f"child process logs: {logs}", file=sys.stderr)  # not in the results: a local path
+    logs = log_folder(log_dir, "bench-overhead-")
     p_port, d_port, r_port, v_port = free_ports(4)
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     fake_cpus, router_cpus = cpu_split(spec.pin)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -69,6 +71,15 @@ def result_to_dict(
     if include_records:
         out["records"] = [asdict(r) for r in result.records]
     return out
+
+
+def log_folder(given: Path | None, prefix: str) -> Path:
+    """Where a benchmark's child processes log: ``given``, else a new temporary folder named
+    ``prefix...``; created, and named on stderr. Results never record it (a local path)."""
+    folder = given or Path(tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"child process logs: {folder}", file=sys.stderr)
+    return folder
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from bench.results import recorded_command, write_json
+from bench.results import log_folder, recorded_command, write_json
 from bench.routing import PARTS, RoutingBenchSpec, routing_summary, run_routing
 
 DEFAULT_OUT = Path("docs/benchmarks")
@@ -66,8 +65,7 @@ def routing_command(args: argparse.Namespace) -> int:
         print(f"--parts: unknown {sorted(unknown)}; choose from {PARTS}", file=sys.stderr)
         return 2
     spec = RoutingBenchSpec(parts=parts, **values)
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-routing-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = log_folder(args.work_dir, "bench-routing-")
     command = recorded_command(sys.argv[1:])
     result = {"command": command, **run_routing(spec, work)}
     out: Path = args.out_dir

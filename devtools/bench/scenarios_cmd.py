@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.report import render
-from bench.results import recorded_command, write_json
+from bench.results import log_folder, recorded_command, write_json
 from bench.scenarios import STACKS, SweepSpec, merge_previous, run_scenarios
 
 DEFAULT_OUT = Path("docs/benchmarks")
@@ -126,7 +125,7 @@ def scenarios_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-scenarios-"))
+    work = log_folder(args.work_dir, "bench-scenarios-")
     command = recorded_command(sys.argv[1:])
     previous_path = args.out_dir / "scenarios.json"
     previous = json.loads(previous_path.read_text()) if previous_path.exists() else None

@@ -14,8 +14,6 @@ connection is open), the maximum, and the last minus the first.
 from __future__ import annotations
 
 import asyncio
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -27,6 +25,7 @@ from bench.client import Target, send_request
 from bench.dataset import BenchRequest
 from bench.loadgen import make_client
 from bench.overhead import FAKE_PREFILL_IDENTITY, MODEL, fake_process
+from bench.results import log_folder
 from bench.routers import our_router, router_config
 from devstack.ports import free_ports
 from devstack.stack import StackOptions, start_stack
@@ -120,9 +119,7 @@ def _backends(spec: SoakSpec, logs: Path, stack: ExitStack) -> tuple[dict[str, A
 
 def run_soak(spec: SoakSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start backends and the router process, soak, stop everything; the raw results."""
-    logs = log_dir or Path(tempfile.mkdtemp(prefix="bench-soak-"))
-    logs.mkdir(parents=True, exist_ok=True)
-    print(f"child process logs: {logs}", file=sys.stderr)  # not in the results: a local path
+    logs = log_folder(log_dir, "bench-soak-")
     with ExitStack() as stack:
         config, model = _backends(spec, logs, stack)
         (port,) = free_ports(1)

@@ -17,7 +17,7 @@ from bench.report import (
     pair_ratio,
     render,
 )
-from bench.results import recorded_command
+from bench.results import log_folder, recorded_command
 
 
 def _row(
@@ -193,6 +193,24 @@ def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> No
     assert summary["router_throughput_ceiling_over_direct"] == pytest.approx(0.5)  # 200 of 400
     assert summary["router_throughput_machine_limit_over_direct"] is None  # no client CPU in raw
     assert "at 500 req/s" in (tmp_path / "results.md").read_text()
+
+
+def test_log_folder_is_the_given_one_or_a_new_temporary_one_and_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    given = tmp_path / "a" / "logs"
+    assert log_folder(given, "bench-x-") == given
+    assert given.is_dir()
+    made = log_folder(None, "bench-x-")
+    try:
+        assert made.is_dir()
+        assert made.name.startswith("bench-x-")
+    finally:
+        made.rmdir()
+    assert capsys.readouterr().err.splitlines() == [
+        f"child process logs: {given}",
+        f"child process logs: {made}",
+    ]
 
 
 def test_recorded_command_leaves_out_the_work_dir() -> None:
