@@ -18,7 +18,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from bench.bare_nixl import Positions
 
 Kind = Literal["bare", "connector"]
 REPORT_TIMEOUT_S = 900.0
@@ -89,7 +92,7 @@ class TransferSpec:
             raise ValueError("regions, block_bytes and iterations must be >= 1")
 
 
-def bare_positions(spec: TransferSpec) -> Any:
+def bare_positions(spec: TransferSpec) -> Positions:
     """The bare loops' WRITE: the first ``blocks_per_write`` descriptors of every region, as
     the int32 array NIXL posts without converting (what the connector's arithmetic gives)."""
     from bench.bare_nixl import positions
