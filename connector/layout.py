@@ -166,10 +166,15 @@ def descriptor_index(layout: LayoutSpec, logical_ids: Sequence[int]) -> Descript
     """
     import numpy as np
 
-    phys = physical_blocks(layout, logical_ids)
-    if not phys:
+    try:
+        ids = np.asarray(logical_ids, dtype=np.int64)
+    except OverflowError:
+        raise ValueError("block id outside every region") from None
+    if ids.size == 0:
         return np.zeros(0, dtype=np.int32)
-    low, high = min(phys), max(phys)
+    k = layout.blocks_per_logical
+    # Bounds in Python ints, before any arithmetic that could wrap in int64.
+    low, high = int(ids.min()) * k, int(ids.max()) * k + k - 1
     offsets = []
     offset = 0
     for region in layout.regions:
@@ -178,8 +183,9 @@ def descriptor_index(layout: LayoutSpec, logical_ids: Sequence[int]) -> Descript
             raise ValueError(f"block {bad} outside region of {region.num_blocks} blocks")
         offsets.append(offset)
         offset += region.num_blocks
-    column = np.array(offsets, dtype=np.int32)[:, None]
-    index: DescriptorIndex = (column + np.array(phys, dtype=np.int32)).ravel()
+    phys = ids if k == 1 else (ids[:, None] * k + np.arange(k)).ravel()
+    column = np.array(offsets, dtype=np.int64)[:, None]
+    index: DescriptorIndex = (column + phys).astype(np.int32).ravel()
     return index
 
 

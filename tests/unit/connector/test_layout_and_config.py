@@ -43,6 +43,10 @@ def test_descriptor_index_is_the_int32_array_nixl_takes() -> None:
     assert descriptor_index(layout, []).tolist() == []
     with pytest.raises(ValueError, match="block 9 outside region of 8 blocks"):
         descriptor_index(layout, [4])
+    with pytest.raises(ValueError, match="block -2 outside region"):
+        descriptor_index(layout, [0, -1])
+    with pytest.raises(ValueError, match="outside every region"):  # past int64: no wrap-around
+        descriptor_index(layout, [2**70])
 
 
 def test_physical_blocks_per_logical_expand_in_order() -> None:
