@@ -64,15 +64,18 @@ def _registered(reg: Registration, now: float) -> _Registered:
 
 @dataclass
 class Write:
-    """One WRITE of P's blocks into D's: planned by the state, posted by the writer thread."""
+    """One WRITE of P's blocks into D's: prepared by the state once both halves are known
+    (:func:`_write`), posted by the writer thread."""
 
     key: str
     fin: SendSpec
     entry: _Registered
     local_ids: DescriptorIndex | None = None
-    """P's descriptor ids, set when the WRITE is planned."""
+    """P's descriptor ids; ``None`` when ``error`` says why there are none."""
     num_blocks: int = 0
     num_bytes: int = 0
+    error: str = ""
+    """Why this WRITE may not be posted (it then fails when planned)."""
     handle: object | None = None
     posted_at: float = 0.0
 
@@ -89,6 +92,30 @@ class Write:
     def notif(self) -> bytes:
         """The ``done`` notification the WRITE carries."""
         return self.entry.notif
+
+
+def _write(key: str, fin: SendSpec, entry: _Registered, layout: LayoutSpec) -> Write:
+    """The WRITE of ``fin``'s blocks into ``entry``'s, with P's descriptor ids computed.
+
+    Who calls it: the state, under its lock, when the second of the two halves arrives: the
+    engine thread's :meth:`ProducerState.add_finished` (D registered during the prefill, the
+    usual case) or the side channel's registration (the prefill finished first). So the
+    writer thread, woken to post, finds the descriptors ready.
+    """
+    reg = entry.reg
+    num_blocks = len(reg.block_ids[0])
+    p_blocks = fin.block_ids[reg.first_block : reg.first_block + num_blocks]
+    if len(p_blocks) != num_blocks:
+        why = f"P has {len(fin.block_ids)} blocks, D asked for {reg.first_block}+{num_blocks}"
+        return Write(key, fin, entry, error=why)
+    try:
+        local_ids = descriptor_index(layout, p_blocks)
+    except ValueError as exc:
+        return Write(key, fin, entry, error=f"WRITE could not be posted: {exc}")
+    if entry.remote_error:
+        return Write(key, fin, entry, error=f"WRITE could not be posted: {entry.remote_error}")
+    num_bytes = transfer_bytes(reg.d_layout, num_blocks)
+    return Write(key, fin, entry, local_ids, num_blocks, num_bytes)
 
 
 @dataclass(frozen=True)
@@ -141,7 +168,7 @@ class ProducerState:
             if entry is None:
                 self._finished[key] = (spec, lease_end)
             else:
-                self._ready[key] = Write(key, spec, entry)
+                self._ready[key] = _write(key, spec, entry, self._layout)
 
     def abort(self, spec: SendAbort) -> None:
         """P failed or aborted this prefill: tell a registered D now, a later one on arrival."""
@@ -224,7 +251,7 @@ class ProducerState:
             if finished is None:
                 self._registered[key] = entry
             else:
-                self._ready[key] = Write(key, finished[0], entry)
+                self._ready[key] = _write(key, finished[0], entry, self._layout)
         return None
 
     def cancel(self, key: str) -> Reply:
@@ -271,27 +298,13 @@ class ProducerState:
         return writes
 
     def _prepare(self, write: Write, now: float) -> bool:
-        reg = write.reg
+        """Whether ``write`` may be posted now; fails it here if not."""
         if now > write.entry.start_by:
             self.finish(write, ok=False, reason="D's budget passed before the prefill")
             return False
-        num_blocks = len(reg.block_ids[0])
-        p_blocks = write.fin.block_ids[reg.first_block : reg.first_block + num_blocks]
-        if len(p_blocks) != num_blocks:
-            reason = f"P has {len(write.fin.block_ids)} blocks, D asked for {reg.first_block}+"
-            self.finish(write, ok=False, reason=reason + str(num_blocks))
+        if write.error:
+            self.finish(write, ok=False, reason=write.error)
             return False
-        try:
-            write.local_ids = descriptor_index(self._layout, p_blocks)
-        except ValueError as exc:
-            why = str(exc)
-        else:
-            why = write.entry.remote_error
-        if why:
-            self.finish(write, ok=False, reason=f"WRITE could not be posted: {why}")
-            return False
-        write.num_blocks = num_blocks
-        write.num_bytes = transfer_bytes(reg.d_layout, num_blocks)
         return True
 
     def connected(self, agent_name: str) -> None:

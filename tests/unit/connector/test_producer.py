@@ -121,6 +121,28 @@ def test_bad_registrations_are_refused_with_a_reason(env: Any) -> None:
     producer.handle_request(reg("short", (1, 2, 3)))
     until(lambda: "p-s" in producer.take_released())
     assert ep.notifs and ep.notifs[-1][1].kind == "failed"
+    assert ep.notifs[-1][1].reason == "P has 1 blocks, D asked for 0+3"
+
+
+@pytest.mark.parametrize("registered_first", [True, False])
+def test_p_blocks_outside_ps_layout_fail_the_write_whichever_half_came_last(
+    env: Any, registered_first: bool
+) -> None:
+    """P's descriptors are computed by whichever thread completes the pair (the engine thread
+    or the side channel); a bad block fails the WRITE with the reason either way."""
+    producer, ep, _ = env
+    fin = SendSpec("p-x", "x", (LAYOUT.regions[0].num_blocks,))  # one past P's last block
+    if registered_first:
+        producer.handle_request(reg("x", (1,)))
+        producer.add_finished(fin)
+    else:
+        producer.add_finished(fin)
+        producer.handle_request(reg("x", (1,)))
+    until(lambda: "p-x" in producer.take_released())
+    assert ep.writes == []
+    assert (
+        ep.notifs[-1][1].reason == "WRITE could not be posted: block 32 outside region of 32 blocks"
+    )
 
 
 def test_d_blocks_outside_ds_layout_fail_the_write_with_the_reason(env: Any) -> None:
