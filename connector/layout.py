@@ -145,23 +145,16 @@ def descriptors(layout: LayoutSpec) -> list[Descriptor]:
     return out
 
 
-def physical_blocks(layout: LayoutSpec, logical_ids: Sequence[int]) -> list[int]:
-    """Expand logical block ids to the physical (kernel) block ids they cover, in order."""
-    k = layout.blocks_per_logical
-    if k == 1:
-        return list(logical_ids)
-    return [b * k + i for b in logical_ids for i in range(k)]
-
-
 def descriptor_index(layout: LayoutSpec, logical_ids: Sequence[int]) -> DescriptorIndex:
     """Descriptor indices (into :func:`descriptors`) for ``logical_ids`` in every region,
-    region-major, as the int32 array NIXL's ``make_prepped_xfer`` takes without converting.
+    region-major, as the int32 array NIXL's ``make_prepped_xfer`` takes without converting. Each
+    logical block covers ``blocks_per_logical`` physical (kernel) blocks, in order.
 
     Who calls it: P's transfer core, for D's side when a registration arrives and for P's side
-    when the WRITE is planned, on the WRITE's path (vector arithmetic: 16,384 positions cost
-    microseconds here, and NIXL copies the array instead of converting a list element by
-    element). NumPy comes with vLLM and NIXL; it is imported here, not when the package is, so
-    the router never loads it.
+    when both halves of a transfer are known, ahead of the WRITE (vector arithmetic: 16,384
+    positions cost microseconds here, and NIXL copies the array instead of converting a list
+    element by element). NumPy comes with vLLM and NIXL; it is imported here, not when the
+    package is, so the router never loads it.
     Raises ``ValueError`` for a block id outside the layout.
     """
     import numpy as np

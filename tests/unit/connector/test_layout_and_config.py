@@ -17,7 +17,6 @@ from connector.layout import (
     descriptor_index,
     descriptors,
     layout_from_kv_caches,
-    physical_blocks,
     transfer_bytes,
 )
 
@@ -51,7 +50,7 @@ def test_descriptor_index_is_the_int32_array_nixl_takes() -> None:
 
 def test_physical_blocks_per_logical_expand_in_order() -> None:
     layout = LayoutSpec(regions=(RegionSpec(0, 10, 10, 8),), blocks_per_logical=2)
-    assert physical_blocks(layout, [3, 0]) == [6, 7, 0, 1]
+    assert descriptor_index(layout, [3, 0]).tolist() == [6, 7, 0, 1]
 
 
 def test_layout_from_cpu_kv_cache_shape() -> None:
