@@ -87,9 +87,7 @@ def http_client(
     t = settings.timeouts
     timeout = httpx.Timeout(connect=t.connect, read=t.total, write=t.total, pool=t.connect)
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
-    return UpstreamClient(
-        timeout=timeout, limits=limits, transport=transport or AiohttpTransport(limits=limits)
-    )
+    return UpstreamClient(transport or AiohttpTransport(limits=limits), timeout, limits)
 
 
 @asynccontextmanager

@@ -13,7 +13,7 @@ from devstack.ports import free_port
 from router import codec
 from router.backends import BackendState
 from router.config import InstanceConfig
-from router.transport import AiohttpTransport
+from router.transport import AiohttpTransport, UpstreamClient
 from router.upstream import leg_headers, post_json
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -128,3 +128,47 @@ async def test_a_leg_goes_out_with_the_headers_and_body_httpx_would_send() -> No
         assert sent[name] == expected.headers[name].lower(), name
     assert sent["traceparent"] == trace["traceparent"]
     assert sent_body == expected.content
+
+
+def _upstream_client() -> UpstreamClient:
+    limits = httpx.Limits(max_connections=8)
+    return UpstreamClient(AiohttpTransport(limits=limits), httpx.Timeout(5.0), limits)
+
+
+def _redirecting(served: list[str]) -> Handler:
+    """A server that answers ``/from`` with a redirect to ``/to`` and ``/to`` with ``to``."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            path = head.split(b" ")[1].decode()
+            served.append(path)
+            if path == "/from":
+                writer.write(b"HTTP/1.1 302 Found\r\nLocation: /to\r\nContent-Length: 0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nto")
+            await writer.drain()
+            if reader.at_eof():
+                break
+        writer.close()
+
+    return handler
+
+
+async def test_the_router_client_reads_the_answer_and_follows_no_redirect() -> None:
+    served: list[str] = []
+    async with _server(_redirecting(served)) as url, _upstream_client() as client:
+        resp = await client.get(url + "/from")
+        assert (resp.status_code, resp.headers["location"], resp.content) == (302, "/to", b"")
+        assert resp.request.url == url + "/from"
+        followed = await client.get(url + "/from", follow_redirects=True)
+        assert (followed.status_code, followed.content) == (200, b"to")
+    assert served == ["/from", "/from", "/to"]
+
+
+async def test_the_router_client_raises_httpx_errors_and_refuses_after_close() -> None:
+    client = _upstream_client()
+    async with client:
+        with pytest.raises(httpx.ConnectError):
+            await client.get(f"http://127.0.0.1:{free_port()}/health")
+    with pytest.raises(RuntimeError, match="closed"):
+        await client.get(f"http://127.0.0.1:{free_port()}/health")
