@@ -8,7 +8,8 @@ rounds so drift hits all alike. Reported per client: this process's CPU time per
 (``time.process_time``: what a client costs the router's one core) and requests per second.
 
 Clients: ``httpx`` (its own httpcore pool), ``httpx-aiohttp`` (httpx's API over aiohttp's
-connections: :class:`router.transport.AiohttpTransport`, what the router uses) and ``aiohttp``
+connections: :class:`router.transport.UpstreamClient` over
+:class:`router.transport.AiohttpTransport`, what the router uses) and ``aiohttp``
 (aiohttp alone; its SSE lines are split here, a stand-in for a reader the router would need).
 """
 
@@ -33,7 +34,7 @@ from bench.overhead import MODEL, cpu_split, fake_process
 from bench.results import log_folder, write_outputs
 from devstack.ports import free_port
 from router.sse import aiter_data
-from router.transport import AiohttpTransport
+from router.transport import AiohttpTransport, UpstreamClient
 
 KINDS = ("httpx", "httpx-aiohttp", "aiohttp")
 HEADERS = {"Content-Type": "application/json"}
@@ -86,8 +87,12 @@ async def _round(kind: str, url: str, body: bytes, spec: ClientsSpec) -> dict[st
 
             await _closed_loop(send_aiohttp, ClientsSpec(requests=50, concurrency=8))
             return await _closed_loop(send_aiohttp, spec)
-    transport = AiohttpTransport(limits=limits) if kind == "httpx-aiohttp" else None
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+    client = (
+        UpstreamClient(AiohttpTransport(limits=limits), timeout, limits)
+        if kind == "httpx-aiohttp"
+        else httpx.AsyncClient(timeout=timeout, limits=limits)
+    )
+    async with client:
 
         async def send_httpx() -> int:
             events = 0

@@ -20,11 +20,15 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Awaitable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import httpx
+
+from bench.breakdown import histogram_means, scrape
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
@@ -32,6 +36,7 @@ from bench.results import log_folder, metrics_to_dict
 from bench.routers import our_router, pinned, router_config, vllm_router
 from devstack.ports import free_ports
 from devstack.process import ChildProcess, group_cpu_seconds, http_process
+from router.timeline import STAGES
 
 MODEL = "fake-model"
 PREFILL_ENGINE_ID = "bench-prefill"
@@ -137,13 +142,37 @@ async def _timed_load(
     return result, _summary(metrics, used, _cpu(fakes) - fakes_before, client_used)
 
 
+STAGE_SERIES = "disagg_router_ttft_stage_seconds"
+T = TypeVar("T")
+
+
+async def _stages_during(
+    client: httpx.AsyncClient, name: str, metrics_url: str | None, load: Awaitable[T]
+) -> tuple[T, dict[str, float] | None]:
+    """Await ``load``; with ``metrics_url`` (our router's ``/metrics``) also the mean ms of each
+    of its TTFT stages (``router.timeline``) over exactly that load's requests."""
+    if metrics_url is None:
+        return await load, None
+    before = await scrape(client, {name: metrics_url})
+    result = await load
+    means = histogram_means(before, await scrape(client, {name: metrics_url}))
+    prefix = f"{name}:{STAGE_SERIES}{{"
+    stages = {k[len(prefix) : -1]: v for k, v in means.items() if k.startswith(prefix)}
+    return result, stages
+
+
 async def measure(
-    targets: dict[str, Target], spec: OverheadSpec, pgids: dict[str, int] | None = None
+    targets: dict[str, Target],
+    spec: OverheadSpec,
+    pgids: dict[str, int] | None = None,
+    stage_metrics: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Offer the fixed-rate loads and the saturation loop to every target (interleaved);
     ``pgids``: the process group whose CPU time counts for each target (``prefill`` and
-    ``direct``: the fakes', counted for every target)."""
+    ``direct``: the fakes', counted for every target); ``stage_metrics``: the ``/metrics`` URL
+    of each target that exports our router's TTFT stages (recorded per fixed rate)."""
     pgids = pgids or {}
+    stage_metrics = stage_metrics or {}
     fakes = [pgids[name] for name in ("prefill", "direct") if name in pgids]
     cores = len(os.sched_getaffinity(0))  # the load generator's, the fakes' and routers' too
     out: dict[str, Any] = {"fixed_rate": [], "saturation": {}, "cpu_count": cores}
@@ -163,9 +192,13 @@ async def measure(
                     continue
                 print(f"overhead: {name} at {rate:g} req/s ({n} requests)", file=sys.stderr)
                 load = LoadSpec(request_rate=rate, seed=spec.seed, show_progress=False)
-                result, row["targets"][name] = await _timed_load(
-                    client, target, requests, load, pgids.get(name), fakes
+                timed = _timed_load(client, target, requests, load, pgids.get(name), fakes)
+                (result, summary), stages = await _stages_during(
+                    client, name, stage_metrics.get(name), timed
                 )
+                row["targets"][name] = summary
+                if stages is not None:
+                    summary["ttft_stages_ms"] = stages
                 if result.metrics.request_throughput < 0.5 * rate:
                     saturated.add(name)
             out["fixed_rate"].append(row)
@@ -210,6 +243,7 @@ def derive(raw: dict[str, Any]) -> dict[str, Any]:
                     "e2el_p99_ratio": _ratio(m["p99_e2el_ms"], base["p99_e2el_ms"]),
                     "achieved_rate": m["request_throughput"],
                     "cpu_ms_per_request": m.get("cpu_ms_per_request"),
+                    "ttft_stages_ms": m.get("ttft_stages_ms"),
                 }
             )
     sat = raw["saturation"]
@@ -294,7 +328,24 @@ def format_report(derived: dict[str, Any]) -> str:
             f"| {_ms(s.get('client_cpu_ms_per_request'))} "
             f"| {_fmt(s.get('machine_limit_over_direct'))} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _stages_table(derived["added"]))
+
+
+def _stages_table(added: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Markdown lines: each router's mean TTFT stages per fixed rate (none if none recorded)."""
+    rows = [(name, r) for name, rs in added.items() for r in rs if r.get("ttft_stages_ms")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "| router | rate (req/s) | " + " | ".join(f"{s} (ms)" for s in STAGES) + " | sum (ms) |",
+        "|---|---|" + "---|" * (len(STAGES) + 1),
+    ]
+    for name, r in rows:
+        stages = r["ttft_stages_ms"]
+        cells = " | ".join(_ms(stages.get(s)) for s in STAGES)
+        lines.append(f"| {name} | {r['rate']:g} | {cells} | {_ms(sum(stages.values()))} |")
+    return lines
 
 
 def _fmt(value: float | None) -> str:
@@ -331,7 +382,8 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
         if "vllm-router" in spec.routers:
             started("vllm-router", vllm_router(p_url, d_url, v_port, logs, cpus=router_cpus))
             targets["vllm-router"] = Target(f"http://127.0.0.1:{v_port}", MODEL)
-        raw = asyncio.run(measure(targets, spec, pgids))
+        stage_metrics = {"ours": f"http://127.0.0.1:{r_port}/metrics"}
+        raw = asyncio.run(measure(targets, spec, pgids, stage_metrics))
     cpus = {"fakes": fake_cpus, "routers": router_cpus}
     return {
         "spec": spec.__dict__,

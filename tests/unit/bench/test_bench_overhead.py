@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from bench.overhead import FAKE_PREFILL_IDENTITY as IDENTITY
-from bench.overhead import derive, fake_process, format_report
+from bench.overhead import _stages_during, derive, fake_process, format_report
 from bench.routers import router_config
 from router.config import settings_from_mapping
+from router.metrics import RouterMetrics
 
 
 def test_router_config_is_valid_for_the_router() -> None:
@@ -102,3 +105,40 @@ def test_the_whole_machine_caps_it_with_the_load_generators_cpu() -> None:
         derive({**raw, "cpu_count": None})["saturation"]["ours"]["machine_limit_over_direct"]
         is None
     )
+
+
+def test_stages_ride_along_to_their_own_table() -> None:
+    stages = {"accept_to_legs_sent": 0.5, "prefill": 1.0, "relay_to_client": 0.25}
+    ours = {**_m(10, 3.0, 7.0, 6.0, 12.0), "ttft_stages_ms": stages}
+    raw = {
+        "fixed_rate": [{"rate": 10.0, "targets": {"direct": _m(10, 1, 2, 4, 8), "ours": ours}}],
+        "saturation": {"direct": _m(400, 0, 0, 0, 0), "ours": _m(100, 0, 0, 0, 0)},
+    }
+    d = derive(raw)
+    assert d["added"]["ours"][0]["ttft_stages_ms"] == stages
+    # accept_to_legs_sent, prefill, prefill_done_to_first_token, decode_to_first_token, relay
+    assert "| ours | 10 | 0.50 | 1.00 | n/a | n/a | 0.25 | 1.75 |" in format_report(d)
+    del ours["ttft_stages_ms"]
+    assert "accept_to_legs_sent" not in format_report(derive(raw))
+
+
+async def test_stages_are_the_means_over_exactly_the_load() -> None:
+    """Two scrapes of a real router metrics registry around the load: only its observations."""
+    metrics = RouterMetrics(CollectorRegistry())
+    stage = metrics.ttft_stage
+    stage.labels("prefill").observe(9.0)  # before the load: not counted
+
+    async def load() -> str:
+        stage.labels("prefill").observe(0.001)
+        stage.labels("prefill").observe(0.003)
+        stage.labels("relay_to_client").observe(0.0005)
+        return "done"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=generate_latest(metrics.registry))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        result, stages = await _stages_during(client, "ours", "http://r/metrics", load())
+        assert result == "done"
+        assert stages == pytest.approx({"prefill": 2.0, "relay_to_client": 0.5})
+        assert await _stages_during(client, "ours", None, load()) == ("done", None)
