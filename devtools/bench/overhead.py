@@ -33,7 +33,7 @@ from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.results import log_folder, metrics_to_dict
-from bench.routers import our_router, pinned, router_config, vllm_router
+from bench.routers import floor_router, our_router, pinned, router_config, vllm_router
 from devstack.ports import free_ports
 from devstack.process import ChildProcess, group_cpu_seconds, http_process
 from router.timeline import STAGES
@@ -55,7 +55,7 @@ class OverheadSpec:
     saturation_concurrency: int = 32
     saturation_requests: int = 1000
     saturation_seconds: float = 10.0
-    routers: tuple[str, ...] = ("ours", "vllm-router")
+    routers: tuple[str, ...] = ("ours", "floor", "vllm-router")
     seed: int = 0
     pin: bool = True
     token_delay: float = 0.0
@@ -379,6 +379,11 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
             config = router_config(MODEL, p_url, d_url, identity=FAKE_PREFILL_IDENTITY)
             started("ours", our_router(config, r_port, logs, cpus=router_cpus))
             targets["ours"] = Target(f"http://127.0.0.1:{r_port}", MODEL)
+        if "floor" in spec.routers:
+            f_port = free_ports(1)[0]
+            floor = floor_router(p_url, d_url, FAKE_PREFILL_IDENTITY, f_port, logs, router_cpus)
+            started("floor", floor)
+            targets["floor"] = Target(f"http://127.0.0.1:{f_port}", MODEL)
         if "vllm-router" in spec.routers:
             started("vllm-router", vllm_router(p_url, d_url, v_port, logs, cpus=router_cpus))
             targets["vllm-router"] = Target(f"http://127.0.0.1:{v_port}", MODEL)

@@ -11,7 +11,7 @@ from bench.overhead import OverheadSpec, format_report, run_overhead
 from bench.results import write_outputs
 from devstack.process import ProcessStartError
 
-ROUTERS = ("ours", "vllm-router")
+ROUTERS = ("ours", "floor", "vllm-router")
 
 
 def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +21,8 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--saturation-concurrency", type=int, default=32)
     parser.add_argument("--saturation-requests", type=int, default=1000)
-    parser.add_argument("--routers", default=",".join(ROUTERS), help="subset of ours,vllm-router")
+    routers = ",".join(ROUTERS)
+    parser.add_argument("--routers", default=routers, help=f"subset of {routers}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--token-delay",

@@ -1,4 +1,5 @@
-"""Launchers for the routers under test: ours (``disagg-router serve``) and ``vllm-router``.
+"""Launchers for the routers under test: ours (``disagg-router serve``), ``vllm-router`` and
+the floor proxy (:mod:`bench.floor_router`).
 
 Who calls it: the overhead benchmark and the scenario runner. Each returns an unstarted
 :class:`~devstack.process.ChildProcess` with a readiness URL; the caller starts and stops it.
@@ -6,6 +7,7 @@ Who calls it: the overhead benchmark and the scenario runner. Each returns an un
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -66,6 +68,21 @@ def our_router(
     ready = f"http://127.0.0.1:{port}/ready"
     log = logs / f"router-{port}.log"
     return http_process("router", argv, ready, log, ready_timeout_s=ready_timeout_s)
+
+
+def floor_router(
+    prefill_url: str,
+    decode_url: str,
+    identity: dict[str, Any],
+    port: int,
+    logs: Path,
+    cpus: str | None = None,
+) -> ChildProcess:
+    """The floor proxy (:mod:`bench.floor_router`) over one P and one D; pinned to ``cpus``."""
+    argv = [_python(), "-m", "bench.floor_router", "--prefill", prefill_url, "--decode"]
+    argv += [decode_url, "--identity", json.dumps(identity), "--port", str(port)]
+    ready = f"http://127.0.0.1:{port}/health"
+    return http_process("floor", pinned(argv, cpus), ready, logs / f"floor-{port}.log")
 
 
 def vllm_router(
