@@ -193,6 +193,8 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
         ("router_added_ms_p99", "ours", "added_e2el_ms_p99"),
         ("vllm_router_added_ms_p50", "vllm-router", "added_e2el_ms_p50"),
         ("vllm_router_added_ms_p99", "vllm-router", "added_e2el_ms_p99"),
+        ("floor_added_ms_p50", "floor", "added_e2el_ms_p50"),
+        ("floor_added_ms_p99", "floor", "added_e2el_ms_p99"),
     ):
         added = derived.get("added", {}).get(router)
         if not added:
@@ -208,6 +210,7 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
     for key, router in (
         ("router_throughput_over_direct", "ours"),
         ("vllm_router_throughput_over_direct", "vllm-router"),
+        ("floor_throughput_over_direct", "floor"),
     ):
         sat = saturation.get(router)
         summary[key] = sat["ratio_to_direct"] if sat else None

@@ -176,11 +176,20 @@ def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> No
     raw = {
         "fixed_rate": [
             {"rate": 100.0, "targets": {"direct": m(1.0), "ours": m(2.0)}},
-            {"rate": 500.0, "targets": {"direct": m(1.0), "ours": m(4.0), "vllm-router": m(1.5)}},
+            {
+                "rate": 500.0,
+                "targets": {
+                    "direct": m(1.0),
+                    "ours": m(4.0),
+                    "vllm-router": m(1.5),
+                    "floor": m(1.25),
+                },
+            },
         ],
         "saturation": {
             "direct": {**m(0, 400.0), "fakes_cpu_ms_per_request": 2.0},
             "ours": {**m(0, 240.0), "fakes_cpu_ms_per_request": 5.0},
+            "floor": {**m(0, 300.0), "fakes_cpu_ms_per_request": 5.0},
         },
     }
     (tmp_path / "overhead.json").write_text(json.dumps({"derived": derive(raw)}))
@@ -190,6 +199,8 @@ def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> No
     assert summary["vllm_router_added_ms_p99"] == pytest.approx(1.0)
     assert summary["router_throughput_over_direct"] == pytest.approx(0.6)
     assert summary["vllm_router_throughput_over_direct"] is None
+    assert summary["floor_added_ms_p50"] == pytest.approx(0.25)
+    assert summary["floor_throughput_over_direct"] == pytest.approx(0.75)
     assert summary["router_throughput_ceiling_over_direct"] == pytest.approx(0.5)  # 200 of 400
     assert summary["router_throughput_machine_limit_over_direct"] is None  # no client CPU in raw
     assert "at 500 req/s" in (tmp_path / "results.md").read_text()
