@@ -162,34 +162,30 @@ def test_markdown_marks_failures_and_gaps() -> None:
     )
 
 
-def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> None:
-    def m(e2el_p50: float, rate: float = 1.0) -> dict[str, float]:
-        keys = ("median_ttft_ms", "p99_ttft_ms", "median_e2el_ms", "p99_e2el_ms")
-        values = (e2el_p50, 2 * e2el_p50, e2el_p50, 2 * e2el_p50)
-        return {
-            "completed": 10,
-            "failed": 0,
-            "request_throughput": rate,
-            **dict(zip(keys, values, strict=True)),
-        }
+def _m(e2el_p50: float, rate: float = 1.0) -> dict[str, float]:
+    """One target's overhead result: E2EL p50 and its double as p99 (TTFT alike), at ``rate``."""
+    keys = ("median_ttft_ms", "p99_ttft_ms", "median_e2el_ms", "p99_e2el_ms")
+    values = (e2el_p50, 2 * e2el_p50, e2el_p50, 2 * e2el_p50)
+    return {
+        "completed": 10,
+        "failed": 0,
+        "request_throughput": rate,
+        **dict(zip(keys, values, strict=True)),
+    }
 
+
+def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> None:
     raw = {
         "fixed_rate": [
-            {"rate": 100.0, "targets": {"direct": m(1.0), "ours": m(2.0)}},
+            {"rate": 100.0, "targets": {"direct": _m(1.0), "ours": _m(2.0)}},
             {
                 "rate": 500.0,
-                "targets": {
-                    "direct": m(1.0),
-                    "ours": m(4.0),
-                    "vllm-router": m(1.5),
-                    "floor": m(1.25),
-                },
+                "targets": {"direct": _m(1.0), "ours": _m(4.0), "vllm-router": _m(1.5)},
             },
         ],
         "saturation": {
-            "direct": {**m(0, 400.0), "fakes_cpu_ms_per_request": 2.0},
-            "ours": {**m(0, 240.0), "fakes_cpu_ms_per_request": 5.0},
-            "floor": {**m(0, 300.0), "fakes_cpu_ms_per_request": 5.0},
+            "direct": {**_m(0, 400.0), "fakes_cpu_ms_per_request": 2.0},
+            "ours": {**_m(0, 240.0), "fakes_cpu_ms_per_request": 5.0},
         },
     }
     (tmp_path / "overhead.json").write_text(json.dumps({"derived": derive(raw)}))
@@ -199,11 +195,29 @@ def test_summary_takes_router_overhead_at_the_highest_rate(tmp_path: Path) -> No
     assert summary["vllm_router_added_ms_p99"] == pytest.approx(1.0)
     assert summary["router_throughput_over_direct"] == pytest.approx(0.6)
     assert summary["vllm_router_throughput_over_direct"] is None
-    assert summary["floor_added_ms_p50"] == pytest.approx(0.25)
-    assert summary["floor_throughput_over_direct"] == pytest.approx(0.75)
     assert summary["router_throughput_ceiling_over_direct"] == pytest.approx(0.5)  # 200 of 400
     assert summary["router_throughput_machine_limit_over_direct"] is None  # no client CPU in raw
     assert "at 500 req/s" in (tmp_path / "results.md").read_text()
+
+
+def test_summary_puts_the_floor_proxy_beside_the_routers(tmp_path: Path) -> None:
+    raw = {
+        "fixed_rate": [
+            {"rate": 100.0, "targets": {"direct": _m(1.0), "floor": _m(3.0)}},
+            {"rate": 500.0, "targets": {"direct": _m(1.0), "ours": _m(4.0), "floor": _m(1.25)}},
+        ],
+        "saturation": {
+            "direct": {**_m(0, 400.0), "fakes_cpu_ms_per_request": 2.0},
+            "ours": {**_m(0, 240.0), "fakes_cpu_ms_per_request": 5.0},
+            "floor": {**_m(0, 300.0), "fakes_cpu_ms_per_request": 5.0},
+        },
+    }
+    (tmp_path / "overhead.json").write_text(json.dumps({"derived": derive(raw)}))
+    summary = render(tmp_path, "disagg-bench overhead")
+    assert summary["floor_added_ms_p50"] == pytest.approx(0.25)  # at 500 req/s, not 100
+    assert summary["floor_added_ms_p99"] == pytest.approx(0.5)
+    assert summary["floor_throughput_over_direct"] == pytest.approx(0.75)
+    assert summary["router_throughput_over_direct"] == pytest.approx(0.6)
 
 
 def test_log_folder_is_the_given_one_or_a_new_temporary_one_and_is_named(
