@@ -85,8 +85,8 @@ class UpstreamClient(httpx.AsyncClient):
     It connects to every URL through that transport (no proxies, no mounts, nothing read from
     the environment) with no auth and no event hooks, and follows no redirects. So :meth:`send`
     hands a request straight to the transport instead of running httpx's redirect, auth and hook
-    machinery for nothing; that machinery was 7 % of a loaded router's CPU
-    (docs/benchmarks/README.md, "Upstream HTTP client").
+    machinery for nothing; that machinery was about 6 % of a loaded router's CPU
+    (docs/benchmarks/README.md, "Router overhead").
     """
 
     def __init__(

@@ -12,8 +12,11 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+ROUTER_STAGES = "disagg_router_ttft_stage_seconds"
+"""The router's TTFT stage histogram (``router.timeline``), one series per ``stage`` label."""
+
 HISTOGRAMS = (
-    "disagg_router_ttft_stage_seconds",
+    ROUTER_STAGES,
     "vllm:request_queue_time_seconds",
     "vllm:request_prefill_time_seconds",
     "vllm:time_to_first_token_seconds",

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from bench.breakdown import histogram_means, scrape
+from bench.breakdown import ROUTER_STAGES, histogram_means, scrape
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
@@ -142,7 +142,6 @@ async def _timed_load(
     return result, _summary(metrics, used, _cpu(fakes) - fakes_before, client_used)
 
 
-STAGE_SERIES = "disagg_router_ttft_stage_seconds"
 T = TypeVar("T")
 
 
@@ -156,7 +155,7 @@ async def _stages_during(
     before = await scrape(client, {name: metrics_url})
     result = await load
     means = histogram_means(before, await scrape(client, {name: metrics_url}))
-    prefix = f"{name}:{STAGE_SERIES}{{"
+    prefix = f"{name}:{ROUTER_STAGES}{{"
     stages = {k[len(prefix) : -1]: v for k, v in means.items() if k.startswith(prefix)}
     return result, stages
 
@@ -359,7 +358,7 @@ def _ms(value: float | None) -> str:
 def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start the processes, measure, stop them; returns raw and derived numbers."""
     logs = log_folder(log_dir, "bench-overhead-")
-    p_port, d_port, r_port, v_port = free_ports(4)
+    p_port, d_port, r_port, v_port, f_port = free_ports(5)
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     fake_cpus, router_cpus = cpu_split(spec.pin)
     pgids: dict[str, int] = {}
@@ -380,7 +379,6 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
             started("ours", our_router(config, r_port, logs, cpus=router_cpus))
             targets["ours"] = Target(f"http://127.0.0.1:{r_port}", MODEL)
         if "floor" in spec.routers:
-            f_port = free_ports(1)[0]
             floor = floor_router(p_url, d_url, FAKE_PREFILL_IDENTITY, f_port, logs, router_cpus)
             started("floor", floor)
             targets["floor"] = Target(f"http://127.0.0.1:{f_port}", MODEL)
