@@ -10,7 +10,7 @@ may change without notice.
 - :func:`main` is the ``disagg-router`` console script (``serve``, ``check-config``).
 
 Names are resolved on first use, so importing one internal module (the connector's contract
-tests import ``router.rewrite``) does not load the whole server.
+tests import ``router.dispatch.rewrite``) does not load the whole server.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from router.app import create_app
     from router.cli import main
     from router.config import RouterSettings, load_config
     from router.errors import ConfigError
+    from router.http.app import create_app
 
 __all__ = ["ConfigError", "RouterSettings", "create_app", "load_config", "main"]
 __version__ = "0.1.0"
 
 _HOMES = {
-    "create_app": "router.app",
+    "create_app": "router.http.app",
     "main": "router.cli",
     "RouterSettings": "router.config",
     "load_config": "router.config",

@@ -31,9 +31,9 @@ LOG_LEVEL_ENV = "DISAGG_ROUTER_LOG_LEVEL"
 def worker_app() -> FastAPI:
     """The app of one worker process of ``serve --workers N`` (a uvicorn app factory): the
     config file named in ``$DISAGG_ROUTER_CONFIG``, reloaded from there like ``serve``'s."""
-    from router.app import create_app
     from router.config import load_config
-    from router.reqlog import configure_logging
+    from router.http.app import create_app
+    from router.observability.reqlog import configure_logging
     from router.server import settle_heap
 
     path = Path(os.environ[CONFIG_ENV])
@@ -93,7 +93,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.config import load_config
-    from router.reqlog import configure_logging
+    from router.observability.reqlog import configure_logging
     from router.server import serve
 
     try:

@@ -3,7 +3,8 @@
 Who calls it: the app lifespan, when the app was built from a file (``disagg-router serve``).
 :meth:`ConfigReloader.reload` re-reads and validates the file exactly like ``check-config``:
 
-- valid: the new routing table is swapped in at once (:meth:`router.routing.LiveRouting.apply`):
+- valid: the new routing table is swapped in at once
+  (:meth:`router.routing.table.LiveRouting.apply`):
   new requests use it, requests in flight finish on the instances they started on, instances
   that left are drained (no new legs), instances that joined are health-checked (and, for a P in
   push mode, identity-probed) right away and used only once that passes;
@@ -25,9 +26,9 @@ from typing import Any
 
 import watchfiles
 
-from router.backends import BackendState
 from router.config import load_config
 from router.errors import ConfigError
+from router.routing.backends import BackendState
 from router.runtime import Runtime
 
 log = logging.getLogger(__name__)

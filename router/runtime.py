@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry
 
-from router.backends import BackendState
 from router.config import RouterSettings
 from router.lifecycle import Lifecycle
-from router.metrics import RouterMetrics
-from router.pools import Pool
-from router.routing import LiveRouting, ModelPools
-from router.tracing import NoTracer, Tracer, make_tracer
-from router.transport import AiohttpTransport, UpstreamClient
+from router.observability.metrics import RouterMetrics
+from router.observability.tracing import NoTracer, Tracer, make_tracer
+from router.routing.backends import BackendState
+from router.routing.pools import Pool
+from router.routing.table import LiveRouting, ModelPools
+from router.upstream.client import AiohttpTransport, UpstreamClient
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,8 @@ def http_client(
 ) -> httpx.AsyncClient:
     """The one upstream client: explicit timeouts, generous pool limits, no cookies.
 
-    Its connections are aiohttp's (:mod:`router.transport`); ``transport`` replaces them (tests).
+    Its connections are aiohttp's (:mod:`router.upstream.client`); ``transport`` replaces them
+    (tests).
     """
     t = settings.timeouts
     timeout = httpx.Timeout(connect=t.connect, read=t.total, write=t.total, pool=t.connect)

@@ -19,8 +19,8 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from router.app import create_app
 from router.config import RouterSettings
+from router.http.app import create_app
 from router.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from httpx_sse import SSEError
 
 from bench.dataset import BenchRequest
 from bench.metrics import RequestRecord
-from router.sse import StreamEndedEarly, aiter_data
+from router.upstream.sse import StreamEndedEarly, aiter_data
 
 Endpoint = Literal["completions", "chat"]
 

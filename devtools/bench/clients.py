@@ -8,8 +8,8 @@ rounds so drift hits all alike. Reported per client: this process's CPU time per
 (``time.process_time``: what a client costs the router's one core) and requests per second.
 
 Clients: ``httpx`` (its own httpcore pool), ``httpx-aiohttp`` (httpx's API over aiohttp's
-connections: :class:`router.transport.UpstreamClient` over
-:class:`router.transport.AiohttpTransport`, what the router uses) and ``aiohttp``
+connections: :class:`router.upstream.client.UpstreamClient` over
+:class:`router.upstream.client.AiohttpTransport`, what the router uses) and ``aiohttp``
 (aiohttp alone; its SSE lines are split here, a stand-in for a reader the router would need).
 """
 
@@ -33,8 +33,8 @@ import httpx
 from bench.overhead import MODEL, cpu_split, fake_process
 from bench.results import log_folder, write_outputs
 from devstack.ports import free_port
-from router.sse import aiter_data
-from router.transport import AiohttpTransport, UpstreamClient
+from router.upstream.client import AiohttpTransport, UpstreamClient
+from router.upstream.sse import aiter_data
 
 KINDS = ("httpx", "httpx-aiohttp", "aiohttp")
 HEADERS = {"Content-Type": "application/json"}

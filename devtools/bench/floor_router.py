@@ -22,9 +22,9 @@ from typing import Any
 import aiohttp
 import uvicorn
 
-from router import codec
 from router.config import PushIdentity
-from router.rewrite import decode_body_push, prefill_body
+from router.dispatch.rewrite import decode_body_push, prefill_body
+from router.upstream import codec
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

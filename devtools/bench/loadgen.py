@@ -24,7 +24,7 @@ from bench.metrics import (
     compute_metrics,
 )
 from bench.progress import ProgressBar
-from router.transport import AiohttpTransport
+from router.upstream.client import AiohttpTransport
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class RunResult:
 def make_client(max_connections: int = 1024, request_timeout_s: float = 600.0) -> httpx.AsyncClient:
     """The one client a run uses: explicit timeouts, enough pooled connections for the load.
 
-    Its connections are aiohttp's, as the router's (:mod:`router.transport`): httpcore's pool
+    Its connections are aiohttp's, as the router's (:mod:`router.upstream.client`): httpcore's pool
     costs 2.5x the CPU per streamed request (``disagg-bench clients``), and at the hundreds of
     requests per second the overhead benchmark offers the load generator became the bottleneck.
     """

@@ -30,7 +30,7 @@ from devstack.ports import LOOPBACK, free_port
 from devstack.process import ProcessStartError, http_process
 from devstack.stack import Stack, StackOptions, start_stack
 from devstack.vllm_server import VllmServerError
-from router.sse import StreamEndedEarly, iter_data
+from router.upstream.sse import StreamEndedEarly, iter_data
 
 DEFAULT_PROMPT = "Explain in one sentence why prefill and decode run on different machines."
 READY_TIMEOUT_S = 120.0

@@ -4,10 +4,10 @@ Who calls it: the app lifespan builds one :class:`DiscoveryManager` per app run,
 :meth:`DiscoveryManager.sync` at start and after every applied config reload, and
 :meth:`DiscoveryManager.close` at shutdown. For each pool whose config has a non-static
 ``discovery`` it runs one :class:`~router.discovery.watcher.PoolDiscovery`; a changed set goes
-through the pool's one membership update (:meth:`router.pools.Pool.set_instances`): instances
-that left are drained (no new legs; legs in flight finish), instances that joined wait unhealthy
-until ``check`` (a health check and, for P in push mode, an identity probe) passes. Static pools
-get nothing from here: their members come from the config (and its reloads).
+through the pool's one membership update (:meth:`router.routing.pools.Pool.set_instances`):
+instances that left are drained (no new legs; legs in flight finish), instances that joined wait
+unhealthy until ``check`` (a health check and, for P in push mode, an identity probe)
+passes. Static pools get nothing from here: their members come from the config (and its reloads).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from router.config import DiscoveryConfig, InstanceConfig, PoolConfig
 from router.discovery.factory import make_source
 from router.discovery.source import DiscoverySource
 from router.discovery.watcher import DiscoveryStatus, PoolDiscovery
-from router.pools import Pool
 from router.reload import CheckBackends
+from router.routing.pools import Pool
 from router.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from router.config import InstanceConfig
 from router.discovery.source import DiscoverySource, Failed, Found, Update
-from router.metrics import RouterMetrics
+from router.observability.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

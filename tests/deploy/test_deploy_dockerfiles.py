@@ -87,4 +87,4 @@ def test_dockerignore_keeps_the_venv_and_git_out() -> None:
     patterns = _dockerignore()
     for path in (".venv/bin/python", ".git/HEAD", "tests/deploy/test_x.py", "router/x.pyc"):
         assert _ignored(path, patterns), path
-    assert not _ignored("router/app.py", patterns)
+    assert not _ignored("router/http/app.py", patterns)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from router.metrics import RouterMetrics
+from router.observability.metrics import RouterMetrics
 from tests.deploy.deploy_support import DASHBOARD
 
 # PromQL pieces that are not metric names: label matchers, ranges, `by (...)` groupings.
@@ -86,7 +86,9 @@ def test_router_metrics_exist_in_the_router() -> None:
     exported = _router_sample_names()
     used = {n for e in _exprs() for n in _metric_names(e) if n.startswith("disagg_router_")}
     assert used, "the dashboard shows router metrics"
-    assert used <= exported, f"not exported by router/metrics.py: {sorted(used - exported)}"
+    assert used <= exported, (
+        f"not exported by router/observability/metrics.py: {sorted(used - exported)}"
+    )
     # Every router metric family is on the dashboard.
     families = {n.removesuffix(s) for n in exported for s in ("_total", "_bucket") if n.endswith(s)}
     families |= {n for n in exported if not n.endswith(("_sum", "_count", "_total", "_bucket"))}

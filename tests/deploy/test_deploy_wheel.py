@@ -63,7 +63,7 @@ def test_router_wheel_holds_only_router_and_connector(tmp_path: Path) -> None:
     assert _top_level_packages(wheel) == {"router", "connector"}
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
-    assert "router/app.py" in names
+    assert "router/http/app.py" in names
     assert "connector/facade.py" in names
     assert not [n for n in names if "fake" in n or "bench" in n or "devstack" in n]
 

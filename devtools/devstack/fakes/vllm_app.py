@@ -32,7 +32,7 @@ from connector.contract import (
     with_engine_suffix,
 )
 from devstack.fakes.state import FakeVllmState, RecordedRequest
-from router.sse import DONE, encode_data
+from router.upstream.sse import DONE, encode_data
 
 _POLL_S = 0.005
 _HANG_CAP_S = 600.0

@@ -10,7 +10,7 @@ from router.config import DnsDiscovery, InstanceConfig
 from router.discovery.dns import DnsSource
 from router.discovery.source import Failed, Found
 from router.discovery.watcher import PoolDiscovery
-from router.metrics import RouterMetrics
+from router.observability.metrics import RouterMetrics
 from tests.integration.discovery.dns_server import DOMAIN, LISTEN, DnsServer
 
 NAME = f"decode.{DOMAIN}"

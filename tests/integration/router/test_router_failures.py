@@ -9,7 +9,7 @@ import httpx
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer, FakeVllmState
 from devstack.ports import free_port
-from router.sse import iter_data
+from router.upstream.sse import iter_data
 from tests.integration.router.router_fixtures import (
     MODEL,
     make_settings,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
-from router.reqlog import JsonFormatter
+from router.observability.reqlog import JsonFormatter
 from tests.integration.router.router_fixtures import (
     MODEL,
     make_settings,

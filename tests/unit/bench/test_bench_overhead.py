@@ -12,7 +12,7 @@ from bench.overhead import FAKE_PREFILL_IDENTITY as IDENTITY
 from bench.overhead import _stages_during, derive, fake_process, format_report
 from bench.routers import router_config
 from router.config import settings_from_mapping
-from router.metrics import RouterMetrics
+from router.observability.metrics import RouterMetrics
 
 
 def test_router_config_is_valid_for_the_router() -> None:

@@ -157,7 +157,7 @@ def test_identity_probe_answers_identity_and_keeps_no_blocks() -> None:
 
 def test_probe_key_is_the_one_the_router_sends() -> None:
     from connector.contract import IDENTITY_PROBE_KEY
-    from router.rewrite import prefill_body
+    from router.dispatch.rewrite import prefill_body
 
     body = prefill_body({"model": "m", "prompt": "ping"}, chat=False, transfer_id="x", probe=True)
     assert body["kv_transfer_params"][IDENTITY_PROBE_KEY] is True

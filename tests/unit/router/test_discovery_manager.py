@@ -9,10 +9,10 @@ from typing import Any
 
 import httpx
 
-from router.backends import BackendState
 from router.config import InstanceConfig, PoolConfig, RouterSettings, settings_from_mapping
 from router.discovery.manager import DiscoveryManager
 from router.discovery.source import Found, Update, found
+from router.routing.backends import BackendState
 from router.runtime import Runtime
 
 

@@ -11,7 +11,7 @@ from router.config import InstanceConfig
 from router.discovery.source import Failed, Found, Update, base_url, found
 from router.discovery.static import StaticSource
 from router.discovery.watcher import PoolDiscovery
-from router.metrics import RouterMetrics
+from router.observability.metrics import RouterMetrics
 
 
 class ScriptedSource:

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from collections import Counter
 
-from router.backends import BackendState
 from router.config import InstanceConfig
-from router.policies import (
+from router.routing.backends import BackendState
+from router.routing.policies import (
     PrefixAffinity,
     RoutingInput,
     SessionAffinity,
     load_bound,
     rendezvous_order,
 )
-from router.prompt_keys import estimated_tokens, prefix_key, prompt_of, render_messages
+from router.routing.prompt_keys import estimated_tokens, prefix_key, prompt_of, render_messages
 
 
 def _backends(n: int, first: int = 0) -> list[BackendState]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.disconnect import ClientWatch
+from router.http.disconnect import ClientWatch
 
 
 class Receive:

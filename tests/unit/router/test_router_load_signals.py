@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from router.backends import BackendState, LoadSignals
 from router.config import InstanceConfig
-from router.load_signals import backend_load, parse_signals
-from router.policies import PowerOfTwo
+from router.health.load_signals import backend_load, parse_signals
+from router.routing.backends import BackendState, LoadSignals
+from router.routing.policies import PowerOfTwo
 
 VLLM_METRICS = """
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from router.metrics import RouterMetrics
+from router.observability.metrics import RouterMetrics
 
 
 def _sample(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> float | None:

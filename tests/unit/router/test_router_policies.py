@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.backends import BackendState
 from router.config import InstanceConfig, PoolConfig, PushIdentity
 from router.errors import NoBackendAvailable
-from router.policies import (
+from router.routing.backends import BackendState
+from router.routing.policies import (
     LeastInFlight,
     PowerOfTwo,
     PrefixAffinity,
@@ -15,7 +15,7 @@ from router.policies import (
     SessionAffinity,
     make_policy,
 )
-from router.pools import Pool
+from router.routing.pools import Pool
 
 
 def _backends(n: int) -> list[BackendState]:

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from router.admission import Gate
-from router.breaker import Breaker
 from router.config import AdmissionConfig, BreakerConfig
 from router.errors import Overloaded, error_payload
+from router.health.admission import Gate
+from router.health.breaker import Breaker
 
 
 class Clock:

@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 
 from router.config import PushIdentity
-from router.errors import ClientRequestError, UpstreamHTTPError, error_payload
-from router.ids import is_safe_request_id, new_request_id
-from router.rewrite import (
+from router.dispatch.ids import is_safe_request_id, new_request_id
+from router.dispatch.rewrite import (
     client_response,
     decode_body_pull,
     decode_body_push,
@@ -21,7 +20,8 @@ from router.rewrite import (
     prefill_usage,
     strip_client_fields,
 )
-from router.validation import parse_client_request
+from router.errors import ClientRequestError, UpstreamHTTPError, error_payload
+from router.http.validation import parse_client_request
 
 
 def test_request_ids_are_fresh_hex_without_vllm_suffix() -> None:

@@ -8,9 +8,9 @@ from typing import Any
 import httpx
 
 from devstack.fake_vllm import UvicornThread
-from router.app import create_app
 from router.config import settings_from_mapping
-from router.health import HealthMonitor
+from router.health.monitor import HealthMonitor
+from router.http.app import create_app
 from router.runtime import Runtime
 from tests.unit.router.mock_upstream import KV, D, P, answer
 

@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from devstack.ports import free_port
-from router import codec
-from router.backends import BackendState
 from router.config import InstanceConfig
-from router.transport import AiohttpTransport, UpstreamClient
-from router.upstream import leg_headers, post_json
+from router.routing.backends import BackendState
+from router.upstream import codec
+from router.upstream.calls import leg_headers, post_json
+from router.upstream.client import AiohttpTransport, UpstreamClient
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -29,13 +29,13 @@ from collections.abc import Sequence
 
 import httpx
 
-from router.backends import BackendState
 from router.config import PushIdentity, RouterSettings
+from router.dispatch.ids import new_request_id
+from router.dispatch.rewrite import identity_from_kv, prefill_body
 from router.errors import UpstreamError, UpstreamTimeout
-from router.ids import new_request_id
-from router.rewrite import identity_from_kv, prefill_body
+from router.routing.backends import BackendState
 from router.runtime import Runtime
-from router.upstream import leg_headers, post_json
+from router.upstream.calls import leg_headers, post_json
 
 log = logging.getLogger(__name__)
 

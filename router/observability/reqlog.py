@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from router.config import LoggingConfig
-from router.context import RequestContext
+from router.http.context import RequestContext
 
 log = logging.getLogger("router.requests")
 

@@ -1,7 +1,7 @@
 """The outermost layer of every HTTP request: header bound, request id, trace span.
 
 Who calls it: the app wraps itself in one :class:`RequestGuard`. For each request it checks the
-header size (431 in OpenAI error form), builds the :class:`~router.context.RequestContext`
+header size (431 in OpenAI error form), builds the :class:`~router.http.context.RequestContext`
 (router's id, the client's ``X-Request-Id`` when safe, a request span continuing the client's W3C
 ``traceparent`` when tracing is on) into ``request.state.ctx``, and puts ``X-Request-Id`` on the
 response unless the handler set one (the dispatch id that answered).
@@ -13,11 +13,11 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.bounds import HeadersTooLarge, check_headers
 from router.config import LimitsConfig
-from router.context import RequestContext, safe_client_id
 from router.errors import error_payload
-from router.tracing import NO_SPAN, Span
+from router.http.bounds import HeadersTooLarge, check_headers
+from router.http.context import RequestContext, safe_client_id
+from router.observability.tracing import NO_SPAN, Span
 
 
 class RequestGuard:

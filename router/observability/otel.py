@@ -1,6 +1,8 @@
-"""The OpenTelemetry implementation of :mod:`router.tracing` (needs the ``tracing`` extra).
+"""The OpenTelemetry implementation of :mod:`router.observability.tracing` (needs the
+``tracing`` extra).
 
-Imported only by :func:`router.tracing.make_tracer` when ``tracing.enabled`` is true. Spans are
+Imported only by :func:`router.observability.tracing.make_tracer` when ``tracing.enabled`` is
+true. Spans are
 exported in batches over OTLP/HTTP to ``tracing.endpoint``; context travels as W3C
 ``traceparent``/``tracestate`` headers (in from the client, out to both legs).
 """
@@ -18,7 +20,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from router.config import TracingConfig
-from router.tracing import Span
+from router.observability.tracing import Span
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 

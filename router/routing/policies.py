@@ -1,13 +1,14 @@
 """Load-balancing policies: pick one instance of a pool for one dispatch.
 
-Who calls it: :class:`router.pools.Pool` with the currently usable candidates (never empty, in
-pool order) and the request being routed. A policy must be cheap, must not block, and must not
-mutate the backends it is given.
+Who calls it: :class:`router.routing.pools.Pool` with the currently usable candidates (never
+empty, in pool order) and the request being routed. A policy must be cheap, must not block, and
+must not mutate the backends it is given.
 
 - ``round_robin``: cycles; for identical instances and uniform requests.
 - ``least_in_flight``: fewest legs in flight from this router; for uneven request sizes.
 - ``power_of_two``: two random candidates, the less loaded wins, load from this router's
-  in-flight legs and vLLM's own queue/KV gauges (:func:`router.load_signals.backend_load`); for
+  in-flight legs and vLLM's own queue/KV gauges
+  (:func:`router.health.load_signals.backend_load`); for
   instances of uneven speed, or shared by several router replicas.
 - ``prefix_affinity``: rendezvous (highest-random-weight) hashing of the prompt's leading
   characters with a load bound; requests sharing a prefix go to the same instance so vLLM's
@@ -28,10 +29,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
 
-from router.backends import BackendState
 from router.config import LoadSignalsConfig, PoolConfig
-from router.load_signals import backend_load
-from router.prompt_keys import prefix_key, prompt_of, session_key
+from router.health.load_signals import backend_load
+from router.routing.backends import BackendState
+from router.routing.prompt_keys import prefix_key, prompt_of, session_key
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class RoutingInput:
 
     @cached_property
     def prompt(self) -> str | list[int]:
-        """The rendered prompt (see :mod:`router.prompt_keys`), computed once."""
+        """The rendered prompt (see :mod:`router.routing.prompt_keys`), computed once."""
         return prompt_of(self.body, self.chat)
 
 
@@ -153,7 +154,8 @@ class _BoundedAffinity:
 
 
 class PrefixAffinity(_BoundedAffinity):
-    """Affinity on the prompt's first ``prefix_chars`` characters (:mod:`router.prompt_keys`)."""
+    """Affinity on the prompt's first ``prefix_chars`` characters
+    (:mod:`router.routing.prompt_keys`)."""
 
     def __init__(self, prefix_chars: int, load_factor: float) -> None:
         super().__init__(load_factor)

@@ -20,9 +20,6 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from router.admission import Gate
-from router.backends import BackendState, Role
-from router.breaker import Breaker
 from router.config import (
     AdmissionConfig,
     BreakerConfig,
@@ -31,7 +28,10 @@ from router.config import (
     PoolConfig,
 )
 from router.errors import NoBackendAvailable
-from router.policies import NO_INPUT, Policy, RoutingInput, make_policy
+from router.health.admission import Gate
+from router.health.breaker import Breaker
+from router.routing.backends import BackendState, Role
+from router.routing.policies import NO_INPUT, Policy, RoutingInput, make_policy
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,6 @@ from typing import Any
 import httpx
 from httpx_sse import SSEError
 
-from router import codec
-from router.backends import BackendState
 from router.errors import (
     UpstreamConnectTimeout,
     UpstreamError,
@@ -27,7 +25,9 @@ from router.errors import (
     UpstreamUnavailable,
     UpstreamUnreachable,
 )
-from router.sse import StreamEndedEarly, aiter_data
+from router.routing.backends import BackendState
+from router.upstream import codec
+from router.upstream.sse import StreamEndedEarly, aiter_data
 
 
 def _instance_headers(backend: BackendState) -> dict[str, str]:

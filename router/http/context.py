@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from router.ids import new_request_id
-from router.tracing import NO_SPAN, Span
+from router.dispatch.ids import new_request_id
+from router.observability.tracing import NO_SPAN, Span
 
 _SAFE_CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 

@@ -1,7 +1,8 @@
 """JSON on the request path: msgspec first, the standard library for what msgspec refuses.
 
-Who calls it: the client body's parse (:mod:`router.validation`), the legs' bodies and P's answer
-(:mod:`router.upstream`), the one rewritten usage chunk (:mod:`router.dispatch`). msgspec is
+Who calls it: the client body's parse (:mod:`router.http.validation`), the legs' bodies and P's
+answer (:mod:`router.upstream.calls`), the one rewritten usage chunk
+(:mod:`router.dispatch.attempt`). msgspec is
 several times faster than ``json`` for these bodies (docs/benchmarks/README.md, "Router
 overhead"); where it refuses an input the standard library accepts (a lone UTF-16 surrogate, a
 byte-order mark), the standard library decides, so what is accepted and how is unchanged.

@@ -1,6 +1,7 @@
 """One P/D dispatch: both legs of one attempt, shared by push and pull mode.
 
-Who calls it: :func:`router.orchestrator.open_dispatch`, which chooses the pair and may retry.
+Who calls it: :func:`router.dispatch.orchestrator.open_dispatch`, which chooses the pair and may
+retry.
 Lifecycle: ``open()`` runs the legs up to the commit point (D's first token, or D's whole answer
 for a non-streamed request); then ``sse_events()`` or ``json_response()`` relays the rest; then
 ``close()`` (always, also on errors and disconnects) cancels whatever still runs.
@@ -21,23 +22,9 @@ from collections.abc import AsyncGenerator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from router import codec
-from router.admission import Slot
-from router.backends import BackendState
 from router.config import PushIdentity
-from router.context import RequestContext
-from router.errors import (
-    NoBackendAvailable,
-    RouterError,
-    RouterNotReady,
-    UpstreamError,
-    UpstreamProtocolError,
-    UpstreamTimeout,
-    error_payload,
-)
-from router.health import learn_identity
-from router.ids import new_request_id
-from router.rewrite import (
+from router.dispatch.ids import new_request_id
+from router.dispatch.rewrite import (
     client_response,
     decode_body_pull,
     decode_body_push,
@@ -47,11 +34,25 @@ from router.rewrite import (
     prefill_usage,
     strip_client_fields,
 )
+from router.dispatch.timeline import ttft_stages
+from router.errors import (
+    NoBackendAvailable,
+    RouterError,
+    RouterNotReady,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    error_payload,
+)
+from router.health.admission import Slot
+from router.health.monitor import learn_identity
+from router.http.context import RequestContext
+from router.http.validation import ClientRequest
+from router.observability.tracing import Span, span_attributes
+from router.routing.backends import BackendState
 from router.runtime import Runtime
-from router.timeline import ttft_stages
-from router.tracing import Span, span_attributes
-from router.upstream import open_sse, post_json
-from router.validation import ClientRequest
+from router.upstream import codec
+from router.upstream.calls import open_sse, post_json
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class Dispatch:
         self.timings.setdefault(stage, round(time.monotonic() - self.started, 6))
 
     def _stamp(self, moment: str) -> None:
-        """A moment only the TTFT stages use (:func:`router.timeline.ttft_stages`)."""
+        """A moment only the TTFT stages use (:func:`router.dispatch.timeline.ttft_stages`)."""
         self._stamps.setdefault(moment, time.monotonic() - self.started)
 
     # ---- passive health and admission -------------------------------------------------------

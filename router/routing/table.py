@@ -4,8 +4,8 @@ Who calls it: the runtime holds one :class:`LiveRouting`; requests read its curr
 (an immutable snapshot) once, at dispatch; hot reload calls :meth:`LiveRouting.apply` with a new,
 already validated config. ``apply`` runs without awaiting, so on the router's event loop the swap
 is atomic: a request sees either the old table or the new one. Pools of a model present in both
-configs are updated in place through :meth:`router.pools.Pool.update` (instances that stay keep
-their state; dispatches in flight keep the backends they started on).
+configs are updated in place through :meth:`router.routing.pools.Pool.update` (instances that
+stay keep their state; dispatches in flight keep the backends they started on).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from router.config import ModelRoute, RouterSettings
 from router.errors import ClientRequestError
-from router.pools import MembershipChange, Pool
+from router.routing.pools import MembershipChange, Pool
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router import codec
 from router.config import LimitsConfig
 from router.errors import ClientRequestError
+from router.upstream import codec
 
 # Sampling parameters whose JSON type the router checks (vLLM would reject others with a 400
 # after the request already cost a P leg): name -> (accepted Python types, description).

@@ -3,8 +3,8 @@
 Who mutates it: the load-signal scraper (``signals``), the dispatch (``in_flight`` and an
 admission slot around each leg, the leg's outcome into the ``breaker``) and the health monitor
 (``healthy``, ``checked``, breaker probes; the discovered identity goes through
-:func:`router.health.learn_identity`). All mutation happens on the router's event loop, so no
-locking is needed. Policies only read it.
+:func:`router.health.monitor.learn_identity`). All mutation happens on the router's event
+loop, so no locking is needed. Policies only read it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Literal
 
 import httpx
 
-from router.admission import Gate
-from router.breaker import Breaker
 from router.config import AdmissionConfig, BreakerConfig, InstanceConfig, PushIdentity
+from router.health.admission import Gate
+from router.health.breaker import Breaker
 
 Role = Literal["prefill", "decode"]
 
@@ -25,7 +25,7 @@ Role = Literal["prefill", "decode"]
 class LoadSignals:
     """One scrape of vLLM's gauges: queued and running requests, KV cache usage (0..1), when it
     was taken (``time.monotonic()``) and this router's own legs in flight on the instance at that
-    moment; see :mod:`router.load_signals`."""
+    moment; see :mod:`router.health.load_signals`."""
 
     waiting: float
     running: float
@@ -53,7 +53,7 @@ class BackendState:
     leg_headers_cache: tuple[httpx.Headers, httpx.Headers] | None = field(
         default=None, repr=False, compare=False
     )
-    """``(client headers, headers of every leg)``: kept by :mod:`router.upstream`."""
+    """``(client headers, headers of every leg)``: kept by :mod:`router.upstream.calls`."""
 
     @property
     def url(self) -> str:

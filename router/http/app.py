@@ -31,13 +31,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from router.backends import BackendState
-from router.bounds import read_body
 from router.config import RouterSettings
-from router.context import RequestContext
-from router.disconnect import ClientWatch
 from router.discovery.manager import DiscoveryManager
-from router.dispatch import Dispatch
+from router.dispatch.attempt import Dispatch
+from router.dispatch.orchestrator import open_dispatch
 from router.errors import (
     AuthenticationError,
     ClientDisconnected,
@@ -47,14 +44,17 @@ from router.errors import (
     error_payload,
     outcome_label,
 )
-from router.guard import RequestGuard
-from router.health import HealthMonitor
-from router.load_signals import run_scraper
-from router.orchestrator import open_dispatch
+from router.health.load_signals import run_scraper
+from router.health.monitor import HealthMonitor
+from router.http.bounds import read_body
+from router.http.context import RequestContext
+from router.http.disconnect import ClientWatch
+from router.http.guard import RequestGuard
+from router.http.validation import ClientRequest, parse_client_request
+from router.observability.reqlog import log_request
 from router.reload import ConfigReloader
-from router.reqlog import log_request
+from router.routing.backends import BackendState
 from router.runtime import Runtime, open_runtime
-from router.validation import ClientRequest, parse_client_request
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class _DispatchStream(Response):
             if not self.watch.left():
                 raise
         finally:
-            self.watch.stop()  # before anything below awaits (router.disconnect)
+            self.watch.stop()  # before anything below awaits (router.http.disconnect)
             if self.dispatch.outcome == "in_progress":
                 self.dispatch.outcome = "client_disconnected"
             await self.dispatch.close()
@@ -317,7 +317,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         _finish(request, endpoint, outcome_label(exc), exc.status, req, dispatch)
         return _error_response(exc, {"X-Request-Id": dispatch.request_id})
     finally:
-        watch.stop()  # before close() awaits (router.disconnect)
+        watch.stop()  # before close() awaits (router.http.disconnect)
         await dispatch.close()
     _finish(request, endpoint, "ok", 200, req, dispatch)
     return JSONResponse(answer, headers={"X-Request-Id": dispatch.request_id})

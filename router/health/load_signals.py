@@ -18,9 +18,9 @@ from dataclasses import replace
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.backends import BackendState, LoadSignals
-from router.ids import new_request_id
-from router.upstream import leg_headers
+from router.dispatch.ids import new_request_id
+from router.routing.backends import BackendState, LoadSignals
+from router.upstream.calls import leg_headers
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Noticing a client that goes away while its request is being answered.
 
-Who uses it: the generation endpoints (:mod:`router.app`), from the moment the request body has
+Who uses it: the generation endpoints (:mod:`router.http.app`), from the moment the request body has
 been read (the watcher then owns every later ``receive()``) until the answer has been sent. One
 task per request watches ``receive()`` for ``http.disconnect`` and cancels the request's own task;
 the handler turns that cancellation into :class:`~router.errors.ClientDisconnected` and closes

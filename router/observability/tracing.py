@@ -71,7 +71,7 @@ def make_tracer(config: TracingConfig) -> Tracer:
     """The tracer for ``config``; imports OpenTelemetry only when tracing is enabled."""
     if not config.enabled:
         return NoTracer()
-    from router.otel import OtelTracer  # the optional dependency, loaded only here
+    from router.observability.otel import OtelTracer  # the optional dependency, loaded only here
 
     return OtelTracer(config)
 

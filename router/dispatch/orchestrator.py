@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import logging
 
-from router.context import RequestContext
-from router.dispatch import Dispatch
+from router.dispatch.attempt import Dispatch
 from router.errors import NoBackendAvailable, UpstreamError
-from router.policies import RoutingInput
-from router.prompt_keys import estimated_tokens
-from router.routing import ModelPools
+from router.http.context import RequestContext
+from router.http.validation import ClientRequest
+from router.routing.policies import RoutingInput
+from router.routing.prompt_keys import estimated_tokens
+from router.routing.table import ModelPools
 from router.runtime import Runtime
-from router.validation import ClientRequest
 
 log = logging.getLogger(__name__)
 

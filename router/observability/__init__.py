@@ -1,0 +1,1 @@
+"""What the router tells its operators: Prometheus metrics, the request log line, tracing."""
