@@ -72,7 +72,7 @@ def backend_load(backend: BackendState, now: float, stale_after: float) -> float
 
 async def scrape(client: httpx.AsyncClient, backend: BackendState, timeout: float) -> None:
     """Scrape one backend once; on any failure its signals are cleared (never raises)."""
-    headers = leg_headers(backend, new_request_id())
+    headers = leg_headers(client, backend, new_request_id())
     try:
         resp = await asyncio.wait_for(
             client.get(backend.url + "/metrics", headers=headers), timeout

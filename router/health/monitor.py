@@ -121,7 +121,7 @@ class HealthMonitor:
         t = self.settings.timeouts
         resp = await asyncio.wait_for(
             self.client.get(
-                backend.url + "/health", headers=leg_headers(backend, new_request_id())
+                backend.url + "/health", headers=leg_headers(self.client, backend, new_request_id())
             ),
             t.health,
         )

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from router.config import ModelRoute, RouterSettings
-from router.errors import ClientRequestError
+from router.errors import ModelNotFound
 from router.routing.pools import MembershipChange, Pool
 
 
@@ -42,13 +42,7 @@ class RoutingTable:
         """The pools serving ``model``; a 404 naming the served models otherwise."""
         found = self.models.get(model)
         if found is None:
-            known = ", ".join(self.models)
-            raise ClientRequestError(
-                f"The model `{model}` does not exist; served models: {known}",
-                "model",
-                status=404,
-                code="model_not_found",
-            )
+            raise ModelNotFound(model, self.models)
         return found
 
 
