@@ -1,7 +1,8 @@
 """Router configuration: pydantic models loaded from YAML.
 
-Who calls it: ``disagg-router serve``/``check-config`` (via :func:`load_config`) and tests (which
-build :class:`RouterSettings` directly). Models are frozen; every field is validated, unknown keys
+Who calls it: ``disagg-router serve``/``check-config`` (:mod:`router.cli`) and hot reload
+(:mod:`router.reload`) via :func:`load_config`, and tests (which build :class:`RouterSettings`
+directly). Models are frozen; every field is validated, unknown keys
 are rejected, and :class:`ConfigError` names the offending field path (``prefill.instances.0.url``).
 No timeout may be infinite: each is a positive number of seconds.
 """

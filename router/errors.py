@@ -1,8 +1,9 @@
 """The router's one exception tree and its translation into OpenAI-style error JSON.
 
 Who raises: config loading, request validation, upstream calls and orchestration. Who translates:
-the app boundary only (:func:`error_payload`), never the code that raises. Upstream transport
-errors are wrapped here with ``raise ... from exc`` by the upstream module.
+the edge only, through :func:`error_payload` (the app's responses, the request guard's 431, a
+started stream's final SSE error event), never the code that raises. Upstream transport errors
+are wrapped with ``raise ... from exc`` by :mod:`router.upstream.calls`.
 """
 
 from __future__ import annotations

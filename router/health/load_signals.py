@@ -1,6 +1,7 @@
 """Live load signals of vLLM instances, scraped from their Prometheus ``/metrics``.
 
-Who calls it: the app lifespan runs :func:`run_scraper` as a background task; it scrapes every
+Who calls it: the app lifespan (:mod:`router.http.app`) runs :func:`run_scraper` as a background
+task; it scrapes every
 backend of every pool whose policy is ``power_of_two`` each ``load_signals.interval`` and stores
 the result in ``BackendState.signals``. The ``power_of_two`` policy reads them through
 :func:`backend_load`. A failed or unparsable scrape leaves no signals (the policy then uses the

@@ -1,6 +1,7 @@
 """Periodic health checks and prefill identity probes.
 
-Who calls it: the app lifespan (one :class:`HealthMonitor` per runtime) runs ``run()`` as a
+Who calls it: the app lifespan (:mod:`router.http.app`; one :class:`HealthMonitor` per runtime)
+runs ``run()`` as a
 background task until shutdown: the first check of every backend at once (the router serves
 ``/health`` meanwhile; ``/ready`` says what is still missing), then periodic checks, and a
 half-open probe of every backend whose breaker is open and whose backoff has passed.

@@ -1,6 +1,7 @@
 """Validation of client requests before any upstream traffic.
 
-Who calls it: the app, on the raw body of ``/v1/completions`` and ``/v1/chat/completions``.
+Who calls it: the app (:mod:`router.http.app`), on the raw body of ``/v1/completions`` and
+``/v1/chat/completions``.
 It checks what the router itself relies on (JSON object, model, prompt/messages, stream, token
 limits, ``n``) and what must never reach an instance: a body that is not UTF-8, nested deeper than
 ``limits.max_json_depth``, non-finite numbers (``NaN``, ``Infinity``, ``1e999``), wrongly typed

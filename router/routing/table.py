@@ -1,6 +1,7 @@
 """The routing table: for each served model its P and D pools and its disaggregation rule.
 
-Who calls it: the runtime holds one :class:`LiveRouting`; requests read its current ``table``
+Who calls it: the runtime (:mod:`router.runtime`) holds one :class:`LiveRouting`; requests read
+its current ``table``
 (an immutable snapshot) once, at dispatch; hot reload calls :meth:`LiveRouting.apply` with a new,
 already validated config. ``apply`` runs without awaiting, so on the router's event loop the swap
 is atomic: a request sees either the old table or the new one. Pools of a model present in both
