@@ -199,8 +199,8 @@ RENAMED_KEYS: dict[str, dict[str, str]] = {
     "timeouts": {"discovery": "identity_probe"},
     "health": {"discovery_interval": "identity_interval", "discovery_prompt": "identity_prompt"},
 }
-"""Per section, old key -> new key (identity probing was once called "discovery", which now names
-pool membership only). An old key is read as its new one; giving both is an error."""
+"""Per section, old key -> new key ("discovery" names pool membership only; identity probing has
+its own keys). An old key is read as its new one; giving both is an error naming both."""
 
 
 def _renamed_keys(section: str, data: Any) -> Any:

@@ -46,7 +46,7 @@ def prefill_body(
 ) -> dict[str, Any]:
     """The P leg: same request, 1 token, not streamed, asked to keep KV for a remote decode.
 
-    ``probe``: a discovery probe (``connector.contract.IDENTITY_PROBE_KEY``): our connector
+    ``probe``: an identity probe (``connector.contract.IDENTITY_PROBE_KEY``): our connector
     answers its identity without pinning blocks; vLLM's connectors ignore the key and keep the
     blocks for their lease."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
