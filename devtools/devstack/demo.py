@@ -207,7 +207,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         config = stack.write_router_config(
             work_dir / "router.yaml",
             timeouts={"health": 60.0, "first_token": 60.0},
-            discovery_interval_s=300.0,
+            identity_interval_s=300.0,
         )
         port = free_port()
         with _router_process(config, port, work_dir / "logs" / "router.log") as url:

@@ -1,14 +1,14 @@
 """Chooses the route and the instances for a client request, opens the dispatch, retries once if
 configured.
 
-Who calls it: the app's generation endpoints. The request's ``model`` picks its pools and its
-disaggregation rule from the current routing table (read once: a reload during the request does
-not move it). The rule decides whether a P is used at all (:func:`decide`); P (if any) and D are
-both chosen before any leg starts. A retry happens only when ``retry_on_fresh_pair`` is set (the
-default), the failure is retryable (not a 4xx from vLLM) and nothing has been sent to the client
-yet (we are still before the commit point); the retry never re-picks the instance that failed,
-whatever the policy (no other usable instance: the first failure is the answer), and uses a fresh
-request id. The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
+Who calls it: the app's generation endpoints (:mod:`router.http.app`). The request's ``model`` picks
+its pools and its disaggregation rule from the current routing table (read once: a reload during the
+request does not move it). The rule decides whether a P is used at all (:func:`decide`); P (if any)
+and D are both chosen before any leg starts. A retry happens only when ``retry_on_fresh_pair`` is
+set (the default), the failure is retryable (not a 4xx from vLLM) and nothing has been sent to the
+client yet (we are still before the commit point); the retry never re-picks the instance that
+failed, whatever the policy (no other usable instance: the first failure is the answer), and uses a
+fresh request id. The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ and the load-signal scraper in the background, so ``/health`` answers at once wh
 instances are still being checked (``/ready`` says what is missing). Built with the config
 file's path (``disagg-router serve``), it also reloads that file on SIGHUP and, with
 ``reload.watch``, whenever the file changes (:mod:`router.reload`). Every response carries
-``X-Request-Id``; every :class:`RouterError` is translated to OpenAI-style JSON here and only
-here.
+``X-Request-Id``. Every :class:`RouterError` that reaches a client is OpenAI-style JSON built
+by :func:`router.errors.error_payload`: here for responses and exception handlers, in
+:mod:`router.http.guard` for a header bound (431, before the app runs), and in the dispatch's
+relay as the final SSE error event of a stream that already started.
 """
 
 from __future__ import annotations
