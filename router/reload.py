@@ -69,8 +69,6 @@ class ConfigReloader:
         self._on_applied()
         added = [b for c in changes for b in c.added]
         removed = [b for c in changes for b in c.removed]
-        for backend in removed:
-            self.runtime.metrics.forget_backend(backend.role, backend.label)
         self.runtime.metrics.config_reloads.labels("applied").inc()
         log.info(
             "config reloaded from %s: models %s; %d instances joined (checked before use), "

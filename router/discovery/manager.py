@@ -4,7 +4,7 @@ Who calls it: the app lifespan builds one :class:`DiscoveryManager` per app run,
 :meth:`DiscoveryManager.sync` at start and after every applied config reload, and
 :meth:`DiscoveryManager.close` at shutdown. For each pool whose config has a non-static
 ``discovery`` it runs one :class:`~router.discovery.watcher.PoolDiscovery`; a changed set goes
-through the pool's one membership update (:meth:`router.routing.pools.Pool.set_instances`):
+through the pool's one membership update (:meth:`router.routing.table.LiveRouting.set_instances`):
 instances that left are drained (no new legs; legs in flight finish), instances that joined wait
 unhealthy until ``check`` (a health check and, for P in push mode, an identity probe)
 passes. Static pools get nothing from here: their members come from the config (and its reloads).
@@ -79,9 +79,7 @@ class DiscoveryManager:
         return _Running(pool, pool.config.discovery, watcher, asyncio.create_task(watcher.run()))
 
     def _apply(self, pool: Pool, instances: tuple[InstanceConfig, ...]) -> None:
-        change = pool.set_instances(instances)
-        for backend in change.removed:
-            self.runtime.metrics.forget_backend(backend.role, backend.label)
+        change = self.runtime.routing.set_instances(pool, instances)
         if change.added:
             task = asyncio.create_task(self._check(change.added))
             self._checks.add(task)

@@ -101,7 +101,10 @@ class HealthMonitor:
         await post_json(self.client, backend, "decode", "/v1/completions", body, rid)
 
     async def probe_breaker(self, backend: BackendState) -> bool:
-        """Probe an open breaker (bounded by ``timeouts.discovery``); True if it closed."""
+        """Probe an open breaker (bounded by ``timeouts.discovery``); True if it passed.
+
+        A passed probe puts the instance on trial, not back for good: the next real leg closes
+        the breaker or opens it again with a longer backoff (:mod:`router.health.breaker`)."""
         breaker = backend.breaker
         breaker.begin_probe()
         labels = (backend.role, backend.label)
@@ -112,9 +115,13 @@ class HealthMonitor:
             self.metrics.breaker_probes.labels(*labels, "failed").inc()
             log.warning("%s %s half-open probe failed: %r", backend.role, backend.label, exc)
             return False
-        breaker.record_success()
+        breaker.probe_passed()
         self.metrics.breaker_probes.labels(*labels, "ok").inc()
-        log.info("%s %s back in rotation (half-open probe passed)", backend.role, backend.label)
+        log.info(
+            "%s %s on trial (half-open probe passed; the next leg decides)",
+            backend.role,
+            backend.label,
+        )
         return True
 
     async def _check(self, backend: BackendState) -> None:
@@ -187,6 +194,7 @@ class HealthMonitor:
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
+            self.runtime.routing.forget_idle()
             work = [self.probe_breaker(b) for b in self.runtime.backends() if b.breaker.probe_due()]
             if now - last_full >= h.interval - tick / 2:
                 last_full = last_down = now
