@@ -179,6 +179,13 @@ class RouterMetrics:
             registry=registry,
         )
 
+        self.background_crashes = Counter(
+            "disagg_router_background_crashes",
+            "Crashes of a supervised background task (each is logged and restarted)",
+            ["task"],
+            registry=registry,
+        )
+
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, kept for the next call (the series stays the same object
         until :meth:`forget_backend` removes it)."""
