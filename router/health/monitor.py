@@ -1,9 +1,10 @@
 """Periodic health checks and prefill identity discovery.
 
-Who calls it: the app lifespan (one :class:`HealthMonitor` per runtime) runs ``run()`` as a
-background task until shutdown: the first check of every backend at once (the router serves
-``/health`` meanwhile; ``/ready`` says what is still missing), then periodic checks, and a
-half-open probe of every backend whose breaker is open and whose backoff has passed.
+Who calls it: the app lifespan (one :class:`HealthMonitor` per runtime) runs ``run()`` under
+its supervisor (:mod:`router.supervisor`: restarted if it crashes) until shutdown: the first
+check of every backend at once (the router serves ``/health`` meanwhile; ``/ready`` says what
+is still missing), then periodic checks, and a half-open probe of every backend whose breaker
+is open and whose backoff has passed.
 ``/health`` is bounded by ``timeouts.health``, an identity probe (a real 1-token prefill, slow on
 a fresh or busy instance) and a breaker probe by ``timeouts.discovery``; failed checks take the
 backend out of rotation, a passing one puts it back.

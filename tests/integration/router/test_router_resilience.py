@@ -208,7 +208,8 @@ def test_prefill_passing_probes_but_failing_legs_gets_one_trial_leg_per_passed_p
     after its breaker opened, a passed half-open probe lets one real leg try it (it fails, the
     breaker opens again with a longer backoff); the requests after it are served by D alone."""
     p0, d = fake["p0"], fake["d0"]
-    breaker = {"failure_threshold": 2, "backoff": 0.5, "max_backoff": 60}
+    # After the failed trial leg the next probe is 3 s away: ample for the checks below.
+    breaker = {"failure_threshold": 2, "backoff": 1.5, "max_backoff": 60}
     settings = make_settings(
         [p0.url], [d.url], **_breaker(breaker=breaker, retry_on_fresh_pair=False)
     )
