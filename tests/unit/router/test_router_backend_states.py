@@ -138,3 +138,18 @@ def test_a_departed_instance_with_legs_in_flight_is_forgotten_when_they_end() ->
     p1.in_flight = 0
     rt.routing.forget_idle()
     assert _series_of(rt, P1) == []
+
+
+def test_an_instance_on_trial_takes_one_leg_at_a_time() -> None:
+    settings = settings_from_mapping(
+        {"models": ["m"], **_pools([P0], [D0]), "breaker": {"failure_threshold": 1}}
+    )
+    p0 = _runtime(settings).model("m").prefill.backends[0]
+    p0.checked = True
+    p0.breaker.record_failure("500")
+    assert not p0.routable
+    p0.breaker.begin_probe()
+    p0.breaker.probe_passed()
+    assert p0.routable and p0.missing(False) is None
+    p0.in_flight = 1  # the trial leg runs: nobody else until it decides
+    assert not p0.routable
