@@ -286,6 +286,14 @@ class HealthConfig(_Frozen):
     failure_threshold: int = Field(
         default=2, ge=1, description="consecutive timed-out checks that take a backend out"
     )
+    startup_wait: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "seconds a request that arrives before the first health check has finished waits "
+            "for it (not at all once the health monitor has crashed)"
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -70,8 +70,6 @@ class ConfigReloader:
         self._on_applied()
         added = [b for c in changes for b in c.added]
         removed = [b for c in changes for b in c.removed]
-        for backend in removed:
-            self.runtime.metrics.forget_backend(backend.role, backend.label)
         self.runtime.metrics.config_reloads.labels("applied").inc()
         log.info(
             "config reloaded from %s: models %s; %d instances joined (checked before use), "
@@ -88,18 +86,45 @@ class ConfigReloader:
         return True
 
     async def watch(self) -> None:
-        """Reload whenever the file changes (cancel to stop); watches its directory, so a file
-        replaced by rename (as editors and Kubernetes ConfigMaps do) is still seen."""
-        target = self.path.resolve()
+        """Reload whenever the file's content may have changed (cancel to stop).
 
-        def is_target(_: watchfiles.Change, path: str) -> bool:
-            return Path(path).resolve() == target
-
-        async for _ in watchfiles.awatch(target.parent, watch_filter=is_target, debounce=300):
-            self.reload()
+        Watches the directory the path is in, as given (not resolved), and, when the path
+        resolves outside it, the target's directory; after each batch of changes it compares
+        the file's identity (where it resolves to, inode, size, mtime) with the last one seen.
+        So a file replaced by rename (editors) and a Kubernetes ConfigMap update (the kubelet
+        writes a new timestamped directory and swaps the ``..data`` symlink to it, then deletes
+        the old one) are seen every time, not only the first.
+        """
+        path = self.path.absolute()
+        seen = _fingerprint(path)
+        while True:
+            dirs = _watched_dirs(path)
+            async for _ in watchfiles.awatch(*dirs, watch_filter=None, debounce=300):
+                now = _fingerprint(path)
+                if now != seen:
+                    seen = now
+                    self.reload()
+                if _watched_dirs(path) != dirs:
+                    break  # the file now resolves elsewhere: watch there instead
 
     async def close(self) -> None:
         """Cancel checks still running."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _fingerprint(path: Path) -> tuple[str, int, int, int, int] | None:
+    """Where ``path`` resolves to and its device, inode, size and mtime (None if unreadable)."""
+    try:
+        st = path.stat()
+        return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        return None
+
+
+def _watched_dirs(path: Path) -> tuple[Path, ...]:
+    """The directory of ``path`` as given, plus its resolved target's if that lies outside it."""
+    home = path.parent
+    target = path.resolve().parent
+    return (home,) if target == home or target.is_relative_to(home) else (home, target)

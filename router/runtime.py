@@ -22,6 +22,7 @@ from router.observability.metrics import RouterMetrics
 from router.observability.tracing import NoTracer, Tracer, make_tracer
 from router.routing.backends import BackendState
 from router.routing.pools import Pool
+from router.routing.registry import BackendHooks
 from router.routing.table import LiveRouting, ModelPools
 from router.upstream.client import AiohttpTransport, UpstreamClient
 
@@ -50,11 +51,17 @@ class Runtime:
         metrics: RouterMetrics | None = None,
         tracer: Tracer | None = None,
     ) -> Runtime:
-        """A runtime with fresh pools (and a fresh metrics registry unless one is given)."""
+        """A runtime with fresh pools (and a fresh metrics registry unless one is given); the
+        pools report breaker changes and departed instances to the metrics."""
+        metrics = metrics or RouterMetrics(CollectorRegistry())
+        hooks = BackendHooks(
+            breaker_changed=lambda b, is_open: metrics.set_breaker_open(b.role, b.label, is_open),
+            forget=metrics.forget_backend,
+        )
         return cls(
             client=client,
-            metrics=metrics or RouterMetrics(CollectorRegistry()),
-            routing=LiveRouting(settings),
+            metrics=metrics,
+            routing=LiveRouting(settings, hooks),
             tracer=tracer or NoTracer(),
         )
 
@@ -68,8 +75,8 @@ class Runtime:
         return self.routing.table.lookup(model)
 
     def backends(self) -> list[BackendState]:
-        """Every backend of every pool."""
-        return [b for pool in self.pools for b in pool.backends]
+        """Every backend of every pool, once each (an instance several pools list is one)."""
+        return self.routing.table.backends()
 
 
 def http_client(

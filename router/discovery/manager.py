@@ -4,10 +4,13 @@ Who calls it: the app lifespan (:mod:`router.http.app`) builds one :class:`Disco
 run, calls :meth:`DiscoveryManager.sync` at start and after every applied config reload, and
 :meth:`DiscoveryManager.close` at shutdown. For each pool whose config has a non-static
 ``discovery`` it runs one :class:`~router.discovery.watcher.PoolDiscovery`; a changed set goes
-through the pool's one membership update (:meth:`router.routing.pools.Pool.set_instances`):
+through the one membership update (:meth:`router.routing.table.LiveRouting.set_instances`):
 instances that left are drained (no new legs; legs in flight finish), instances that joined wait
 unhealthy until ``check`` (a health check and, for P in push mode, an identity probe) passes. Static
-pools get nothing from here: their members come from the config (and its reloads).
+pools get nothing from here: their members come from the config (and its reloads). Each watcher
+runs under the supervisor (:mod:`router.supervisor`): a watcher that crashes (an unexpected error
+in its source) is logged, counted, marked failing in ``status()`` and restarted with a growing
+delay.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from router.discovery.watcher import DiscoveryStatus, PoolDiscovery
 from router.reload import CheckBackends
 from router.routing.pools import Pool
 from router.runtime import Runtime
+from router.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +48,14 @@ class DiscoveryManager:
         runtime: Runtime,
         check: CheckBackends,
         make: Callable[[PoolConfig], DiscoverySource] = make_source,
+        supervisor: Supervisor | None = None,
     ) -> None:
+        """``supervisor``: runs each pool's watcher (restarted when it crashes); the app's one,
+        or one of the manager's own."""
         self.runtime = runtime
         self._check = check
         self._make = make
+        self.supervisor = supervisor or Supervisor(runtime.metrics)
         self._running: dict[tuple[str, str], _Running] = {}
         self._checks: set[asyncio.Task[None]] = set()
 
@@ -76,12 +84,11 @@ class DiscoveryManager:
 
         watcher = PoolDiscovery(name, self._make(pool.config), apply, self.runtime.metrics)
         log.info("%s: discovering instances (%s)", name, pool.config.discovery.source)
-        return _Running(pool, pool.config.discovery, watcher, asyncio.create_task(watcher.run()))
+        task = self.supervisor.start(f"discovery {name}", watcher.run, on_crash=watcher.crashed)
+        return _Running(pool, pool.config.discovery, watcher, task)
 
     def _apply(self, pool: Pool, instances: tuple[InstanceConfig, ...]) -> None:
-        change = pool.set_instances(instances)
-        for backend in change.removed:
-            self.runtime.metrics.forget_backend(backend.role, backend.label)
+        change = self.runtime.routing.set_instances(pool, instances)
         if change.added:
             task = asyncio.create_task(self._check(change.added))
             self._checks.add(task)

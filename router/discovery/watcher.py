@@ -70,6 +70,14 @@ class PoolDiscovery:
         finally:
             await updates.aclose()
 
+    def crashed(self, error: str) -> None:
+        """The supervisor saw ``run()`` crash: the pool keeps its last set, shown as failing
+        until the restarted watcher learns a set again."""
+        self.error = f"watcher crashed ({error}); restarting"
+        labels = (self.pool, self.source.kind)
+        self._metrics.discovery_failures.labels(*labels).inc()
+        self._metrics.discovery_ok.labels(*labels).set(0)
+
     async def handle(self, update: Update) -> None:
         """Fold one update in (public for tests that drive a watcher without a source)."""
         labels = (self.pool, self.source.kind)

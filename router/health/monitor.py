@@ -1,10 +1,10 @@
 """Periodic health checks and prefill identity probes.
 
-Who calls it: the app lifespan (:mod:`router.http.app`; one :class:`HealthMonitor` per runtime)
-runs ``run()`` as a
-background task until shutdown: the first check of every backend at once (the router serves
-``/health`` meanwhile; ``/ready`` says what is still missing), then periodic checks, and a
-half-open probe of every backend whose breaker is open and whose backoff has passed.
+Who calls it: the app lifespan (:mod:`router.http.app`; one :class:`HealthMonitor` per runtime) runs
+``run()`` until shutdown: the first check of every backend at once (the router serves ``/health``
+meanwhile; ``/ready`` says what is still missing), then periodic checks, and a half-open probe of
+every backend whose breaker is open and whose backoff has passed. It runs under the app's
+supervisor, which restarts it if it crashes.
 ``/health`` is bounded by ``timeouts.health``, an identity probe (a real 1-token prefill, slow on
 a fresh or busy instance) and a breaker probe by ``timeouts.identity_probe``; failed checks take the
 backend out of rotation, a passing one puts it back.
@@ -100,7 +100,10 @@ class HealthMonitor:
         await post_json(self.client, backend, "decode", "/v1/completions", body, rid)
 
     async def probe_breaker(self, backend: BackendState) -> bool:
-        """Probe an open breaker (bounded by ``timeouts.identity_probe``); True if it closed."""
+        """Probe an open breaker (bounded by ``timeouts.identity_probe``); True if it passed.
+
+        A passed probe puts the instance on trial, not back for good: the next real leg closes
+        the breaker or opens it again with a longer backoff (:mod:`router.health.breaker`)."""
         breaker = backend.breaker
         breaker.begin_probe()
         labels = (backend.role, backend.label)
@@ -113,9 +116,13 @@ class HealthMonitor:
             self.metrics.breaker_probes.labels(*labels, "failed").inc()
             log.warning("%s %s half-open probe failed: %r", backend.role, backend.label, exc)
             return False
-        breaker.record_success()
+        breaker.probe_passed()
         self.metrics.breaker_probes.labels(*labels, "ok").inc()
-        log.info("%s %s back in rotation (half-open probe passed)", backend.role, backend.label)
+        log.info(
+            "%s %s on trial (half-open probe passed; the next leg decides)",
+            backend.role,
+            backend.label,
+        )
         return True
 
     async def _check(self, backend: BackendState) -> None:
@@ -192,6 +199,7 @@ class HealthMonitor:
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
+            self.runtime.routing.forget_idle()
             work = [self.probe_breaker(b) for b in self.runtime.backends() if b.breaker.probe_due()]
             if now - last_full >= h.interval - tick / 2:
                 last_full = last_down = now

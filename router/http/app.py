@@ -48,6 +48,12 @@ from router.errors import (
 )
 from router.health.load_signals import run_scraper
 from router.health.monitor import HealthMonitor
+from router.health.readiness import (
+    HEALTH_MONITOR,
+    ReadinessCollector,
+    await_first_check,
+    readiness,
+)
 from router.http.bounds import read_body
 from router.http.context import RequestContext
 from router.http.disconnect import ClientWatch
@@ -57,6 +63,7 @@ from router.observability.reqlog import log_request
 from router.reload import ConfigReloader
 from router.routing.backends import BackendState
 from router.runtime import Runtime, open_runtime
+from router.supervisor import Supervisor
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -183,20 +190,20 @@ def _lifespan(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_runtime(settings, transport) as runtime:
+            supervisor = Supervisor(runtime.metrics)
             monitor = HealthMonitor(runtime)
-            discovery = DiscoveryManager(runtime, monitor.check_some)
+            discovery = DiscoveryManager(runtime, monitor.check_some, supervisor=supervisor)
             discovery.sync()
-            tasks = [
-                asyncio.create_task(monitor.run()),
-                asyncio.create_task(
-                    run_scraper(
-                        runtime.client,
-                        lambda: _signal_targets(runtime),
-                        lambda: runtime.settings.load_signals.interval,
-                        settings.timeouts.health,
-                    )
+            supervisor.start(HEALTH_MONITOR, monitor.run)
+            supervisor.start(
+                "load_scraper",
+                lambda: run_scraper(
+                    runtime.client,
+                    lambda: list({id(b): b for b in _signal_targets(runtime)}.values()),
+                    lambda: runtime.settings.load_signals.interval,
+                    settings.timeouts.health,
                 ),
-            ]
+            )
             reloader = None
             sighup = False
             if config_path is not None:
@@ -205,20 +212,22 @@ def _lifespan(
                 )
                 sighup = _on_sighup(reloader)
                 if settings.reload.watch:
-                    tasks.append(asyncio.create_task(reloader.watch()))
+                    supervisor.start("config_watch", reloader.watch)
+            collector = ReadinessCollector(runtime, supervisor, discovery)
+            runtime.metrics.registry.register(collector)
             app.state.runtime = runtime
             app.state.reloader = reloader
             app.state.discovery = discovery
+            app.state.supervisor = supervisor
             try:
                 yield
             finally:
                 app.state.runtime = None
+                runtime.metrics.registry.unregister(collector)
                 if sighup:
                     asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
                 await discovery.close()
+                await supervisor.close()
                 if reloader is not None:
                     await reloader.close()
 
@@ -284,9 +293,7 @@ async def _admitted_request(request: Request, chat: bool) -> tuple[Runtime, Clie
     raw = await read_body(request, settings.limits)
     headers = {k.lower(): v for k, v in request.headers.items()}
     req = parse_client_request(raw, chat, settings.model_names, headers, settings.limits)
-    started = runtime.lifecycle.initial_check_done
-    if not started.is_set():  # the first health check is bounded; so is this wait
-        await asyncio.wait({asyncio.ensure_future(started.wait())}, timeout=5.0)
+    await await_first_check(runtime, getattr(request.app.state, "supervisor", None))
     return runtime, req
 
 
@@ -326,38 +333,14 @@ async def _generate(request: Request, chat: bool) -> Response:
 
 
 def _readiness(runtime: Runtime, discovery: DiscoveryManager | None) -> JSONResponse:
-    """200 when every model has a usable P and D (checked, healthy, breaker closed, identity known
-    in push mode) and the router is not draining; the body says what is missing otherwise, and
-    how each discovered pool's discovery fares (a failing one keeps its last set: still ready)."""
-    models = {}
-    for name, found in runtime.routing.table.models.items():
-        p = [b.label for b in found.prefill.usable() if b.checked]
-        d = [b.label for b in found.decode.usable() if b.checked]
-        models[name] = {"ready": bool(p and d), "prefill": p, "decode": d}
-    first = next(iter(models.values()))  # top-level prefill/decode: the first model's
-    draining = runtime.lifecycle.draining
-    missing = {
-        f"{b.role} {b.label}": why
-        for pool in runtime.pools
-        for b in pool.backends
-        if (why := b.missing(pool.require_identity)) is not None
-    }
-    status = 200 if all(m["ready"] for m in models.values()) and not draining else 503
-    body = {
-        "ready": status == 200,
-        "mode": runtime.settings.mode,
-        "prefill": first["prefill"],
-        "decode": first["decode"],
-        "models": models,
-        "draining": draining,
-        "missing": missing,
-    }
-    if discovery is not None and (found_by := discovery.status()):
-        body["discovery"] = {
-            model: {role: state.as_json() for role, state in roles.items()}
-            for model, roles in found_by.items()
-        }
-    return JSONResponse(body, status_code=status)
+    """200 when every model can be served (a usable D, and a usable P or a rule that serves by
+    D alone) and the router is not draining; the body says what is missing or degraded, how
+    each discovered pool's discovery fares and how the background tasks fare
+    (:mod:`router.health.readiness`)."""
+    found = discovery.status() if discovery is not None else {}
+    tasks = discovery.supervisor.status() if discovery is not None else {}
+    now = readiness(runtime, found, tasks)
+    return JSONResponse(now.body, status_code=200 if now.ready else 503)
 
 
 def _routes() -> APIRouter:

@@ -179,6 +179,13 @@ class RouterMetrics:
             registry=registry,
         )
 
+        self.background_crashes = Counter(
+            "disagg_router_background_crashes",
+            "Crashes of a supervised background task (each is logged and restarted)",
+            ["task"],
+            registry=registry,
+        )
+
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, kept for the next call (the series stays the same object
         until :meth:`forget_backend` removes it)."""
@@ -188,12 +195,52 @@ class RouterMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found  # type: ignore[return-value]  # stored by the same metric's labels()
 
-    def forget_backend(self, role: str, label: str) -> None:
-        """Drop the per-backend series of an instance that left its pool."""
-        for gauge in (self.in_flight, self.healthy, self.breaker_open, self.admission_queue):
-            with contextlib.suppress(KeyError):
-                gauge.remove(role, label)
-            self._children.pop((id(gauge), (role, label)), None)
+    def per_backend(self) -> list[tuple[MetricWrapperBase, tuple[str, ...]]]:
+        """Every family labelled by instance, with its label names: :meth:`forget_backend`
+        removes an instance's series from each (a family added with a ``backend`` label
+        belongs here)."""
+        rb = ("role", "backend")
+        return [
+            (self.prefill_duration, ("backend", "outcome")),
+            (self.decode_first_token, ("backend",)),
+            (self.in_flight, rb),
+            (self.healthy, rb),
+            (self.identity_changes, ("backend",)),
+            (self.breaker_open, rb),
+            (self.admission_queue, rb),
+            (self.admission_rejected, rb),
+            (self.breaker_probes, (*rb, "outcome")),
+        ]
+
+    def set_breaker_open(self, role: str, label: str, is_open: bool) -> None:
+        """The breaker gauge of one instance (called whenever its breaker opens or closes)."""
+        self.child(self.breaker_open, role, label).set(1 if is_open else 0)
+
+    def forget_backend(self, role: str, label: str, label_in_use: bool = False) -> None:
+        """Drop every series of an instance that left (every pool, its last leg ended).
+
+        Families without a ``role`` label are keyed by ``label`` alone: kept when
+        ``label_in_use`` (an instance of the other role has the same label)."""
+        for metric, names in self.per_backend():
+            if "role" not in names and label_in_use:
+                continue
+            for values in _label_sets(metric, names):
+                found = dict(zip(names, values, strict=True))
+                if found["backend"] != label or found.get("role", role) != role:
+                    continue
+                with contextlib.suppress(KeyError):
+                    metric.remove(*values)
+                self._children.pop((id(metric), values), None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _label_sets(metric: MetricWrapperBase, names: tuple[str, ...]) -> set[tuple[str, ...]]:
+    """The label values of every series of ``metric`` (read through ``collect()``)."""
+    out: set[tuple[str, ...]] = set()
+    for family in metric.collect():
+        for sample in family.samples:
+            if all(n in sample.labels for n in names):
+                out.add(tuple(sample.labels[n] for n in names))
+    return out

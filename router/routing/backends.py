@@ -82,8 +82,11 @@ class BackendState:
 
     @property
     def routable(self) -> bool:
-        """Healthy by the last active check and not taken out by its breaker."""
-        return self.healthy and self.breaker.closed
+        """Healthy by the last active check and not taken out by its breaker; a breaker on
+        trial (its probe passed) admits one leg at a time until a leg's outcome decides."""
+        if not self.healthy or not self.breaker.admits:
+            return False
+        return self.breaker.closed or self.in_flight == 0
 
     def missing(self, require_identity: bool) -> str | None:
         """Why this backend cannot take traffic now (None when it can)."""
@@ -91,7 +94,7 @@ class BackendState:
             return "not checked yet"
         if not self.healthy:
             return f"unhealthy: {self.last_error}"
-        if not self.breaker.closed:
+        if not self.breaker.admits:
             return f"breaker {self.breaker.state}: {self.breaker.last_error}"
         if require_identity and self.identity is None:
             return "identity not learned yet"

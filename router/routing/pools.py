@@ -29,10 +29,9 @@ from router.config import (
     PoolConfig,
 )
 from router.errors import NoBackendAvailable
-from router.health.admission import Gate
-from router.health.breaker import Breaker
 from router.routing.backends import BackendState, Role
 from router.routing.policies import NO_INPUT, Policy, RoutingInput, make_policy
+from router.routing.registry import BackendRegistry
 
 log = logging.getLogger(__name__)
 
@@ -56,32 +55,25 @@ class Pool:
         checked: bool = True,
         admission: AdmissionConfig | None = None,
         breaker: BreakerConfig | None = None,
+        registry: BackendRegistry | None = None,
     ) -> None:
         """``checked`` False: every backend starts unhealthy until its first health check
         passes (a pool created while serving, e.g. for a model added by a reload).
-        ``admission``/``breaker``: the settings of each backend's admission gate and breaker."""
+        ``registry``: where the backend states come from, shared with the router's other pools
+        (default: one of the pool's own, with ``admission``/``breaker`` as the settings of each
+        backend's admission gate and breaker)."""
         self.role = role
         self.model = model
-        self._admission = admission or AdmissionConfig()
-        self._breaker = breaker or BreakerConfig()
+        self._registry = registry or BackendRegistry(admission, breaker)
         self.require_identity = require_identity
         self.config = config
-        self.backends = [self._backend(i, checked) for i in config.instances]
+        self.backends = [self._backend(i, checked)[0] for i in config.instances]
         self.draining: list[BackendState] = []
         self._policy: Policy = make_policy(config, signals)
 
-    def _backend(self, instance: InstanceConfig, checked: bool) -> BackendState:
-        backend = BackendState(
-            config=instance,
-            role=self.role,
-            model=self.model,
-            gate=Gate(self._admission),
-            breaker=Breaker(self._breaker),
-        )
-        if not checked:
-            backend.healthy = False
-            backend.last_error = "not checked yet"
-        return backend
+    def _backend(self, instance: InstanceConfig, checked: bool) -> tuple[BackendState, bool]:
+        """The (possibly shared) state of ``instance``; True when it was created now."""
+        return self._registry.get(self.role, instance, self.model, checked)
 
     def usable(self) -> list[BackendState]:
         """Routable backends (healthy, breaker closed; with a push identity where required), in
@@ -114,7 +106,9 @@ class Pool:
 
         Kept instances keep their state (an instance whose config changed, e.g. a new url or
         identity under the same name, counts as removed and added). New ones start unhealthy
-        until a health check passes. Removed ones move to ``draining`` while legs are in flight.
+        until a health check passes; one another pool already lists joins with its state as it
+        is (and is not in ``added``: it needs no check). Removed ones move to ``draining`` while
+        legs are in flight.
         """
         current = {b.label: b for b in self.backends}
         members: list[BackendState] = []
@@ -124,9 +118,10 @@ class Pool:
             if kept is not None and kept.config == instance:
                 members.append(kept)
                 continue
-            fresh = self._backend(instance, checked=False)
-            members.append(fresh)
-            added.append(fresh)
+            joining, created = self._backend(instance, checked=False)
+            members.append(joining)
+            if created:
+                added.append(joining)
         member_ids = {id(b) for b in members}
         removed = [b for b in self.backends if id(b) not in member_ids]
         self.backends = members

@@ -40,6 +40,10 @@ class FakeBehavior:
     ``hang``: never answer (until the client goes away or the cap passes).
     ``drop_after_tokens``: in a stream, cut the connection after this many tokens.
     ``fail_times``: only the next N generation requests fail/hang/drop (None: all of them).
+    ``leg_fail_status``: answer every real P/D leg (a request carrying ``kv_transfer_params``
+    that is not an identity probe) with this HTTP error, while ``/health``, identity probes and
+    plain completions (the router's half-open probe of a D) pass: an instance that looks alive
+    to every probe but fails the work (not limited by ``fail_times``).
     ``scripts``: when set, generation request ``k`` follows ``scripts[k % len(scripts)]`` instead
     of ``prefill_delay_s``/``token_delay_s`` (tokens on an absolute schedule: known timings).
     All delays zero (the default): no sleeping or polling at all.
@@ -54,6 +58,7 @@ class FakeBehavior:
     hang: bool = False
     drop_after_tokens: int | None = None
     fail_times: int | None = None
+    leg_fail_status: int | None = None
     default_max_tokens: int = 16
     prompt_cached_tokens: int = 0
     kv_wait_timeout_s: float = 5.0

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from connector.contract import (
+    IDENTITY_PROBE_KEY,
     KV_TRANSFER_PARAMS,
     REMOTE_ENGINE_ID,
     REMOTE_PREFILL_CACHED_TOKENS,
@@ -112,6 +113,12 @@ class _Generation:
         if self.is_prefill:
             self.n_tokens = min(self.n_tokens, 1)
         self.object = "chat.completion" if chat else "text_completion"
+
+    def is_real_leg(self) -> bool:
+        """A P or D leg of a dispatch (not an identity probe, not a plain completion)."""
+        if self.kv_in is None or self.kv_in.get(IDENTITY_PROBE_KEY):
+            return False
+        return self.is_prefill or self.is_remote_decode
 
     def token(self, i: int) -> str:
         return f" tok{i}"
@@ -318,6 +325,8 @@ async def _before_first_token(
     """Injected failures, the prefill delay and (D) the wait for P's KV; ``None`` when the
     request goes on to its tokens, else the outcome to record and the error to answer."""
     b = state.behavior
+    if b.leg_fail_status is not None and gen.is_real_leg():
+        return "error", _error(b.leg_fail_status, "injected leg failure")
     failing = (b.fail_status is not None or b.hang) and state._take_failure()
     if failing and b.hang:
         gone = await _sleep_or_disconnect(request, _HANG_CAP_S)

@@ -4,16 +4,21 @@ cluster runs on the test machines), read through kubernetes-asyncio with kubecon
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from devstack.fake_vllm import UvicornThread
-from router.config import KubernetesDiscovery
+from router.config import InstanceConfig, KubernetesDiscovery
 from router.discovery.kubernetes import KubernetesSource
 from router.discovery.source import Failed, Found, Update
+from router.discovery.watcher import PoolDiscovery
+from router.observability.metrics import RouterMetrics
+from router.supervisor import Supervisor
 from tests.integration.discovery.kube_api import TOKEN, KubeApiTranscript, kubeconfig, recorded
 
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
@@ -126,3 +131,50 @@ async def test_an_ended_watch_resumes_from_its_last_version(tmp_path: Path, serv
     assert [_pods(u) for u in updates] == [["0", "1"], ["0", "1", "2"], ["0", "1", "2", "3"]]
     assert len(api.requests(watch=False)) == 1, "no relist: the watch resumed"
     assert [w.query["resourceVersion"] for w in api.requests(watch=True)] == ["1000", "1002"]
+
+
+async def test_an_unexpected_error_in_the_watch_is_a_crash_shown_and_restarted(
+    tmp_path: Path, serve: Any
+) -> None:
+    """A watch event the source cannot read (``endpoints`` not a list) raises an error it does
+    not expect: the supervised watcher crashes, the pool keeps its set and shows discovery as
+    failing, and the restarted watcher relists and is fine again."""
+    added = recorded("endpointslices-watch-1.jsonl")[2]
+    garbled = {**added, "object": {**added["object"], "endpoints": "garbled"}}
+    api = KubeApiTranscript(
+        SLICES, lists=[recorded("endpointslices-list-1.json")], watches=[[garbled], []]
+    )
+    source = _source(kubeconfig(tmp_path / "kubeconfig", serve(api)))
+    applied: list[tuple[str, ...]] = []
+
+    async def apply(instances: Sequence[InstanceConfig]) -> None:
+        applied.append(tuple(i.label for i in instances))
+
+    watcher = PoolDiscovery("m/decode", source, apply, RouterMetrics(CollectorRegistry()))
+    supervisor = Supervisor(RouterMetrics(CollectorRegistry()), backoff=0.05)
+    crashes: list[str] = []
+    statuses: list[bool] = []
+
+    def crashed(error: str) -> None:
+        watcher.crashed(error)
+        crashes.append(error)
+        statuses.append(watcher.status().ok)
+
+    task = supervisor.start("discovery m/decode", watcher.run, on_crash=crashed)
+    try:
+        await _until(lambda: len(api.requests(watch=True)) == 2)  # restarted: relisted, watching
+        await _until(lambda: watcher.status().ok)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert len(crashes) == 1 and statuses == [False]
+    assert len(api.requests(watch=False)) == 2  # the relist after the restart
+    assert len(applied) == 1  # the same set again: nothing to apply
+
+
+async def _until(done: Any) -> None:
+    async def poll() -> None:
+        while not done():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), 10)

@@ -71,6 +71,27 @@ def test_http_error_and_drop_are_injected() -> None:
     assert second.status_code == 200
 
 
+def test_leg_failures_spare_health_probes_and_plain_completions() -> None:
+    """``leg_fail_status``: real P and D legs fail; /health, identity probes and a plain
+    completion (the router's half-open probe of a D) pass."""
+    state = FakeVllmState(behavior=FakeBehavior(leg_fail_status=500))
+
+    def post(kv: dict[str, object] | None) -> int:
+        body: dict[str, object] = {"model": "fake-model", "prompt": "x", "max_tokens": 1}
+        if kv is not None:
+            body["kv_transfer_params"] = kv
+        return httpx.post(f"{srv.url}/v1/completions", json=body).status_code
+
+    with fake_vllm(state) as srv:
+        health = httpx.get(f"{srv.url}/health").status_code
+        probe = post({"do_remote_decode": True, "identity_probe": True})
+        plain = post(None)
+        prefill_leg = post({"do_remote_decode": True})
+        decode_leg = post({"do_remote_prefill": True})
+    assert (health, probe, plain) == (200, 200, 200)
+    assert (prefill_leg, decode_leg) == (500, 500)
+
+
 def test_hang_counts_in_flight_and_cancellation() -> None:
     state = FakeVllmState(behavior=FakeBehavior(hang=True))
     with fake_vllm(state) as srv:

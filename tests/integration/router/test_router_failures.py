@@ -275,3 +275,32 @@ def test_misconfigured_static_identity_is_reported(fake: dict[str, FakeVllmServe
         assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
     assert resp.status_code == 502
     assert "configured engine_id not-p0" in resp.json()["error"]["message"]
+
+
+def _metric_value(url: str, line_start: str) -> float | None:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_ready_while_decode_alone_serves_a_model_whose_prefill_pool_is_gone(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    """No usable P and the default ``when_no_prefill: decode_only``: requests are served by D
+    alone, so /ready answers 200 (a readiness probe must not take the replica out now) and says
+    the model is degraded, in its body and in the metrics."""
+    d = fake["d0"]
+    settings = make_settings([f"http://127.0.0.1:{free_port()}"], [d.url])
+    with running_router(settings) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        ready = httpx.get(f"{router.url}/ready")
+        up = _metric_value(router.url, "disagg_router_ready")
+        degraded = _metric_value(router.url, f'disagg_router_model_degraded{{model="{MODEL}"}}')
+    assert resp.status_code == 200
+    assert ready.status_code == 200, ready.text
+    body = ready.json()
+    assert body["ready"] is True and body["prefill"] == []
+    assert body["models"][MODEL]["state"] == "degraded"
+    assert any(MODEL in reason for reason in body["degraded"])
+    assert up == 1 and degraded == 1

@@ -292,6 +292,7 @@ def test_restarted_prefill_is_relearned_on_rejoin_without_periodic_probes(
         [old.url],
         [d.url],
         health={"interval": 0.1, "unhealthy_interval": 0.05, "identity_interval": None},
+        disaggregation={"when_no_prefill": "fail"},  # without P it cannot serve: not ready
     )
     req = {"model": MODEL, "prompt": "go", "max_tokens": 1}
     new = None

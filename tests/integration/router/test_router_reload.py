@@ -134,3 +134,45 @@ def _up(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _configmap_update(mount: Path, name: str, data: dict[str, Any], version: int) -> None:
+    """Write ``data`` the way the kubelet updates a ConfigMap volume: a new timestamped directory,
+    a ``..data_tmp`` symlink to it renamed over ``..data``, the old directory removed; ``name``
+    in the mount is a symlink through ``..data``."""
+    stamp = mount / f"..2026_12_02_06_00_0{version}.{1000 + version}"
+    stamp.mkdir()
+    _write(stamp / name, data)
+    old = os.readlink(mount / "..data") if (mount / "..data").is_symlink() else None
+    os.symlink(stamp.name, mount / "..data_tmp")
+    os.rename(mount / "..data_tmp", mount / "..data")
+    if not (mount / name).is_symlink():
+        os.symlink(f"..data/{name}", mount / name)
+    if old is not None:
+        for child in (mount / old).iterdir():
+            child.unlink()
+        (mount / old).rmdir()
+
+
+def test_watch_follows_every_configmap_update(
+    fake: dict[str, FakeVllmServer], tmp_path: Path
+) -> None:
+    """A config file mounted from a ConfigMap, updated twice: both updates are applied."""
+    p, d0, d1 = fake["p0"], fake["d0"], fake["d1"]
+    mount = tmp_path / "config"
+    mount.mkdir()
+    watch = {"reload": {"watch": True}, "health": {"interval": 3600, "unhealthy_interval": 0.1}}
+    _configmap_update(mount, "router.yaml", _config([p.url], [d0.url], **watch), 1)
+    path = mount / "router.yaml"
+    with running_router(load_config(path), config_path=path) as router:
+
+        def decode() -> list[str]:
+            listed: list[str] = httpx.get(f"{router.url}/ready").json()["decode"]
+            return listed
+
+        _configmap_update(mount, "router.yaml", _config([p.url], [d1.url], **watch), 2)
+        wait_until(lambda: decode() == [d1.url], what="the first update")
+        _configmap_update(mount, "router.yaml", _config([p.url], [d0.url], **watch), 3)
+        wait_until(lambda: decode() == [d0.url], what="the second update")
+        applied = _reloads(router.url, "applied")
+    assert applied == 2

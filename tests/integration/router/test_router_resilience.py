@@ -194,3 +194,66 @@ def test_request_ids_and_json_summary_log(
     assert set(first["timings"]) == {"admitted", "prefill_done", "first_token"}
     rejected = json.loads(JsonFormatter().format(summaries[-1]))
     assert rejected["status"] == 400 and rejected["client_request_id"] is None
+
+
+def _prefill_legs(p: FakeVllmServer) -> int:
+    """Real P legs p received (identity probes excluded)."""
+    return len([r for r in p.state.generation_requests() if r.body["prompt"] == "a b c"])
+
+
+def test_prefill_passing_probes_but_failing_legs_gets_one_trial_leg_per_passed_probe(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    """p0 passes /health and every identity probe but answers its legs 500, without retries:
+    after its breaker opened, a passed half-open probe lets one real leg try it (it fails, the
+    breaker opens again with a longer backoff); the requests after it are served by D alone."""
+    p0, d = fake["p0"], fake["d0"]
+    # After the failed trial leg the next probe is 3 s away: ample for the checks below.
+    breaker = {"failure_threshold": 2, "backoff": 1.5, "max_backoff": 60}
+    settings = make_settings(
+        [p0.url], [d.url], **_breaker(breaker=breaker, retry_on_fresh_pair=False)
+    )
+    with running_router(settings) as router:
+        p0.state.behavior = FakeBehavior(leg_fail_status=500)
+
+        def post() -> int:
+            return httpx.post(f"{router.url}/v1/completions", json=SHORT, timeout=10).status_code
+
+        opening = [post(), post()]
+        wait_until(
+            lambda: _metric(router.url, "disagg_router_breaker_probes_total", 'outcome="ok"') >= 1,
+            10,
+            "a passed half-open probe of p0",
+        )
+        legs_before = _prefill_legs(p0)
+        after_probe = [post(), post(), post()]
+        missing = httpx.get(f"{router.url}/ready").json()["missing"]
+        gauge = _metric(router.url, "disagg_router_backend_breaker_open")
+    assert opening == [502, 502]
+    assert after_probe == [502, 200, 200]  # one trial leg, then D alone again
+    assert _prefill_legs(p0) - legs_before == 1
+    assert re.match(r"breaker (open|half_open): ", missing[f"prefill {p0.url}"])
+    assert gauge == 1
+
+
+def test_breaker_gauge_goes_back_to_zero_once_the_instance_serves_again(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    p0, d = fake["p0"], fake["d0"]
+    settings = make_settings([p0.url], [d.url], **_breaker(retry_on_fresh_pair=False))
+    with running_router(settings) as router:
+        p0.state.behavior = FakeBehavior(leg_fail_status=500)
+        for _ in range(2):
+            httpx.post(f"{router.url}/v1/completions", json=SHORT, timeout=10)
+        opened = _metric(router.url, "disagg_router_backend_breaker_open")
+        p0.state.behavior = FakeBehavior()
+        wait_until(
+            lambda: _metric(router.url, "disagg_router_breaker_probes_total", 'outcome="ok"') >= 1,
+            10,
+            "a passed half-open probe of p0",
+        )
+        served = httpx.post(f"{router.url}/v1/completions", json=SHORT, timeout=10)
+        closed = _metric(router.url, "disagg_router_backend_breaker_open")
+    assert opened == 1
+    assert served.status_code == 200 and _prefill_legs(p0) == 3
+    assert closed == 0

@@ -14,6 +14,7 @@ from router.discovery.manager import DiscoveryManager
 from router.discovery.source import Found, Update, found
 from router.routing.backends import BackendState
 from router.runtime import Runtime
+from router.supervisor import Supervisor
 
 
 def _settings(decode_name: str) -> RouterSettings:
@@ -83,3 +84,53 @@ async def test_sets_feed_the_pool_and_a_changed_source_restarts() -> None:
         status = manager.status()["m"]["decode"]
         assert (status.ok, status.instances) == (True, ("http://127.0.0.1:4",))
         await manager.close()
+
+
+async def test_a_watcher_that_crashes_is_shown_failing_and_restarted() -> None:
+    """A source that raises an unexpected error (as the Kubernetes client may): the pool keeps
+    its set, ``status()`` says discovery fails, and the restarted watcher learns the set again."""
+    runs: list[int] = []
+    crashed = asyncio.Event()
+    relearned = asyncio.Event()
+
+    class Crashing:
+        kind = "scripted"
+
+        async def updates(self) -> AsyncGenerator[Update, None]:
+            runs.append(1)
+            yield _set(2)
+            if len(runs) == 1:
+                crashed.set()
+                raise AttributeError("'NoneType' object has no attribute 'get'")
+            relearned.set()
+            await asyncio.Event().wait()
+
+    async def check(_: Sequence[BackendState]) -> None:
+        return None
+
+    async with httpx.AsyncClient() as client:
+        runtime = Runtime.create(_settings("a.test"), client)
+        manager = DiscoveryManager(runtime, check, make=lambda _: Crashing())
+        manager.supervisor = Supervisor(runtime.metrics, backoff=0.05)
+        manager.sync()
+        await asyncio.wait_for(crashed.wait(), 5)
+        status = await _until(lambda: manager.status()["m"]["decode"], lambda s: not s.ok)
+        assert status.error is not None and "AttributeError" in status.error
+        assert status.instances == ("http://127.0.0.1:2",)  # the last set is kept
+        assert manager.supervisor.status()["discovery m/decode"].crashes == 1
+        await asyncio.wait_for(relearned.wait(), 5)
+        status = await _until(lambda: manager.status()["m"]["decode"], lambda s: s.ok)
+        assert [b.label for b in runtime.model("m").decode.backends] == ["http://127.0.0.1:2"]
+        await manager.close()
+        await manager.supervisor.close()
+
+
+async def _until(read: Any, done: Any) -> Any:
+    """``read()`` once ``done(read())`` holds (yielding to the loop in between; 5 s at most)."""
+
+    async def poll() -> Any:
+        while not done(value := read()):
+            await asyncio.sleep(0.01)
+        return value
+
+    return await asyncio.wait_for(poll(), 5)
