@@ -21,11 +21,12 @@ from bench.scenarios_cmd import (
 )
 from bench.soak_cmd import add_soak_arguments, soak_command
 from bench.transfer_cmd import add_transfer_arguments, transfer_command
+from bench.vllm_serve_cmd import add_vllm_serve_arguments, vllm_serve_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``run``/``overhead``/``clients``/``transfer``/``scenarios``/``report``/``routing``/
-    ``soak`` subcommands to ``parser``."""
+    ``soak``/``vllm-serve`` subcommands to ``parser``."""
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_run_arguments(sub.add_parser("run", help="one load-generator run"))
     add_overhead_arguments(
@@ -52,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_soak_arguments(
         sub.add_parser("soak", help="bounded soak: concurrent streams, lost/garbled, RSS and fds")
     )
+    add_vllm_serve_arguments(
+        sub.add_parser(
+            "vllm-serve",
+            help="vLLM's own `vllm bench serve` against ours, pull and vLLM push (real vLLM CPU)",
+        )
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         return routing_command(args)
     if command == "soak":
         return soak_command(args)
+    if command == "vllm-serve":
+        return vllm_serve_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 

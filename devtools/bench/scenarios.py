@@ -194,7 +194,7 @@ async def sweep_target(
 
 async def _prepare(client: httpx.AsyncClient, sweep: _Sweep, input_len: int, what: str) -> float:
     """Wait until the instances are idle, then send the warm-ups; returns the idle wait in s."""
-    waited = await wait_idle(client, _instance_metrics(sweep.target), sweep.spec.idle_timeout_s)
+    waited = await wait_idle(client, instance_metrics(sweep.target), sweep.spec.idle_timeout_s)
     spec = sweep.spec
     if spec.num_warmups:
         warm = sweep.prompts(spec.num_warmups, input_len, f"warm/{what}")
@@ -298,7 +298,7 @@ async def _run_point(
     return row
 
 
-def _instance_metrics(target: Target) -> list[str]:
+def instance_metrics(target: Target) -> list[str]:
     """The ``/metrics`` URLs of the target's vLLM instances (not the router's)."""
     return [url for name, url in target.metrics if name != "router"]
 
@@ -329,7 +329,7 @@ async def wait_idle(client: httpx.AsyncClient, urls: list[str], timeout_s: float
 _IDLE_POLL_S = 0.2
 
 
-def _targets_for_group(
+def targets_for_group(
     group: str, stack_obj: Any, wanted: tuple[str, ...], logs: Path, es: ExitStack, cpus: str | None
 ) -> dict[str, Target]:
     """Start the routers of ``group`` (on ``cpus`` when given) over the running instances;
@@ -374,7 +374,7 @@ def run_scenarios(
     ``spec.pin_processes`` this process (the load generator) runs on core 1 until it returns.
     """
     if start_stack is None:
-        start_stack = partial(_start_devstack, pin_processes=spec.pin_processes)
+        start_stack = partial(start_devstack, pin_processes=spec.pin_processes)
     pinned = spec.pin_processes
     router_cpus = str(DECODE_CORE) if pinned else None
     with _this_process_on(DECODE_CORE) if pinned else nullcontext():
@@ -422,7 +422,7 @@ def _run_groups(
             with ExitStack() as es:
                 stack_obj = start_stack(spec_group, logs)
                 es.callback(stack_obj.stop)
-                targets = _targets_for_group(group, stack_obj, wanted, logs, es, router_cpus)
+                targets = targets_for_group(group, stack_obj, wanted, logs, es, router_cpus)
                 timings[f"{group}_startup_s"] = time.monotonic() - t0
                 for name, target in targets.items():
                     t1 = time.monotonic()
@@ -481,7 +481,10 @@ def merge_previous(data: dict[str, Any], previous: dict[str, Any] | None) -> dic
     }
 
 
-def _start_devstack(group: InstanceGroup, work_dir: Path, pin_processes: bool = False) -> Any:
+def start_devstack(group: InstanceGroup, work_dir: Path, pin_processes: bool = False) -> Any:
+    """Start ``group``'s vLLM instances with :func:`devstack.stack.start_stack` (logs and the tiny
+    model under ``work_dir``); the caller stops the returned stack. Also used by
+    ``disagg-bench vllm-serve``."""
     from devstack.stack import StackOptions, start_stack
 
     options = StackOptions(

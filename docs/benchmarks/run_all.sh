@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce everything under docs/benchmarks/ on one machine (holds the vLLM lock throughout so
 # no other vLLM run overlaps, and so the router-overhead and transfer numbers see a quiet machine).
-#   bash docs/benchmarks/run_all.sh            # full run (about 40 min on the 2-core machine)
+#   bash docs/benchmarks/run_all.sh            # full run (about 55 min on the 2-core machine)
 #   SMOKE=1 bash docs/benchmarks/run_all.sh    # tiny sweep into /tmp/bench-smoke (~5 min)
 #   SPEED=1 bash docs/benchmarks/run_all.sh    # the router/connector speed numbers, one run, into
 #                                              # docs/benchmarks/speed (~20 min on the 2-core machine)
@@ -13,6 +13,7 @@ OVERHEAD=(--rates 100,250,500 --seconds-per-rate 6 --saturation-requests 3000)
 TRANSFER=(--iterations 50 --rounds 3)
 ROUTING=()
 PINNED=()
+VLLM_SERVE=()   # vLLM's own client with vLLM's push vs pull recipe (the command's defaults)
 if [[ "${SPEED:-0}" == 1 ]]; then
   # Overhead, the three transfer shapes, ours against aggregated at light and loaded points of every
   # input length (the TTFT breakdown), and the same at 8192 tokens with one core per instance.
@@ -29,6 +30,7 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
   OVERHEAD=(--rates 100 --seconds-per-rate 2 --saturation-requests 100)
   TRANSFER=(--iterations 10 --rounds 1)
   ROUTING=(--parts uneven --uneven-requests 40)
+  VLLM_SERVE=(--num-prompts 5 --rates 1)
 fi
 mkdir -p "$OUT"
 exec flock /tmp/vllm-e2e.lock bash -c '
@@ -46,5 +48,7 @@ exec flock /tmp/vllm-e2e.lock bash -c '
     .venv/bin/disagg-bench scenarios '"${PINNED[*]}"' --out-dir "$OUT/pinned"
   else
     .venv/bin/disagg-bench routing '"${ROUTING[*]}"' --out-dir "$OUT"
+    .venv/bin/disagg-bench vllm-serve '"${VLLM_SERVE[*]}"' --out-dir "$OUT/vllm-bench" \
+        --disagg-bench-dir "$OUT"
   fi
 ' "$OUT" "${#PINNED[@]}"
