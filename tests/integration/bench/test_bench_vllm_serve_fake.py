@@ -21,9 +21,14 @@ from devstack.ports import free_ports
 from devstack.process import ChildProcess, http_process, start_all, stop_all
 from devstack.tiny_model import make_tiny_model
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="needs vLLM (its benchmark client)"
-)
+# vLLM's benchmark client takes about 20 s of CPU to import: it runs in the vllm suite.
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="needs vLLM (its benchmark client)"
+    ),
+]
 MODEL = "fake-model"
 ENGINE_ID = "fake-p0"
 
