@@ -64,11 +64,12 @@ def test_two_workers_serve_streams_from_the_config_file(
     assert all(t and t == texts[0] for t in texts)
 
 
-def test_sigterm_drains_each_worker_with_503_for_new_requests(
+def test_sighup_reloads_every_worker_and_sigterm_drains_each_with_503(
     fake: dict[str, FakeVllmServer], tmp_path: Path
 ) -> None:
-    """After SIGTERM a worker with a stream in flight answers new requests 503 with Retry-After
-    (no hang, no reset) until the stream is done, then every process exits."""
+    """SIGHUP to the parent reloads the file in each worker. After SIGTERM a worker with a
+    stream in flight answers new requests 503 with Retry-After (no hang, no reset) until the
+    stream is done, then every process exits."""
     fake["d0"].state.behavior = FakeBehavior(token_delay_s=0.02)
     config = {
         "models": [MODEL],
@@ -86,6 +87,17 @@ def test_sigterm_drains_each_worker_with_503_for_new_requests(
     with ChildProcess(ProcessSpec("router", tuple(argv), tmp_path / "router.log")) as proc:
         assert proc.pid is not None
         wait_until(lambda: _ready(url), timeout=60, what="a worker to be ready")
+        wait_until(
+            lambda: proc.log_tail(200).count("Application startup complete") == 2,
+            timeout=60,
+            what="both workers to start",
+        )
+        os.kill(proc.pid, signal.SIGHUP)
+        wait_until(
+            lambda: proc.log_tail(200).count("config reloaded from") == 2,
+            timeout=30,
+            what="both workers to reload the file",
+        )
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as resp:
             lines = resp.iter_lines()
             first = next(lines)
