@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from devstack.fake_vllm import FakeVllmServer
@@ -33,6 +34,7 @@ def _ready(url: str) -> bool:
 def _router(
     tmp_path: Path, fake: dict[str, FakeVllmServer], limits: dict[str, Any]
 ) -> Iterator[tuple[ChildProcess, tuple[str, int]]]:
+    """``disagg-router serve`` with ``limits`` in front of p0 and d0; (process, address)."""
     p, d = fake["p0"], fake["d0"]
     ident = p.state.identity
     identity = {"engine_id": ident.engine_id, "host": ident.host, "port": ident.port}
@@ -50,6 +52,16 @@ def _router(
     with ChildProcess(ProcessSpec("router", argv, tmp_path / "router.log")) as proc:
         wait_until(lambda: _ready(f"http://127.0.0.1:{port}"), 30, "the router to be ready")
         yield proc, ("127.0.0.1", port)
+
+
+@pytest.fixture(scope="module")
+def quick(
+    fakes: dict[str, FakeVllmServer], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, int]]:
+    """One router for the tests below: header and idle timeouts of 0.5 s."""
+    limits = {"header_timeout": 0.5, "idle_connection_timeout": 0.5}
+    with _router(tmp_path_factory.mktemp("edge"), fakes, limits) as (_, addr):
+        yield addr
 
 
 def _answer(sock: socket.socket) -> bytes:
@@ -77,13 +89,10 @@ def _send(addr: tuple[str, int], raw: bytes) -> tuple[int, dict[str, str], Any]:
         return _parse(_answer(sock))
 
 
-def test_malformed_http_gets_an_openai_error_with_a_request_id(
-    fake: dict[str, FakeVllmServer], tmp_path: Path
-) -> None:
+def test_malformed_http_gets_an_openai_error_with_a_request_id(quick: tuple[str, int]) -> None:
     head = "POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: {}\r\n\r\n{{}}"
-    with _router(tmp_path, fake, {}) as (_, addr):
-        answers = [_send(addr, head.format(length).encode()) for length in ("-1", "abc")]
-        answers.append(_send(addr, b"GET /health HTTP/1.1 extra\r\n\r\n"))
+    answers = [_send(quick, head.format(length).encode()) for length in ("-1", "abc")]
+    answers.append(_send(quick, b"GET /health HTTP/1.1 extra\r\n\r\n"))
     for status, headers, body in answers:
         assert status == 400
         assert headers["content-type"] == "application/json"
@@ -92,37 +101,43 @@ def test_malformed_http_gets_an_openai_error_with_a_request_id(
         assert body["error"]["message"].startswith("malformed HTTP request")
 
 
-def test_slow_headers_get_408_and_a_silent_connection_is_closed(
-    fake: dict[str, FakeVllmServer], tmp_path: Path
-) -> None:
-    limits = {"header_timeout": 0.5, "idle_connection_timeout": 0.5}
-    with _router(tmp_path, fake, limits) as (_, addr):
-        # One header line each time the router has said nothing for 0.1 s: a slow client.
-        with socket.create_connection(addr) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")
-            sock.settimeout(0.1)
-            sent = 0
-            while sent < 200:
-                try:
-                    raw = sock.recv(65536)
-                    break
-                except TimeoutError:
-                    sock.sendall(b"X-Slow-%d: x\r\n" % sent)
-                    sent += 1
-            status, headers, body = _parse(raw + _answer(sock))
-        with socket.create_connection(addr) as silent:
-            silent.sendall(b"\r\n")  # an empty line is no request
-            closed = _answer(silent)
-        after = httpx.post(
-            f"http://{addr[0]}:{addr[1]}/v1/completions",
-            json={"model": MODEL, "prompt": "x", "max_tokens": 2},
-        )
+def test_slow_headers_get_408_and_a_silent_connection_is_closed(quick: tuple[str, int]) -> None:
+    # One header line each time the router has said nothing for 0.1 s: a slow client.
+    with socket.create_connection(quick) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        sock.settimeout(0.1)
+        sent = 0
+        while sent < 200:
+            try:
+                raw = sock.recv(65536)
+                break
+            except TimeoutError:
+                sock.sendall(b"X-Slow-%d: x\r\n" % sent)
+                sent += 1
+        status, headers, body = _parse(raw + _answer(sock))
+    with socket.create_connection(quick) as silent:
+        silent.sendall(b"\r\n")  # an empty line is no request
+        closed = _answer(silent)
+    after = httpx.post(
+        f"http://{quick[0]}:{quick[1]}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+    )
     assert sent < 200
     assert (status, headers["connection"]) == (408, "close")
     assert "x-request-id" in headers
     assert body["error"]["message"] == "request headers not received within 0.5s"
     assert closed == b""
     assert after.status_code == 200, after.text
+
+
+def test_headers_growing_past_the_bound_get_431_before_they_end(quick: tuple[str, int]) -> None:
+    """Headers still incomplete past ``limits.max_header_bytes`` (32 KiB) are not buffered on."""
+    line = b"X-Big: " + b"y" * 1000 + b"\r\n"
+    with socket.create_connection(quick, timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\n" + line * 40)  # no blank line
+        status, headers, body = _parse(_answer(sock))
+    assert status == 431 and "x-request-id" in headers
+    assert body["error"]["message"] == "request headers exceed 32768 bytes"
 
 
 def _open_fds(pid: int) -> int:
