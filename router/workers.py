@@ -10,8 +10,8 @@ drains on SIGTERM exactly as the single-process server does: new requests get 50
 Signals to the supervisor: SIGTERM or SIGINT closes its copy of the socket and sends SIGTERM
 to every worker (a second one stops them at once); SIGHUP is passed on to every worker, which
 reloads the file as ``serve`` does. A worker that dies is replaced, unless it failed at start
-(exit status 3, uvicorn's start-up failure), which stops them all. A worker whose supervisor
-dies drains and stops.
+(exit status 3, uvicorn's start-up failure, or the config file invalid by then), which stops them
+all (each draining) and exits with status 1. A worker whose supervisor dies drains and stops.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -29,6 +30,7 @@ from pathlib import Path
 from uvicorn.config import STARTUP_FAILURE
 
 from router.config import RouterSettings
+from router.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,11 @@ def worker_main(
     from router.server import serve
 
     os.setpgid(0, 0)
-    settings = load_config(config_path)
+    try:
+        settings = load_config(config_path)
+    except ConfigError as exc:  # the file turned invalid since the supervisor checked it
+        print(f"invalid config {config_path}: {exc.message}", file=sys.stderr)
+        sys.exit(STARTUP_FAILURE)
     configure_logging(settings.logging, log_level)
     threading.Thread(target=_watch_parent, args=(alive,), daemon=True).start()
     serve(settings, host, port, log_level, config_path=Path(config_path), sockets=[sock])

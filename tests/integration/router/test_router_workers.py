@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -64,12 +65,12 @@ def test_two_workers_serve_streams_from_the_config_file(
     assert all(t and t == texts[0] for t in texts)
 
 
-def test_sighup_reloads_every_worker_and_sigterm_drains_each_with_503(
+def test_workers_are_replaced_reloaded_and_drained_with_503(
     fake: dict[str, FakeVllmServer], tmp_path: Path
 ) -> None:
-    """SIGHUP to the parent reloads the file in each worker. After SIGTERM a worker with a
-    stream in flight answers new requests 503 with Retry-After (no hang, no reset) until the
-    stream is done, then every process exits."""
+    """A killed worker is replaced; SIGHUP to the parent reloads the file in each worker. After
+    SIGTERM a worker with a stream in flight answers new requests 503 with Retry-After (no hang,
+    no reset) until the stream is done, then every process exits."""
     fake["d0"].state.behavior = FakeBehavior(token_delay_s=0.02)
     config = {
         "models": [MODEL],
@@ -91,6 +92,13 @@ def test_sighup_reloads_every_worker_and_sigterm_drains_each_with_503(
             lambda: proc.log_tail(200).count("Application startup complete") == 2,
             timeout=60,
             what="both workers to start",
+        )
+        killed = int(re.findall(r"Started server process \[(\d+)\]", proc.log_tail(200))[0])
+        os.kill(killed, signal.SIGKILL)
+        wait_until(
+            lambda: proc.log_tail(200).count("Application startup complete") == 3,
+            timeout=60,
+            what="a worker in place of the killed one",
         )
         os.kill(proc.pid, signal.SIGHUP)
         wait_until(
