@@ -62,17 +62,18 @@ def error_answer(exc: RouterError) -> bytes:
 class BoundedHttpProtocol(HttpToolsProtocol):
     """One client connection (see the module doc); ``limits`` is set by :func:`protocol_class`.
 
-    Timers: ``idle`` runs from the connection's opening to its first non-empty byte; ``header``
-    from a request's first byte to the end of its headers. Both are cancelled on
-    ``connection_lost``. Callbacks run on the event loop and must not block."""
+    Timers: ``_bound_idle`` runs from the connection's opening to its first non-empty byte;
+    ``_bound_header`` from a request's first byte to the end of its headers. Both are cancelled
+    on ``connection_lost``. Our attributes are prefixed ``_bound_`` so they cannot collide with
+    the base class's. Callbacks run on the event loop and must not block."""
 
     limits: LimitsConfig = LimitsConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._idle: asyncio.TimerHandle | None = None
-        self._header: asyncio.TimerHandle | None = None
-        self._header_bytes = 0
+        self._bound_idle: asyncio.TimerHandle | None = None
+        self._bound_header: asyncio.TimerHandle | None = None
+        self._bound_header_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -80,33 +81,34 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             message = f"the router has {self.limits.max_connections} client connections open"
             self._answer(error_answer(RouterNotReady(message, retry_after=1)))
             return
-        self._idle = self.loop.call_later(self.limits.idle_connection_timeout, self._idle_expired)
+        idle = self.limits.idle_connection_timeout
+        self._bound_idle = self.loop.call_later(idle, self._idle_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._idle is not None and data.strip(b"\r\n"):
-            self._idle.cancel()
-            self._idle = None
+        if self._bound_idle is not None and data.strip(b"\r\n"):
+            self._bound_idle.cancel()
+            self._bound_idle = None
         super().data_received(data)
-        if self._header is not None:  # headers still incomplete after this chunk
-            self._header_bytes += len(data)
-            if self._header_bytes > self.limits.max_header_bytes:
+        if self._bound_header is not None:  # headers still incomplete after this chunk
+            self._bound_header_bytes += len(data)
+            if self._bound_header_bytes > self.limits.max_header_bytes:
                 message = f"request headers exceed {self.limits.max_header_bytes} bytes"
                 self._answer(error_answer(RouterError(message, status=431, error_type=_INVALID)))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._header is None:
-            self._header_bytes = 0
-            self._header = self.loop.call_later(self.limits.header_timeout, self._header_expired)
+        if self._bound_header is None:
+            self._bound_header_bytes = 0
+            self._arm_header()
 
     def on_headers_complete(self) -> None:
-        if self._header is not None:
-            self._header.cancel()
-            self._header = None
+        if self._bound_header is not None:
+            self._bound_header.cancel()
+            self._bound_header = None
         super().on_headers_complete()
 
     def send_400_response(self, msg: str) -> None:
@@ -115,18 +117,21 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._answer(error_answer(ClientRequestError(detail, None)))
 
     def _idle_expired(self) -> None:
-        self._idle = None
+        self._bound_idle = None
         if not self.transport.is_closing():
             self.transport.close()
 
     def _header_expired(self) -> None:
-        self._header = None
+        self._bound_header = None
         if self.cycle is not None and not self.cycle.response_complete:
             # A pipelined request behind an answer still being sent: let that answer finish.
-            self._header = self.loop.call_later(self.limits.header_timeout, self._header_expired)
+            self._arm_header()
             return
         message = f"request headers not received within {self.limits.header_timeout:g}s"
         self._answer(error_answer(RouterError(message, status=408, error_type=_INVALID)))
+
+    def _arm_header(self) -> None:
+        self._bound_header = self.loop.call_later(self.limits.header_timeout, self._header_expired)
 
     def _answer(self, raw: bytes) -> None:
         self._cancel_timers()
@@ -135,10 +140,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _cancel_timers(self) -> None:
-        for timer in (self._idle, self._header):
+        for timer in (self._bound_idle, self._bound_header):
             if timer is not None:
                 timer.cancel()
-        self._idle = self._header = None
+        self._bound_idle = self._bound_header = None
 
 
 def protocol_class(limits: LimitsConfig) -> type[BoundedHttpProtocol]:
