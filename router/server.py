@@ -1,7 +1,7 @@
 """Running the app under uvicorn with a graceful drain on SIGTERM/SIGINT.
 
-Who calls it: ``disagg-router serve`` (:mod:`router.cli`). The first SIGTERM or SIGINT starts
-the drain
+Who calls it: ``disagg-router serve`` (:mod:`router.cli`), and each worker of
+``serve --workers N`` (:mod:`router.workers`). The first SIGTERM or SIGINT starts the drain
 (:meth:`router.lifecycle.Lifecycle.drain`: ``/ready`` and new requests answer 503, requests in
 flight get ``drain.timeout`` seconds, the rest are aborted with both legs cancelled); then the
 server stops. A second signal stops it at once. Client connections are bounded in time and

@@ -56,7 +56,7 @@ def worker_main(
 
     os.setpgid(0, 0)
     try:
-        settings = load_config(config_path)
+        settings = load_config(config_path, on_deprecated=lambda _: None)  # ``serve`` logged
     except ConfigError as exc:  # the file turned invalid since the supervisor checked it
         print(f"invalid config {config_path}: {exc.message}", file=sys.stderr)
         sys.exit(STARTUP_FAILURE)

@@ -1,7 +1,7 @@
 """The router's HTTP/1.1 connection protocol: uvicorn's httptools protocol with time and count
 bounds on client connections, and OpenAI-style errors for what never reaches the app.
 
-Who uses it: :func:`router.server.uvicorn_config` hands the class made by
+Who calls it: :func:`router.server.uvicorn_config` hands the class made by
 :func:`protocol_class` to uvicorn (``http=``), for ``serve`` and for every worker of
 ``serve --workers N``. Each method overrides a public callback of
 ``uvicorn.protocols.http.httptools_impl.HttpToolsProtocol`` and calls it; nothing here reads or
