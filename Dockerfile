@@ -10,11 +10,12 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 RUN python3 -m venv /opt/router
-COPY pyproject.toml /src/
+COPY pyproject.toml constraints.txt /src/
 COPY router /src/router
 COPY connector /src/connector
-# A regular (non-editable) install: the runtime stage copies only the venv, not /src.
-RUN /opt/router/bin/pip install --no-cache-dir /src
+# A regular (non-editable) install: the runtime stage copies only the venv, not /src. The
+# constraints are the versions CI tested together.
+RUN /opt/router/bin/pip install --no-cache-dir -c /src/constraints.txt /src
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/router /opt/router

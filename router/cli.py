@@ -1,8 +1,8 @@
 """``disagg-router`` console script: ``serve`` and ``check-config``.
 
-``serve --workers N`` (N > 1) runs N router processes on one listening socket (uvicorn's
-workers); each worker builds its own app from the config file named in ``$DISAGG_ROUTER_CONFIG``
-(:func:`worker_app`). What that means for per-process state: docs/router.md, "Several workers".
+``serve --workers N`` (N > 1) runs N router processes on one listening socket
+(:mod:`router.workers`); each worker loads the config file itself and drains on SIGTERM as
+``serve`` does. What that means for per-process state: docs/router.md, "Several workers".
 
 The development tools (``disagg-demo``, ``disagg-bench``) are console scripts of the separate
 ``disagg-router-devtools`` distribution (``devtools/``); the server knows nothing of them.
@@ -12,37 +12,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from router.config import DisaggregationConfig, PoolConfig, RouterSettings
 from router.errors import ConfigError
-
-if TYPE_CHECKING:
-    from fastapi import FastAPI
-
-CONFIG_ENV = "DISAGG_ROUTER_CONFIG"
-"""The config file a worker process of ``serve --workers N`` loads."""
-LOG_LEVEL_ENV = "DISAGG_ROUTER_LOG_LEVEL"
-
-
-def worker_app() -> FastAPI:
-    """The app of one worker process of ``serve --workers N`` (a uvicorn app factory): the
-    config file named in ``$DISAGG_ROUTER_CONFIG``, reloaded from there like ``serve``'s."""
-    from router.config import load_config
-    from router.http.app import create_app
-    from router.observability.reqlog import configure_logging
-    from router.server import settle_heap
-
-    path = Path(os.environ[CONFIG_ENV])
-    settings = load_config(path, on_deprecated=lambda _: None)  # ``serve`` logged them once
-    configure_logging(settings.logging, os.environ.get(LOG_LEVEL_ENV, "info"))
-    app = create_app(settings, config_path=path)
-    settle_heap()
-    return app
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
@@ -93,8 +68,6 @@ def effective_table(settings: RouterSettings) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from router.config import load_config
     from router.observability.reqlog import configure_logging
     from router.server import serve
@@ -111,25 +84,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.workers == 1:
         serve(settings, args.host, args.port, args.log_level, config_path=Path(args.config))
         return 0
-    # uvicorn starts the workers by importing the factory; they find the file here. Each worker
-    # stops with uvicorn's own graceful shutdown, bounded by drain.timeout (no 503 phase).
-    os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
-    os.environ[LOG_LEVEL_ENV] = args.log_level
-    uvicorn.run(
-        "router.cli:worker_app",
-        factory=True,
-        workers=args.workers,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        log_config=None,
-        access_log=False,
-        proxy_headers=False,  # as serve(): the router never reads the client's address
-        timeout_graceful_shutdown=int(settings.drain.timeout),
-        timeout_keep_alive=int(settings.limits.keep_alive),
-        h11_max_incomplete_event_size=settings.limits.max_header_bytes,
+    from router.workers import run_workers
+
+    return run_workers(
+        settings, Path(args.config), args.host, args.port, args.log_level, args.workers
     )
-    return 0
 
 
 def _positive_int(text: str) -> int:

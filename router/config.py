@@ -349,6 +349,30 @@ class LimitsConfig(_Frozen):
             "expiry (httpx: 5 s), so a client never sends on a connection the router is closing"
         ),
     )
+    header_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "seconds from a request's first byte to the end of its headers; after that the "
+            "client gets 408 and the connection is closed"
+        ),
+    )
+    idle_connection_timeout: float = Field(
+        default=15.0,
+        gt=0,
+        description=(
+            "seconds a new client connection may stay without sending a request; then it is "
+            "closed without an answer"
+        ),
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description=(
+            "client connections open at once; one opened beyond gets 503 with Retry-After: 1 "
+            "and is closed at once"
+        ),
+    )
 
 
 class DrainConfig(_Frozen):

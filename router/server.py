@@ -1,11 +1,11 @@
 """Running the app under uvicorn with a graceful drain on SIGTERM/SIGINT.
 
-Who calls it: ``disagg-router serve`` (:mod:`router.cli`). The first SIGTERM or SIGINT starts
-the drain
+Who calls it: ``disagg-router serve`` (:mod:`router.cli`), and each worker of
+``serve --workers N`` (:mod:`router.workers`). The first SIGTERM or SIGINT starts the drain
 (:meth:`router.lifecycle.Lifecycle.drain`: ``/ready`` and new requests answer 503, requests in
 flight get ``drain.timeout`` seconds, the rest are aborted with both legs cancelled); then the
-server stops. A second signal stops it at once. The header-size bound is also given to the HTTP
-parser (``limits.max_header_bytes``).
+server stops. A second signal stops it at once. Client connections are bounded in time and
+count by the HTTP protocol class (:mod:`router.http.protocol`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import resource
 import socket
 from pathlib import Path
 from types import FrameType
@@ -22,13 +23,21 @@ from fastapi import FastAPI
 
 from router.config import RouterSettings
 from router.http.app import create_app
+from router.http.protocol import protocol_class
 from router.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server whose first stop signal drains the router before it stops."""
+    """A uvicorn server whose first stop signal drains the router before it stops.
+
+    Who builds it: :func:`serve`, and each worker of ``serve --workers N``
+    (:mod:`router.workers`). The first SIGTERM/SIGINT starts :meth:`drain` on the event loop;
+    when the drain is over, uvicorn's own :meth:`uvicorn.Server.handle_exit` is called with that
+    signal, so the server stops (and re-raises it on exit) exactly as for an undrained signal.
+    A second signal during the drain stops the server at once.
+    """
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
         super().__init__(config)
@@ -47,19 +56,19 @@ class DrainingServer(uvicorn.Server):
             if self._drain_task is not None:
                 self.force_exit = True
             return
-        self._captured_signals.append(sig)
-        self._loop.call_soon_threadsafe(self._start_drain)
+        self._loop.call_soon_threadsafe(self._start_drain, sig)
 
-    def _start_drain(self) -> None:
-        self._drain_task = asyncio.ensure_future(self.drain())
+    def _start_drain(self, sig: int) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain(sig))
 
-    async def drain(self) -> None:
-        """Drain the running router, then let the server stop."""
+    async def drain(self, sig: int) -> None:
+        """Drain the running router, then stop the server as the signal ``sig`` would."""
         runtime: Runtime | None = getattr(self._app.state, "runtime", None)
         if runtime is not None:
             aborted = await runtime.lifecycle.drain(self._drain_timeout)
             log.info("drained (%d request(s) aborted); stopping", aborted)
-        self.should_exit = True
+        super().handle_exit(sig, None)
 
 
 def settle_heap() -> None:
@@ -75,17 +84,19 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def serve(
-    settings: RouterSettings,
-    host: str,
-    port: int,
-    log_level: str,
-    config_path: Path | None = None,
-) -> None:
-    """Run the router until a stop signal has drained it (``config_path``: reloaded on SIGHUP)."""
-    app = create_app(settings, config_path=config_path)
-    settle_heap()
-    config = uvicorn.Config(
+GRACEFUL_SHUTDOWN_S = 5
+"""What uvicorn waits, after the router's own drain, for connections still answering (the
+drain has already aborted every generation request; this covers the rest, e.g. a ``/metrics``
+scrape)."""
+
+
+def uvicorn_config(
+    app: FastAPI | str, settings: RouterSettings, host: str, port: int, log_level: str
+) -> uvicorn.Config:
+    """The one uvicorn configuration of every serving process (``serve`` and each worker of
+    ``serve --workers N``); ``app`` may be an import string where it is never loaded (the
+    supervisor binds its socket with it)."""
+    return uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -95,8 +106,36 @@ def serve(
         # parsed it on every request (docs/benchmarks/README.md, "Router profile").
         proxy_headers=False,
         log_config=None,  # the process's logging (text or JSON) is set up by the CLI
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=int(settings.limits.keep_alive),
-        h11_max_incomplete_event_size=settings.limits.max_header_bytes,
+        http=protocol_class(settings.limits),
     )
-    DrainingServer(config, app, settings.drain.timeout).run()
+
+
+def raise_fd_limit(settings: RouterSettings) -> None:
+    """Raise this process's soft descriptor limit towards the hard one when it is below what
+    ``limits.max_connections`` client connections plus as many upstream ones need."""
+    need = 2 * settings.limits.max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < need:
+            log.warning("descriptor limit %d < the %d limits.max_connections needs", hard, need)
+
+
+def serve(
+    settings: RouterSettings,
+    host: str,
+    port: int,
+    log_level: str,
+    config_path: Path | None = None,
+    sockets: list[socket.socket] | None = None,
+) -> None:
+    """Run the router until a stop signal has drained it (``config_path``: reloaded on SIGHUP;
+    ``sockets``: listen there instead of binding ``host:port``, as a worker does)."""
+    raise_fd_limit(settings)
+    app = create_app(settings, config_path=config_path)
+    settle_heap()
+    config = uvicorn_config(app, settings, host, port, log_level)
+    DrainingServer(config, app, settings.drain.timeout).run(sockets)

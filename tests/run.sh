@@ -8,9 +8,13 @@
 #   bash tests/run.sh            # the default suites (about 14 min on a fresh 2-core machine)
 #   SKIP_SETUP=1 bash tests/run.sh   # reuse the existing .venv as is
 #   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm upstream docker vllm033
-#                                    # (default: all; upstream = the same e2e cases through vLLM's
-#                                    # NixlPushConnector; vllm033 = connector unit tests against
-#                                    # vLLM 0.33.0 in a side venv, 2.5 min cold)
+#                                    # latest (default: all but latest; upstream = the same e2e
+#                                    # cases through vLLM's NixlPushConnector; vllm033 = connector
+#                                    # unit tests against vLLM 0.33.0 in a side venv, 2.5 min cold;
+#                                    # latest = the router's tests with the newest dependency
+#                                    # versions pyproject.toml allows, no constraints.txt, in a
+#                                    # side venv: 8 min cold, 5 warm, so run it on its own, e.g.
+#                                    # nightly)
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -28,7 +32,9 @@ setup_venv() {
         python3 -m venv "$VENV" || return 1
     fi
     log "installing the router (extras cpu, dev) and the devtools (extras cpu, bench)"
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu,dev]" -e "$ROOT/devtools[cpu,bench]" || return 1
+    # constraints.txt: the versions tested together (the `latest` suite tries the newest allowed).
+    "$VENV/bin/python" -m pip install -q -c "$ROOT/constraints.txt" \
+        -e "$ROOT[cpu,dev]" -e "$ROOT/devtools[cpu,bench]" || return 1
     # These break beside torch 2.13+cpu; some dependency may drag them in.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1
     # kubectl, kubernetes-validate and docker-compose for tests/deploy; once they are installed
@@ -123,8 +129,11 @@ for suite in $SUITES; do
         vllm033)
             step "vllm 0.33 suite" bash "$ROOT/tests/unit/connector/run_vllm033.sh"
             ;;
+        latest)
+            step "newest allowed dependencies" bash "$ROOT/tests/run_latest.sh"
+            ;;
         *)
-            echo "unknown suite $suite (expected: lint fast nixl vllm upstream docker vllm033)" >&2
+            echo "unknown suite $suite (expected: lint fast nixl vllm upstream docker vllm033 latest)" >&2
             failures+=("$suite")
             ;;
     esac

@@ -15,7 +15,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 if [[ -z "${SKIP_SETUP:-}" ]]; then
     echo "[demo.sh] installing the router and the devtools with vLLM CPU (first time: a few minutes)"
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[cpu]" -e "$ROOT/devtools[cpu]"
+    "$VENV/bin/python" -m pip install -q -c "$ROOT/constraints.txt" -e "$ROOT[cpu]" -e "$ROOT/devtools[cpu]"
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 

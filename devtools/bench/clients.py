@@ -33,7 +33,7 @@ import httpx
 from bench.overhead import MODEL, cpu_split, fake_process
 from bench.results import log_folder, write_outputs
 from devstack.ports import free_port
-from router.upstream.client import AiohttpTransport, UpstreamClient
+from router.upstream.client import AiohttpTransport, UpstreamClient, send_leg
 from router.upstream.sse import aiter_data
 
 KINDS = ("httpx", "httpx-aiohttp", "aiohttp")
@@ -95,10 +95,15 @@ async def _round(kind: str, url: str, body: bytes, spec: ClientsSpec) -> dict[st
     async with client:
 
         async def send_httpx() -> int:
+            # As a leg goes out: the router's client hands it straight to its transport.
+            request = client.build_request("POST", url, content=body, headers=HEADERS)
+            resp = await send_leg(client, request, stream=True)
             events = 0
-            async with client.stream("POST", url, content=body, headers=HEADERS) as resp:
+            try:
                 async for _ in aiter_data(resp):
                     events += 1
+            finally:
+                await resp.aclose()
             return events
 
         await _closed_loop(send_httpx, ClientsSpec(requests=50, concurrency=8))

@@ -5,9 +5,10 @@ Who calls it: the app (:mod:`router.http.app`), on the raw body of ``/v1/complet
 It checks what the router itself relies on (JSON object, model, prompt/messages, stream, token
 limits, ``n``) and what must never reach an instance: a body that is not UTF-8, nested deeper than
 ``limits.max_json_depth``, non-finite numbers (``NaN``, ``Infinity``, ``1e999``), wrongly typed
-sampling parameters, absurd token counts. Everything else is left for vLLM to judge (its 4xx is
-passed through). Raises :class:`ClientRequestError` naming the offending field; never returns a
-partial result and never raises anything else.
+sampling parameters, integers beyond 64 bits (sampling fields, token ids), absurd token counts.
+Everything else is left for vLLM to judge (its 4xx is passed through). Raises
+:class:`ClientRequestError` naming the offending field; never returns a partial result and never
+raises anything else.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ _TYPED_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "logit_bias": ((dict,), "an object"),
     "user": ((str,), "a string"),
 }
+
+
+# Integers vLLM's request models hold as 64-bit (``seed`` is bounded to torch.long there; the
+# sampling parameters become tensors): a larger literal would be forwarded and fail inside vLLM.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _reject_constant(name: str) -> float:
@@ -105,6 +111,8 @@ def _check_types(body: dict[str, Any]) -> None:
             raise ClientRequestError(f"{key} must be {what}", key)
         if not isinstance(value, types):
             raise ClientRequestError(f"{key} must be {what}", key)
+        if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+            raise ClientRequestError(f"{key} must be between {_INT64_MIN} and {_INT64_MAX}", key)
     stop = body.get("stop")
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))
@@ -136,12 +144,24 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and set(map(type, value)) == {int}
 
 
+def _check_token_ids(ids: list[int]) -> None:
+    """Token ids vLLM can hold (non-negative 64-bit); its vocabulary check judges the rest."""
+    if min(ids) < 0 or max(ids) > _INT64_MAX:
+        raise ClientRequestError(f"token ids must be integers between 0 and {_INT64_MAX}", "prompt")
+
+
 def _check_prompt(prompt: Any) -> None:
     """One prompt: a string, token ids, or a one-element batch of either."""
-    if isinstance(prompt, str) or _is_token_list(prompt):
+    if isinstance(prompt, str):
+        return
+    if _is_token_list(prompt):
+        _check_token_ids(prompt)
         return
     one = isinstance(prompt, list) and len(prompt) == 1
-    if one and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
+    if one and isinstance(prompt[0], str):
+        return
+    if one and _is_token_list(prompt[0]):
+        _check_token_ids(prompt[0])
         return
     if isinstance(prompt, list) and len(prompt) > 1:
         raise ClientRequestError(

@@ -28,6 +28,7 @@ from router.errors import (
 )
 from router.routing.backends import BackendState
 from router.upstream import codec
+from router.upstream.client import send_leg
 from router.upstream.sse import StreamEndedEarly, aiter_data
 
 
@@ -114,7 +115,8 @@ async def post_json(
 ) -> dict[str, Any]:
     """POST ``body`` and return the JSON object answered; HTTP errors raise."""
     try:
-        resp = await client.send(_leg_request(client, backend, path, body, request_id, headers))
+        request = _leg_request(client, backend, path, body, request_id, headers)
+        resp = await send_leg(client, request)
     except httpx.HTTPError as exc:
         raise _translate(exc, leg, backend) from exc
     if resp.status_code >= 400:
@@ -145,7 +147,7 @@ async def open_sse(
     """
     request = _leg_request(client, backend, path, body, request_id, headers)
     try:
-        resp = await client.send(request, stream=True)
+        resp = await send_leg(client, request, stream=True)
     except httpx.HTTPError as exc:
         raise _translate(exc, leg, backend) from exc
     try:

@@ -6,14 +6,15 @@ that cost more CPU than everything else the router does (docs/benchmarks/README.
 HTTP client"). ``httpx-aiohttp`` runs httpx requests over aiohttp instead; this subclass makes
 its errors the ones httpx's own transport raises for the same failure (the package calls a
 refused or dropped connection a connect timeout), so callers see no difference.
-:class:`UpstreamClient` keeps no cookies: a proxy must not carry one upstream answer's
-``Set-Cookie`` into the next request, and parsing them was a few per cent of a loaded router's CPU.
+:class:`UpstreamClient` keeps no cookies (a public cookie policy that accepts none): a proxy
+must not carry one upstream answer's ``Set-Cookie`` into the next request, and parsing them was a
+few per cent of a loaded router's CPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import aiohttp
 import httpx
@@ -71,11 +72,10 @@ class AiohttpTransport(httpx_aiohttp.AiohttpTransport):
         return response
 
 
-class _NoCookies(httpx.Cookies):
-    """A cookie store that stores nothing (upstream ``Set-Cookie`` headers are not read)."""
-
-    def extract_cookies(self, response: httpx.Response) -> None:
-        """Ignore the answer's cookies."""
+def no_cookies() -> CookieJar:
+    """A cookie jar whose policy accepts and sends no cookie (neither Netscape nor RFC 2965
+    cookies are enabled), so an answer's ``Set-Cookie`` is not even parsed."""
+    return CookieJar(policy=DefaultCookiePolicy(netscape=False, rfc2965=False))
 
 
 class UpstreamClient(httpx.AsyncClient):
@@ -83,31 +83,31 @@ class UpstreamClient(httpx.AsyncClient):
 
     Who builds it: :func:`router.runtime.http_client`, with the transport, timeouts and limits.
     It connects to every URL through that transport (no proxies, no mounts, nothing read from
-    the environment) with no auth and no event hooks, and follows no redirects. So :meth:`send`
-    hands a request straight to the transport instead of running httpx's redirect, auth and hook
-    machinery for nothing; that machinery was about 6 % of a loaded router's CPU
-    (docs/benchmarks/README.md, "Router overhead").
+    the environment). Its httpx API (``get``, ``send``, ``stream``) is httpx's, unchanged; a leg
+    (:mod:`router.upstream.calls`) goes out through :meth:`send_leg` instead, which hands the
+    request straight to the transport's public ``handle_async_request``: a leg needs none of
+    httpx's redirect, auth, cookie and event-hook machinery, which was about 6 % of a loaded
+    router's CPU (docs/benchmarks/README.md, "Router overhead").
     """
 
     def __init__(
         self, transport: httpx.AsyncBaseTransport, timeout: httpx.Timeout, limits: httpx.Limits
     ) -> None:
-        super().__init__(transport=transport, timeout=timeout, limits=limits, trust_env=False)
-        self._cookies = _NoCookies()
-        self._upstream = transport
+        jar = no_cookies()
+        super().__init__(
+            transport=transport, timeout=timeout, limits=limits, trust_env=False, cookies=jar
+        )
+        self._leg_transport = transport
 
-    async def send(
-        self, request: httpx.Request, *, stream: bool = False, **options: Any
-    ) -> httpx.Response:
-        """Send ``request`` as httpx's ``send`` would for this client (the answer's body read
-        unless ``stream``; the client's timeouts unless the request has its own). A call that
-        sets its own ``auth`` or ``follow_redirects`` goes through httpx's ``send``."""
-        if any(value is not httpx.USE_CLIENT_DEFAULT for value in options.values()):
-            return await super().send(request, stream=stream, **options)
+    async def send_leg(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
+        """Send a leg's ``request`` as httpx's ``send`` would for this client: the client's
+        timeouts unless the request has its own, the answer's body read unless ``stream``; no
+        redirect followed, no cookie read. Raises ``RuntimeError`` once the client is closed,
+        and httpx's transport errors."""
         if self.is_closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")
         request.extensions.setdefault("timeout", self.timeout.as_dict())
-        response = await self._upstream.handle_async_request(request)
+        response = await self._leg_transport.handle_async_request(request)
         response.request = request
         if not stream:
             try:
@@ -116,3 +116,13 @@ class UpstreamClient(httpx.AsyncClient):
                 await response.aclose()
                 raise
         return response
+
+
+async def send_leg(
+    client: httpx.AsyncClient, request: httpx.Request, *, stream: bool = False
+) -> httpx.Response:
+    """Send a leg through ``client``: :meth:`UpstreamClient.send_leg` for the router's client,
+    httpx's own ``send`` for any other (tests hand a plain ``httpx.AsyncClient``)."""
+    if isinstance(client, UpstreamClient):
+        return await client.send_leg(request, stream=stream)
+    return await client.send(request, stream=stream)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import sys
 from pathlib import Path
 
 import httpx
 import yaml
 
-from devstack.fake_vllm import FakeVllmServer
+from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
-from tests.integration.router.router_fixtures import MODEL, sse_text
+from tests.integration.router.router_fixtures import MODEL, sse_payloads, sse_text
 from tests.support.wait import wait_until
 
 STREAM = {"model": MODEL, "prompt": "a b c", "max_tokens": 4, "stream": True}
@@ -22,6 +25,14 @@ def _ready(url: str) -> bool:
         return httpx.get(f"{url}/ready", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _status(url: str) -> int | None:
+    """The status of a new request to /ready; None when the connection fails (5 s bound)."""
+    try:
+        return httpx.get(f"{url}/ready", timeout=5).status_code
+    except httpx.TransportError:
+        return None
 
 
 def test_two_workers_serve_streams_from_the_config_file(
@@ -52,3 +63,60 @@ def test_two_workers_serve_streams_from_the_config_file(
             what="both workers to start",
         )
     assert all(t and t == texts[0] for t in texts)
+
+
+def test_workers_are_replaced_reloaded_and_drained_with_503(
+    fake: dict[str, FakeVllmServer], tmp_path: Path
+) -> None:
+    """A killed worker is replaced; SIGHUP to the parent reloads the file in each worker. After
+    SIGTERM a worker with a stream in flight answers new requests 503 with Retry-After (no hang,
+    no reset) until the stream is done, then every process exits."""
+    fake["d0"].state.behavior = FakeBehavior(token_delay_s=0.02)
+    config = {
+        "models": [MODEL],
+        "prefill": {"instances": [{"url": fake["p0"].url}]},
+        "decode": {"instances": [{"url": fake["d0"].url}]},
+        "drain": {"timeout": 30},
+    }
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
+    argv += ["--port", str(port), "--workers", "2"]
+    body = {**STREAM, "max_tokens": 150}
+    with ChildProcess(ProcessSpec("router", tuple(argv), tmp_path / "router.log")) as proc:
+        assert proc.pid is not None
+        wait_until(lambda: _ready(url), timeout=60, what="a worker to be ready")
+        wait_until(
+            lambda: proc.log_tail(200).count("Application startup complete") == 2,
+            timeout=60,
+            what="both workers to start",
+        )
+        killed = int(re.findall(r"Started server process \[(\d+)\]", proc.log_tail(200))[0])
+        os.kill(killed, signal.SIGKILL)
+        wait_until(
+            lambda: proc.log_tail(200).count("Application startup complete") == 3,
+            timeout=60,
+            what="a worker in place of the killed one",
+        )
+        os.kill(proc.pid, signal.SIGHUP)
+        wait_until(
+            lambda: proc.log_tail(200).count("config reloaded from") == 2,
+            timeout=30,
+            what="both workers to reload the file",
+        )
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            first = next(lines)
+            os.kill(proc.pid, signal.SIGTERM)
+            wait_until(lambda: _status(url) == 503, 10, "a draining worker to answer 503")
+            refused = httpx.post(f"{url}/v1/completions", json=STREAM, timeout=5)
+            rest = "\n".join(lines)
+        wait_until(lambda: proc.poll() is not None, 40, "every process to exit")
+        ended = _status(url)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "service_unavailable"
+    assert sse_payloads(first + "\n\n" + rest + "\n\n")[-1] == "[DONE]"
+    assert ended is None  # refused at once: nobody keeps the port open
+    assert proc.poll() == 0

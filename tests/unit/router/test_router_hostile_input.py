@@ -44,6 +44,10 @@ async def router() -> AsyncIterator[tuple[httpx.AsyncClient, Upstream]]:
         yield client, upstream
 
 
+def _body(field: bytes) -> bytes:
+    return b'{"model": "m", "prompt": "x", ' + field + b"}"
+
+
 HOSTILE: list[tuple[str, bytes, int, str | None]] = [
     ("empty", b"", 400, None),
     ("not json", b"{not json", 400, None),
@@ -98,6 +102,11 @@ HOSTILE: list[tuple[str, bytes, int, str | None]] = [
         "stream_options",
     ),
     ("oversized", b'{"model": "m", "prompt": "' + b"x" * 70000 + b'"}', 413, None),
+    ("seed 1e30 as an integer", _body(b'"seed": 1' + b"0" * 30), 400, "seed"),
+    ("seed below int64", _body(b'"seed": -9223372036854775809'), 400, "seed"),
+    ("401-digit top_k", _body(b'"top_k": 1' + b"0" * 400), 400, "top_k"),
+    ("huge token id", b'{"model": "m", "prompt": [1, 1' + b"0" * 30 + b"]}", 400, "prompt"),
+    ("negative token id", b'{"model": "m", "prompt": [[5, -1]]}', 400, "prompt"),
 ]
 
 
@@ -130,6 +139,16 @@ async def test_a_valid_body_does_reach_the_instances(
     resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
     assert resp.status_code == 200, resp.text
     assert upstream.generations == 2  # P and D
+
+
+async def test_integers_at_the_int64_bounds_reach_the_instances(
+    router: tuple[httpx.AsyncClient, Upstream],
+) -> None:
+    client, upstream = router
+    body = {"model": "m", "prompt": [0, 2**63 - 1], "seed": -(2**63), "top_k": 2**63 - 1}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert upstream.generations == 2
 
 
 _json = st.recursive(

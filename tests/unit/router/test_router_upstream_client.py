@@ -172,3 +172,47 @@ async def test_the_router_client_raises_httpx_errors_and_refuses_after_close() -
             await client.get(f"http://127.0.0.1:{free_port()}/health")
     with pytest.raises(RuntimeError, match="closed"):
         await client.get(f"http://127.0.0.1:{free_port()}/health")
+
+
+async def test_the_router_client_keeps_no_cookies_on_either_path() -> None:
+    """Every answer sets a cookie; no later request (httpx's path or a leg) carries one."""
+    heads: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while not reader.at_eof():
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            heads.append(head.lower())
+            length = head.lower().split(b"content-length: ")
+            if len(length) > 1:
+                await reader.readexactly(int(length[1].split(b"\r\n")[0]))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nSet-Cookie: session=1; Path=/\r\n"
+                b'Content-Length: 11\r\n\r\n{"ok":true}'
+            )
+            await writer.drain()
+        writer.close()
+
+    async with _server(handler) as url, _upstream_client() as client:
+        backend = BackendState(InstanceConfig(url=url), "decode")
+        body = {"model": "m", "prompt": [1], "max_tokens": 1}
+        await client.get(url + "/health")
+        assert await post_json(client, backend, "decode", "/v1/completions", body, "r-1") == {
+            "ok": True
+        }
+        await client.get(url + "/health")
+        await post_json(client, backend, "decode", "/v1/completions", body, "r-2")
+        assert len(client.cookies.jar) == 0
+    assert len(heads) == 4
+    assert not [head for head in heads if b"\r\ncookie:" in head]
+
+
+async def test_a_leg_on_a_closed_router_client_is_refused() -> None:
+    client = _upstream_client()
+    async with client:
+        pass
+    backend = BackendState(InstanceConfig(url=f"http://127.0.0.1:{free_port()}"), "decode")
+    with pytest.raises(RuntimeError, match="closed"):
+        await post_json(client, backend, "decode", "/v1/completions", {"model": "m"}, "r-1")

@@ -1,0 +1,151 @@
+"""The router's HTTP/1.1 connection protocol: uvicorn's httptools protocol with time and count
+bounds on client connections, and OpenAI-style errors for what never reaches the app.
+
+Who calls it: :func:`router.server.uvicorn_config` hands the class made by
+:func:`protocol_class` to uvicorn (``http=``), for ``serve`` and for every worker of
+``serve --workers N``. Each method overrides a public callback of
+``uvicorn.protocols.http.httptools_impl.HttpToolsProtocol`` and calls it; nothing here reads or
+writes uvicorn's private state. What a client sees when a bound fires:
+
+- ``limits.max_connections``: a connection opened while that many are open gets a 503 JSON
+  error with ``Retry-After: 1`` and is closed at once (its descriptor is freed immediately);
+- ``limits.idle_connection_timeout``: a connection that sends nothing (empty lines do not count)
+  is closed without an answer;
+- ``limits.header_timeout``: a request whose line and headers are not complete this many seconds
+  after its first byte gets a 408 JSON error and the connection is closed;
+- ``limits.max_header_bytes``: headers still incomplete past that size get a 431 JSON error
+  (complete ones are checked by the app, :mod:`router.http.bounds`) and the connection is closed;
+- a request the HTTP parser rejects (``Content-Length: -1``, a broken request line) gets a 400
+  JSON error instead of uvicorn's plain text.
+
+Each of these answers carries a fresh ``X-Request-Id`` and ``Connection: close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from router.config import LimitsConfig
+from router.dispatch.ids import new_request_id
+from router.errors import ClientRequestError, RouterError, RouterNotReady, error_payload
+
+_INVALID = "invalid_request_error"
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
+
+
+def error_answer(exc: RouterError) -> bytes:
+    """A complete HTTP/1.1 answer that closes the connection: ``exc``'s status and OpenAI-style
+    error body (:func:`router.errors.error_payload`), ``Retry-After`` when it has one, and a
+    fresh ``X-Request-Id``."""
+    body = json.dumps(error_payload(exc)).encode()
+    lines = [
+        b"HTTP/1.1 %d %s" % (exc.status, _REASONS.get(exc.status, b"")),
+        b"content-type: application/json",
+        b"content-length: %d" % len(body),
+        b"x-request-id: " + new_request_id().encode(),
+        b"connection: close",
+    ]
+    if exc.retry_after is not None:
+        lines.append(b"retry-after: %d" % exc.retry_after)
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """One client connection (see the module doc); ``limits`` is set by :func:`protocol_class`.
+
+    Timers: ``_bound_idle`` runs from the connection's opening to its first non-empty byte;
+    ``_bound_header`` from a request's first byte to the end of its headers. Both are cancelled
+    on ``connection_lost``. Our attributes are prefixed ``_bound_`` so they cannot collide with
+    the base class's. Callbacks run on the event loop and must not block."""
+
+    limits: LimitsConfig = LimitsConfig()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bound_idle: asyncio.TimerHandle | None = None
+        self._bound_header: asyncio.TimerHandle | None = None
+        self._bound_header_bytes = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            message = f"the router has {self.limits.max_connections} client connections open"
+            self._answer(error_answer(RouterNotReady(message, retry_after=1)))
+            return
+        idle = self.limits.idle_connection_timeout
+        self._bound_idle = self.loop.call_later(idle, self._idle_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._bound_idle is not None and data.strip(b"\r\n"):
+            self._bound_idle.cancel()
+            self._bound_idle = None
+        super().data_received(data)
+        if self._bound_header is not None:  # headers still incomplete after this chunk
+            self._bound_header_bytes += len(data)
+            if self._bound_header_bytes > self.limits.max_header_bytes:
+                message = f"request headers exceed {self.limits.max_header_bytes} bytes"
+                self._answer(error_answer(RouterError(message, status=431, error_type=_INVALID)))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._bound_header is None:
+            self._bound_header_bytes = 0
+            self._arm_header()
+
+    def on_headers_complete(self) -> None:
+        if self._bound_header is not None:
+            self._bound_header.cancel()
+            self._bound_header = None
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """The parser rejected the request: a 400 in OpenAI error form (not uvicorn's text)."""
+        detail = f"malformed HTTP request: {msg.rstrip('.')}"
+        self._answer(error_answer(ClientRequestError(detail, None)))
+
+    def _idle_expired(self) -> None:
+        self._bound_idle = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _header_expired(self) -> None:
+        self._bound_header = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined request behind an answer still being sent: let that answer finish.
+            self._arm_header()
+            return
+        message = f"request headers not received within {self.limits.header_timeout:g}s"
+        self._answer(error_answer(RouterError(message, status=408, error_type=_INVALID)))
+
+    def _arm_header(self) -> None:
+        self._bound_header = self.loop.call_later(self.limits.header_timeout, self._header_expired)
+
+    def _answer(self, raw: bytes) -> None:
+        self._cancel_timers()
+        if not self.transport.is_closing():
+            self.transport.write(raw)
+            self.transport.close()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._bound_idle, self._bound_header):
+            if timer is not None:
+                timer.cancel()
+        self._bound_idle = self._bound_header = None
+
+
+def protocol_class(limits: LimitsConfig) -> type[BoundedHttpProtocol]:
+    """The protocol class uvicorn instantiates per connection, bound to ``limits``."""
+    return type("RouterHttpProtocol", (BoundedHttpProtocol,), {"limits": limits})
