@@ -8,19 +8,19 @@
 #   bash tests/run.sh            # the default suites (about 14 min on a fresh 2-core machine)
 #   SKIP_SETUP=1 bash tests/run.sh   # reuse the existing .venv as is
 #   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm upstream docker vllm033
-#                                    # latest (default: all but latest; upstream = the same e2e
-#                                    # cases through vLLM's NixlPushConnector; vllm033 = connector
-#                                    # unit tests against vLLM 0.33.0 in a side venv, 2.5 min cold;
-#                                    # latest = the router's tests with the newest dependency
-#                                    # versions pyproject.toml allows, no constraints.txt, in a
-#                                    # side venv: 8 min cold, 5 warm, so run it on its own, e.g.
-#                                    # nightly)
+#                                    # latest (default: all; upstream = the same e2e cases through
+#                                    # vLLM's NixlPushConnector; vllm033 = connector unit tests
+#                                    # against vLLM 0.33.0 in a side venv, 2.5 min cold; latest =
+#                                    # the router's tests with the newest dependency versions
+#                                    # pyproject.toml allows, no constraints.txt, in a side venv:
+#                                    # about 3 min cold, so drift in a dependency shows up as a red
+#                                    # run)
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 VENV="$ROOT/.venv"
-SUITES=${SUITES:-"lint fast nixl vllm upstream docker vllm033"}
+SUITES=${SUITES:-"lint fast nixl vllm upstream docker vllm033 latest"}
 LOCK=${VLLM_E2E_LOCK:-/tmp/vllm-e2e.lock}
 failures=()
 
