@@ -85,7 +85,10 @@ class Dispatch:
         decode: BackendState,
         ctx: RequestContext | None = None,
         request_id: str | None = None,
+        deadline: float | None = None,
     ) -> None:
+        """``deadline``: the ``time.monotonic()`` by which the client request must end (the
+        ``timeouts.total`` of the first attempt; default: ``total`` from now)."""
         self.runtime = runtime
         self.request = request
         self.prefill = prefill
@@ -94,6 +97,7 @@ class Dispatch:
         self.request_id = request_id or new_request_id()
         self.transfer_id = self.request_id
         self.started = time.monotonic()
+        self.deadline = deadline or self.started + runtime.settings.timeouts.total
         self.outcome = "in_progress"
         self._queue: asyncio.Queue[DecodeItem] = asyncio.Queue()
         self._p_task: asyncio.Task[dict[str, Any]] | None = None
@@ -338,8 +342,9 @@ class Dispatch:
             self._p_task = asyncio.create_task(self._prefill_leg(prefill))
         self._d_task = asyncio.create_task(self._decode_leg())
         t = settings.timeouts
-        limit = min(t.first_token, t.total) if self.request.stream else t.total
-        deadline = self.started + limit
+        first_token_by = self.started + t.first_token if self.request.stream else self.deadline
+        deadline = min(first_token_by, self.deadline)
+        limit = t.first_token if deadline < self.deadline else t.total
         get = asyncio.create_task(self._queue.get())
         waiting: set[asyncio.Future[Any]] = {get}
         if self._p_task is not None:
@@ -383,7 +388,7 @@ class Dispatch:
         """P's usage, waiting for P (bounded by the total timeout); None if P failed."""
         if self._p_task is None:
             return None
-        left = self.started + self.runtime.settings.timeouts.total - time.monotonic()
+        left = self.deadline - time.monotonic()
         try:
             async with asyncio.timeout(max(left, 0.0)):
                 answer = await asyncio.shield(self._p_task)
@@ -411,7 +416,7 @@ class Dispatch:
         response ends the body with that chunk). Never raises :class:`RouterError` (headers are
         already sent).
         """
-        left = self.started + self.runtime.settings.timeouts.total - time.monotonic()
+        left = self.deadline - time.monotonic()
         expiry = asyncio.get_running_loop().call_later(max(left, 0.0), self._expire)
         item: DecodeItem | None = self._first
         try:

@@ -7,13 +7,16 @@ not move it). The rule decides whether a P is used at all (:func:`decide`); P (i
 both chosen before any leg starts. A retry happens only when ``retry_on_fresh_pair`` is set (the
 default), the failure is retryable (not a 4xx from vLLM) and nothing has been sent to the client
 yet (we are still before the commit point); the retry never re-picks the instance that failed,
-whatever the policy (no other usable instance: the first failure is the answer), and uses a fresh
-request id. The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
+whatever the policy (no other usable instance: the first failure is the answer, and no retry is
+logged or counted), and uses a fresh request id. Every attempt shares one ``timeouts.total``
+deadline, counted from the first attempt: a retry does not restart it. The decision is counted in
+``disagg_router_routing_decisions_total`` and logged.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from router.dispatch.attempt import Dispatch
 from router.errors import NoBackendAvailable, UpstreamError
@@ -56,8 +59,10 @@ async def open_dispatch(
     decision = decide(found, routed)
     runtime.metrics.child(runtime.metrics.routing_decisions, request.model, decision).inc()
     attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
+    deadline = time.monotonic() + runtime.settings.timeouts.total
     avoid: set[str] = set()
     failure: UpstreamError | None = None
+    failed_id = ""
     for attempt in range(1, attempts + 1):
         strict = failure is not None
         try:
@@ -69,8 +74,15 @@ async def open_dispatch(
             if failure is not None:
                 raise failure from None
             raise
+        if failure is not None:
+            log.warning(
+                "dispatch %s failed before commit (%s); retrying on a fresh pair",
+                failed_id,
+                failure.message,
+            )
+            runtime.metrics.retries.inc()
         rid = ctx.request_id if attempt == 1 else None
-        dispatch = Dispatch(runtime, request, prefill, decode, ctx, rid)
+        dispatch = Dispatch(runtime, request, prefill, decode, ctx, rid, deadline)
         log.info(
             "request %s model=%s route=%s prefill=%s decode=%s",
             dispatch.request_id,
@@ -87,14 +99,8 @@ async def open_dispatch(
         except UpstreamError as exc:
             if attempt == attempts or not exc.retryable:
                 raise
-            log.warning(
-                "dispatch %s failed before commit (%s); retrying on a fresh pair",
-                dispatch.request_id,
-                exc.message,
-            )
-            runtime.metrics.retries.inc()
             avoid.add(exc.backend)
-            failure = exc
+            failure, failed_id = exc, dispatch.request_id
         finally:
             if not opened:
                 await dispatch.close()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import httpx
+import pytest
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer, FakeVllmState
 from devstack.ports import free_port
@@ -275,3 +277,37 @@ def test_misconfigured_static_identity_is_reported(fake: dict[str, FakeVllmServe
         assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
     assert resp.status_code == 502
     assert "configured engine_id not-p0" in resp.json()["error"]["message"]
+
+
+def test_no_retry_is_logged_or_counted_without_a_fresh_pair(
+    fake: dict[str, FakeVllmServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One P that hangs: the retry finds no other P, so the client gets the first failure and
+    no retry is logged or counted (none happened)."""
+    p, d = fake["p0"], fake["d0"]
+    settings = _settings(p, d, timeouts={"prefill": 0.3, "first_token": 5, "total": 10})
+    with caplog.at_level(logging.INFO, logger="router"), running_router(settings) as router:
+        p.state.behavior = FakeBehavior(hang=True)
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        metrics = httpx.get(f"{router.url}/metrics").text
+    assert resp.status_code == 504
+    assert "disagg_router_retries_total 0.0" in metrics
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+
+
+def test_a_retry_keeps_the_first_attempts_total_deadline(fake: dict[str, FakeVllmServer]) -> None:
+    """p0 hangs until its 2 s prefill timeout, the retry on p1 has 0.5 s of the 2.5 s total left:
+    D's first token (1 s after its leg starts) comes too late for the request; with a deadline
+    restarted by the retry it would have come in time."""
+    p0, p1, d = fake["p0"], fake["p1"], fake["d0"]
+    timeouts = {"prefill": 2.0, "first_token": 2.0, "total": 2.5}
+    settings = make_settings([p0.url, p1.url], [d.url], timeouts=timeouts)
+    with running_router(settings) as router:
+        p0.state.behavior = FakeBehavior(hang=True)
+        d.state.behavior = FakeBehavior(prefill_delay_s=1.0)
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        assert d.state.wait_for(lambda s: s.in_flight == 0)
+        retries = httpx.get(f"{router.url}/metrics").text
+    assert "disagg_router_retries_total 1.0" in retries
+    assert resp.status_code == 504, resp.text
+    assert "first token" in resp.json()["error"]["message"]
