@@ -49,7 +49,7 @@ from router.health.monitor import learn_identity
 from router.http.context import RequestContext
 from router.http.validation import ClientRequest
 from router.observability.tracing import Span, span_attributes
-from router.routing.backends import BackendState
+from router.routing.backends import BackendState, Role
 from router.runtime import Runtime
 from router.upstream import codec
 from router.upstream.calls import open_sse, post_json
@@ -106,6 +106,10 @@ class Dispatch:
         self._first: DecodeItem = _END
         self._slots: dict[str, Slot] = {}
         self.timings: dict[str, float] = {}  # stage -> seconds since ``started``
+        # The in-flight counts Pool.choose() took for this attempt's legs, given back once each.
+        self._counted = {b.role: b for b in (prefill, decode) if b is not None}
+        for backend in self._counted.values():
+            self._show_in_flight(backend)
         self._stamps: dict[str, float] = {}  # more moments for the TTFT stages, same clock
 
     def _mark(self, stage: str) -> None:
@@ -130,32 +134,65 @@ class Dispatch:
             m = self.runtime.metrics
             m.child(m.breaker_open, backend.role, backend.label).set(0)
 
-    async def _admit(self, backend: BackendState) -> None:
+    async def _admit(self) -> None:
+        """An admission slot on every leg's instance; no leg holds one while waiting for another.
+
+        All slots are taken in one step (no await in between) once every instance has room.
+        While one is full this waits in that instance's queue holding nothing; with its slot, it
+        takes the others if they have room, else gives the slot back and waits for the one now
+        full. The whole wait is bounded by ``admission.max_wait``; :class:`Overloaded` (counted
+        and worded against the full instance) beyond it or beyond a full queue.
+        """
+        backends = list(self._counted.values())
+        start = time.monotonic()
+        while True:
+            full = next((b for b in backends if not b.gate.has_room()), None)
+            if full is None:
+                break
+            waited = time.monotonic() - start
+            slot = await self._queue_for(full, full.gate.config.max_wait - waited)
+            if all(b.gate.has_room() for b in backends if b is not full):
+                self._slots[full.role] = slot
+                break
+            slot.release()
+        for backend in backends:
+            if backend.role not in self._slots:
+                self._slots[backend.role], _ = await backend.gate.acquire(backend.label)
+            m = self.runtime.metrics
+            m.child(m.admission_wait, backend.role).observe(time.monotonic() - start)
+
+    async def _queue_for(self, backend: BackendState, max_wait: float) -> Slot:
+        """Wait (at most ``max_wait``) in the queue of ``backend``, which has no free slot."""
         m = self.runtime.metrics
         queue = m.child(m.admission_queue, backend.role, backend.label)
-        queued = not backend.gate.has_room()
-        if queued:
-            queue.inc()
+        queue.inc()
         try:
-            slot, waited = await backend.gate.acquire(backend.label)
+            slot, _ = await backend.gate.acquire(backend.label, max_wait)
         except RouterError:
             m.child(m.admission_rejected, backend.role, backend.label).inc()
             raise
         finally:
-            if queued:
-                queue.dec()
-        m.child(m.admission_wait, backend.role).observe(waited)
-        self._slots[backend.role] = slot
+            queue.dec()
+        return slot
 
     # ---- legs -------------------------------------------------------------------------------
 
+    def _show_in_flight(self, backend: BackendState) -> None:
+        m = self.runtime.metrics
+        m.child(m.in_flight, backend.role, backend.label).set(backend.in_flight)
+
+    def _uncount(self, role: Role) -> None:
+        """Give back the in-flight count of ``role``'s leg (idempotent): when the leg ends, or
+        at ``close()`` for a leg that never ran."""
+        backend = self._counted.pop(role, None)
+        if backend is not None:
+            backend.in_flight -= 1
+            self._show_in_flight(backend)
+
     @contextmanager
     def _track(self, backend: BackendState) -> Iterator[Span]:
-        """Around one leg: in-flight count, its trace span, its admission slot released after."""
-        m = self.runtime.metrics
-        gauge = m.child(m.in_flight, backend.role, backend.label)
-        backend.in_flight += 1
-        gauge.set(backend.in_flight)
+        """Around one leg: its trace span; after it, its in-flight count (taken when its pool
+        chose it) and its admission slot are given back."""
         span = self.ctx.trace.child(
             backend.role, span_attributes(backend=backend.label, request_id=self.request_id)
         )
@@ -168,8 +205,7 @@ class Dispatch:
             raise
         finally:
             span.end(error)
-            backend.in_flight -= 1
-            gauge.set(backend.in_flight)
+            self._uncount(backend.role)
             slot = self._slots.get(backend.role)
             if slot is not None:
                 slot.release()
@@ -318,9 +354,7 @@ class Dispatch:
             self.decode.label,
         )
         self.runtime.lifecycle.enter(self)
-        if prefill is not None:
-            await self._admit(prefill)
-        await self._admit(self.decode)
+        await self._admit()
         self._mark("admitted")
         first_token = self.ctx.trace.child("first_token", {"request_id": self.request_id})
         try:
@@ -503,6 +537,8 @@ class Dispatch:
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for slot in self._slots.values():
             slot.release()
+        for role in list(self._counted):
+            self._uncount(role)
         self.runtime.lifecycle.leave(self)
         p_result = results[-1] if self._p_task is not None else None
         if isinstance(p_result, UpstreamError) and self.outcome == "ok":

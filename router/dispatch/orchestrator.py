@@ -65,12 +65,14 @@ async def open_dispatch(
     failed_id = ""
     for attempt in range(1, attempts + 1):
         strict = failure is not None
+        prefill = None
         try:
-            prefill = (
-                found.prefill.choose(avoid, routed, strict) if decision == DISAGGREGATED else None
-            )
+            if decision == DISAGGREGATED:
+                prefill = found.prefill.choose(avoid, routed, strict)
             decode = found.decode.choose(avoid, routed, strict)
         except NoBackendAvailable:
+            if prefill is not None:
+                prefill.in_flight -= 1  # counted by choose(); no dispatch takes it over
             if failure is not None:
                 raise failure from None
             raise

@@ -41,9 +41,13 @@ class Gate:
         """True when a slot is free right now and nobody queues for one."""
         return self.in_use < self.config.max_in_flight and self.waiting == 0
 
-    async def acquire(self, label: str) -> tuple[Slot, float]:
-        """A slot and the seconds waited for it; :class:`Overloaded` beyond the bounds."""
+    async def acquire(self, label: str, max_wait: float | None = None) -> tuple[Slot, float]:
+        """A slot and the seconds waited for it; :class:`Overloaded` beyond the bounds.
+
+        ``max_wait``: wait at most this long (default, and at most: ``config.max_wait``), for a
+        caller whose admission already spent part of its wait elsewhere."""
         c = self.config
+        wait = c.max_wait if max_wait is None else min(max(max_wait, 0.0), c.max_wait)
         if self.has_room():
             await self._free.acquire()  # cannot block: a slot is free and nobody queues
             self.in_use += 1
@@ -56,7 +60,7 @@ class Gate:
         start = time.monotonic()
         self.waiting += 1
         try:
-            await asyncio.wait_for(self._free.acquire(), c.max_wait)
+            await asyncio.wait_for(self._free.acquire(), wait)
         except TimeoutError as exc:
             raise Overloaded(
                 f"no slot on instance {label} within {c.max_wait:g}s", retry_after=c.retry_after
