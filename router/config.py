@@ -195,7 +195,8 @@ class TimeoutsConfig(_Frozen):
 
     ``connect``: TCP connect to an instance. ``prefill``: the whole P leg. ``first_token``: from
     dispatch until D's first token. ``total``: the whole request, end to end. ``health``: one
-    ``/health`` call. ``discovery``: one identity probe (a 1-token prefill).
+    ``/health`` call. ``discovery``: one identity probe (a 1-token prefill). ``inter_token``: the
+    longest silence of D in a stream after its first token.
     """
 
     connect: float = Field(default=5.0, gt=0)
@@ -204,6 +205,14 @@ class TimeoutsConfig(_Frozen):
     total: float = Field(default=600.0, gt=0)
     health: float = Field(default=10.0, gt=0)
     discovery: float = Field(default=60.0, gt=0)
+    inter_token: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "a streamed answer whose D sends nothing for this long after its first token ends "
+            "with one SSE error event, counted against D's breaker"
+        ),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TimeoutsConfig:

@@ -104,6 +104,8 @@ class Dispatch:
         self._d_task: asyncio.Task[None] | None = None
         self._sent_identity: PushIdentity | None = None
         self._first: DecodeItem = _END
+        self._last_token = 0.0  # time.monotonic() of D's last streamed payload
+        self._stall_timer: asyncio.TimerHandle | None = None
         self._slots: dict[str, Slot] = {}
         self.timings: dict[str, float] = {}  # stage -> seconds since ``started``
         # The in-flight counts Pool.choose() took for this attempt's legs, given back once each.
@@ -301,11 +303,12 @@ class Dispatch:
                 if self.request.stream:
                     async with open_sse(*args, self.request_id, span.headers()) as payloads:
                         async for payload in payloads:
+                            self._last_token = time.monotonic()
                             if start:
-                                first.observe(time.monotonic() - start)
+                                first.observe(self._last_token - start)
                                 start = 0.0
-                                self._leg_ok(self.decode)
                             self._queue.put_nowait(payload)
+                    self._leg_ok(self.decode)  # a stream succeeded when it ended cleanly
                 else:
                     answer = await post_json(*args, self.request_id, span.headers())
                     first.observe(time.monotonic() - start)
@@ -451,7 +454,9 @@ class Dispatch:
         already sent).
         """
         left = self.deadline - time.monotonic()
-        expiry = asyncio.get_running_loop().call_later(max(left, 0.0), self._expire)
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_later(max(left, 0.0), self._expire)
+        self._stall_timer = loop.call_later(self.runtime.settings.timeouts.inter_token, self._stall)
         item: DecodeItem | None = self._first
         try:
             while True:
@@ -467,6 +472,8 @@ class Dispatch:
                     item = await self._queue.get()
         finally:
             expiry.cancel()
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
 
     async def _ready_events(self, item: DecodeItem | None) -> tuple[list[bytes], DecodeItem | None]:
         """Client events for ``item`` and the payloads queued behind it; returns them with the
@@ -501,6 +508,27 @@ class Dispatch:
         self._queue.put_nowait(
             UpstreamTimeout("decode", self.decode.label, f"total {limit:g}s exceeded")
         )
+
+    def _stall(self) -> None:
+        """The relay's stall timer: D sent nothing for ``timeouts.inter_token`` since its last
+        payload: queue the error that ends the stream, count it against D's breaker. Re-arms
+        itself for the rest of the period while D is sending (one timer per period, not one per
+        token); does nothing once D's leg has ended."""
+        limit = self.runtime.settings.timeouts.inter_token
+        if self._d_task is None or self._d_task.done():
+            return
+        idle = time.monotonic() - self._last_token
+        if idle < limit:
+            loop = asyncio.get_running_loop()
+            self._stall_timer = loop.call_later(limit - idle, self._stall)
+            return
+        exc = UpstreamTimeout(
+            "decode", self.decode.label, f"no token for {limit:g}s (timeouts.inter_token)"
+        )
+        log.warning("dispatch %s: decode %s stalled mid-stream", self.request_id, self.decode.label)
+        self.runtime.metrics.stream_stalls.inc()
+        self._leg_failed(self.decode, exc)
+        self._queue.put_nowait(exc)
 
     async def json_response(self) -> dict[str, Any]:
         """The non-streamed answer for the client (after ``open()``), usage merged."""

@@ -39,7 +39,9 @@ class FakeBehavior:
     ``fail_status``: answer every generation request with this HTTP error.
     ``hang``: never answer (until the client goes away or the cap passes).
     ``drop_after_tokens``: in a stream, cut the connection after this many tokens.
-    ``fail_times``: only the next N generation requests fail/hang/drop (None: all of them).
+    ``stall_after_tokens``: in a stream, send this many tokens, then nothing more (the connection
+    stays open until the client leaves or the hang cap passes).
+    ``fail_times``: only the next N generation requests fail/hang/drop/stall (None: all of them).
     ``scripts``: when set, generation request ``k`` follows ``scripts[k % len(scripts)]`` instead
     of ``prefill_delay_s``/``token_delay_s`` (tokens on an absolute schedule: known timings).
     All delays zero (the default): no sleeping or polling at all.
@@ -53,6 +55,7 @@ class FakeBehavior:
     fail_status: int | None = None
     hang: bool = False
     drop_after_tokens: int | None = None
+    stall_after_tokens: int | None = None
     fail_times: int | None = None
     default_max_tokens: int = 16
     prompt_cached_tokens: int = 0

@@ -311,3 +311,48 @@ def test_a_retry_keeps_the_first_attempts_total_deadline(fake: dict[str, FakeVll
     assert "disagg_router_retries_total 1.0" in retries
     assert resp.status_code == 504, resp.text
     assert "first token" in resp.json()["error"]["message"]
+
+
+def test_decode_stalled_mid_stream_ends_with_one_error_event(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    """D sends 2 tokens, then nothing: after ``timeouts.inter_token`` the client gets one SSE
+    error event, D's leg is cancelled, the stall is counted."""
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(stall_after_tokens=2)
+    settings = _settings(p, d, timeouts={"inter_token": 0.3})
+    with running_router(settings) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+        metrics = httpx.get(f"{router.url}/metrics").text
+    assert resp.status_code == 200
+    payloads = sse_payloads(resp.text)
+    assert [json.loads(x)["choices"][0]["text"] for x in payloads[:2]] == [" tok0", " tok1"]
+    assert len(payloads) == 3
+    err = json.loads(payloads[2])["error"]
+    assert err["type"] == "timeout" and "inter_token" in err["message"], err
+    assert d.url in err["message"]
+    assert "disagg_router_stream_stalls_total 1.0" in metrics
+
+
+def test_a_decode_that_keeps_stalling_leaves_rotation(fake: dict[str, FakeVllmServer]) -> None:
+    """Each stall counts against D's breaker (its first tokens do not reset the count): after
+    ``failure_threshold`` stalled streams D is out, d1 serves."""
+    p, d0, d1 = fake["p0"], fake["d0"], fake["d1"]
+    ident = p.state.identity
+    identities = {p.url: {"engine_id": ident.engine_id, "host": ident.host, "port": ident.port}}
+    settings = make_settings(
+        [p.url],
+        [d0.url, d1.url],
+        identities=identities,
+        timeouts={"inter_token": 0.3},
+        breaker={"failure_threshold": 2, "backoff": 3600, "max_backoff": 3600},
+        retry_on_fresh_pair=False,
+    )
+    with running_router(settings) as router:
+        d0.state.behavior = FakeBehavior(stall_after_tokens=1)
+        for _ in range(4):  # round robin: d0 (stalls), d1, d0 (stalls: out), d1
+            httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        ready = httpx.get(f"{router.url}/ready").json()
+    assert ready["decode"] == [d1.url]
+    assert ready["missing"][f"decode {d0.url}"].startswith("breaker open")
