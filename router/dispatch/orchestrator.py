@@ -22,6 +22,7 @@ from router.dispatch.attempt import Dispatch
 from router.errors import NoBackendAvailable, UpstreamError
 from router.http.context import RequestContext
 from router.http.validation import ClientRequest
+from router.routing.backends import BackendState
 from router.routing.policies import RoutingInput
 from router.routing.prompt_keys import estimated_tokens
 from router.routing.table import ModelPools
@@ -61,49 +62,71 @@ async def open_dispatch(
     attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
     deadline = time.monotonic() + runtime.settings.timeouts.total
     avoid: set[str] = set()
-    failure: UpstreamError | None = None
-    failed_id = ""
+    failure: tuple[str, UpstreamError] | None = None  # the failed attempt's id and error
     for attempt in range(1, attempts + 1):
-        strict = failure is not None
-        prefill = None
         try:
-            if decision == DISAGGREGATED:
-                prefill = found.prefill.choose(avoid, routed, strict)
-            decode = found.decode.choose(avoid, routed, strict)
+            prefill, decode = _choose_pair(found, decision, routed, avoid, failure is not None)
         except NoBackendAvailable:
-            if prefill is not None:
-                prefill.in_flight -= 1  # counted by choose(); no dispatch takes it over
             if failure is not None:
-                raise failure from None
+                raise failure[1] from None
             raise
         if failure is not None:
-            log.warning(
-                "dispatch %s failed before commit (%s); retrying on a fresh pair",
-                failed_id,
-                failure.message,
-            )
-            runtime.metrics.retries.inc()
+            _note_retry(runtime, *failure)
         rid = ctx.request_id if attempt == 1 else None
         dispatch = Dispatch(runtime, request, prefill, decode, ctx, rid, deadline)
-        log.info(
-            "request %s model=%s route=%s prefill=%s decode=%s",
-            dispatch.request_id,
-            request.model,
-            decision,
-            prefill.label if prefill is not None else "-",
-            decode.label,
-        )
-        opened = False
+        _log_attempt(dispatch, request, decision)
         try:
-            await dispatch.open()
-            opened = True
+            await _open(dispatch)
             return dispatch
         except UpstreamError as exc:
             if attempt == attempts or not exc.retryable:
                 raise
             avoid.add(exc.backend)
-            failure, failed_id = exc, dispatch.request_id
-        finally:
-            if not opened:
-                await dispatch.close()
+            failure = dispatch.request_id, exc
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _note_retry(runtime: Runtime, failed_id: str, failure: UpstreamError) -> None:
+    """Log and count a retry that happens (a fresh pair was chosen)."""
+    log.warning(
+        "dispatch %s failed before commit (%s); retrying on a fresh pair",
+        failed_id,
+        failure.message,
+    )
+    runtime.metrics.retries.inc()
+
+
+async def _open(dispatch: Dispatch) -> None:
+    """``dispatch.open()``; a dispatch that failed to open is closed before the error goes on."""
+    opened = False
+    try:
+        await dispatch.open()
+        opened = True
+    finally:
+        if not opened:
+            await dispatch.close()
+
+
+def _choose_pair(
+    found: ModelPools, decision: str, routed: RoutingInput, avoid: set[str], strict: bool
+) -> tuple[BackendState | None, BackendState]:
+    """P (None: D alone) and D for one attempt, each counted in flight by its pool; when D
+    cannot be chosen, P's count is given back before :class:`NoBackendAvailable` propagates."""
+    prefill = found.prefill.choose(avoid, routed, strict) if decision == DISAGGREGATED else None
+    try:
+        return prefill, found.decode.choose(avoid, routed, strict)
+    except NoBackendAvailable:
+        if prefill is not None:
+            prefill.in_flight -= 1
+        raise
+
+
+def _log_attempt(dispatch: Dispatch, request: ClientRequest, decision: str) -> None:
+    log.info(
+        "request %s model=%s route=%s prefill=%s decode=%s",
+        dispatch.request_id,
+        request.model,
+        decision,
+        dispatch.prefill.label if dispatch.prefill is not None else "-",
+        dispatch.decode.label,
+    )
