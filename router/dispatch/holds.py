@@ -64,16 +64,16 @@ class Holds:
         """
         backends = list(self._counted.values())
         start = time.monotonic()
-        while True:
-            full = next((b for b in backends if not b.gate.has_room()), None)
-            if full is None:
-                break
+        full = next((b for b in backends if not b.gate.has_room()), None)
+        while full is not None:
             waited = time.monotonic() - start
             slot = await self._queue_for(full, full.gate.config.max_wait - waited)
-            if all(b.gate.has_room() for b in backends if b is not full):
+            blocked = next((b for b in backends if b is not full and not b.gate.has_room()), None)
+            if blocked is None:
                 self._slots[full.role] = slot
-                break
-            slot.release()
+            else:
+                slot.release()
+            full = blocked
         m = self._metrics
         for backend in backends:
             if backend.role not in self._slots:  # has room: acquire() does not suspend

@@ -6,12 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from collections.abc import Callable
 
 import httpx
+import pytest
+from prometheus_client import CollectorRegistry
 
-from router.config import settings_from_mapping
+from router.config import AdmissionConfig, InstanceConfig, settings_from_mapping
+from router.dispatch.holds import Holds
 from router.dispatch.orchestrator import open_dispatch
+from router.health.admission import Gate
 from router.http.validation import ClientRequest
+from router.observability.metrics import RouterMetrics
+from router.routing.backends import BackendState
 from router.runtime import open_runtime
 from tests.unit.router.mock_upstream import KV, answer
 
@@ -50,3 +57,51 @@ async def test_a_burst_with_one_prefix_keeps_every_prefill_within_the_load_bound
     assert sum(legs.values()) == 30, json.dumps(legs)
     assert max(legs.values()) <= 13, legs
     assert in_flight == [0, 0, 0, 0]  # every count taken by a choice was given back
+
+
+def _pair(max_in_flight: int = 1) -> tuple[BackendState, BackendState]:
+    admission = AdmissionConfig(max_in_flight=max_in_flight, queue_size=4, max_wait=30)
+    return tuple(  # type: ignore[return-value]
+        BackendState(InstanceConfig(url=u), role=r, gate=Gate(admission), in_flight=1)
+        for u, r in ((PREFILLS[0], "prefill"), (DECODE, "decode"))
+    )
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while not predicate():
+        await asyncio.sleep(0)  # yield to the admitting task; no time passes
+
+
+@pytest.mark.parametrize("full_role", ["prefill", "decode"])
+async def test_admission_waits_for_the_full_instance_holding_no_slot_on_the_other(
+    full_role: str,
+) -> None:
+    p, d = _pair()
+    full, other = (p, d) if full_role == "prefill" else (d, p)
+    held, _ = await full.gate.acquire(full.label)
+    holds = Holds(RouterMetrics(CollectorRegistry()), [p, d])
+    admitting = asyncio.create_task(holds.admit())
+    await _until(lambda: full.gate.waiting == 1)
+    assert other.gate.in_use == 0  # nothing held on the free instance meanwhile
+    held.release()
+    await admitting
+    assert (p.gate.in_use, d.gate.in_use) == (1, 1)
+    holds.release_all()
+    assert (p.gate.in_use, d.gate.in_use, p.in_flight, d.in_flight) == (0, 0, 0, 0)
+
+
+async def test_a_slot_won_while_the_other_filled_up_is_given_back() -> None:
+    """P frees up while D has filled: the dispatch gives P's slot back and waits for D."""
+    p, d = _pair()
+    p_held, _ = await p.gate.acquire(p.label)
+    holds = Holds(RouterMetrics(CollectorRegistry()), [p, d])
+    admitting = asyncio.create_task(holds.admit())
+    await _until(lambda: p.gate.waiting == 1)
+    d_held, _ = await d.gate.acquire(d.label)
+    p_held.release()
+    await _until(lambda: d.gate.waiting == 1)
+    assert p.gate.in_use == 0
+    d_held.release()
+    await admitting
+    assert (p.gate.in_use, d.gate.in_use) == (1, 1)
+    holds.release_all()
