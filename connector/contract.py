@@ -4,7 +4,7 @@ A disaggregated request runs as two legs, each a normal OpenAI request whose bod
 ``kv_transfer_params`` object (the names are vLLM 0.32's NIXL connectors'):
 
 - the P leg asks P to prefill and keep the KV for a remote decode (``do_remote_decode``), with the
-  router's ``transfer_id``; :data:`IDENTITY_PROBE_KEY` marks a discovery probe, for which our
+  router's ``transfer_id``; :data:`IDENTITY_PROBE_KEY` marks an identity probe, for which our
   connector answers its identity and keeps no blocks;
 - P answers with its identity (``remote_engine_id``, ``remote_host``, ``remote_port``, ``tp_size``,
   ``pp_size``), its engine request id and the blocks it keeps (:func:`prefill_answer_params`);
@@ -45,7 +45,7 @@ TRANSFER_MODE = "transfer_mode"
 
 IDENTITY_PROBE_KEY = "identity_probe"
 """A P-leg key: when true, P answers its identity like any prefill but keeps no blocks for a
-decode (the router's discovery probes)."""
+decode (the router's identity probes)."""
 
 _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 

@@ -176,7 +176,7 @@ class PushScheduler:
         if params.get("transfer_id"):
             out["transfer_id"] = params["transfer_id"]
         if params.get(IDENTITY_PROBE_KEY):
-            # An identity probe (the router's discovery): answer who we are, keep nothing.
+            # An identity probe (the router's): answer who we are, keep nothing.
             out["remote_block_ids"] = []
             return False, out
         self._sending.add(rid)

@@ -1,6 +1,6 @@
 """Transfer statistics through vLLM's connector stats and Prometheus hooks.
 
-Who calls it: the facade records one :class:`~connector.records.TransferRecord` per finished
+Who calls it: the facade (:mod:`connector.facade`) records one ``TransferRecord`` per finished
 transfer on the worker; vLLM ships :class:`PushTransferStats` to its logger process, aggregates
 and either logs ``reduce()`` or feeds :class:`PushPromMetrics.observe` (metrics are created once,
 against the metric classes and labels vLLM passes in, i.e. vLLM's own registry).

@@ -11,6 +11,7 @@ The development tools (``disagg-demo``, ``disagg-bench``) are console scripts of
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ def worker_app() -> FastAPI:
     from router.server import settle_heap
 
     path = Path(os.environ[CONFIG_ENV])
-    settings = load_config(path)
+    settings = load_config(path, on_deprecated=lambda _: None)  # ``serve`` logged them once
     configure_logging(settings.logging, os.environ.get(LOG_LEVEL_ENV, "info"))
     app = create_app(settings, config_path=path)
     settle_heap()
@@ -48,7 +49,9 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     from router.config import load_config
 
     try:
-        settings = load_config(args.file)
+        settings = load_config(
+            args.file, on_deprecated=lambda m: print(f"warning: {m}", file=sys.stderr)
+        )
     except ConfigError as exc:
         print(f"invalid config {args.file}: {exc.message}", file=sys.stderr)
         return 1
@@ -96,12 +99,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from router.observability.reqlog import configure_logging
     from router.server import serve
 
+    deprecated: list[str] = []
     try:
-        settings = load_config(args.config)
+        settings = load_config(args.config, on_deprecated=deprecated.append)
     except ConfigError as exc:
         print(f"invalid config {args.config}: {exc.message}", file=sys.stderr)
         return 1
     configure_logging(settings.logging, args.log_level)
+    for message in deprecated:  # logged once logging speaks the configured format
+        logging.getLogger("router.config").warning("%s", message)
     if args.workers == 1:
         serve(settings, args.host, args.port, args.log_level, config_path=Path(args.config))
         return 0

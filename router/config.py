@@ -1,14 +1,17 @@
 """Router configuration: pydantic models loaded from YAML.
 
-Who calls it: ``disagg-router serve``/``check-config`` (via :func:`load_config`) and tests (which
-build :class:`RouterSettings` directly). Models are frozen; every field is validated, unknown keys
+Who calls it: ``disagg-router serve``/``check-config`` (:mod:`router.cli`) and hot reload
+(:mod:`router.reload`) via :func:`load_config`, and tests (which build :class:`RouterSettings`
+directly). Models are frozen; every field is validated, unknown keys
 are rejected, and :class:`ConfigError` names the offending field path (``prefill.instances.0.url``).
 No timeout may be infinite: each is a positive number of seconds.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -190,13 +193,55 @@ class PoolConfig(_Frozen):
         return self
 
 
+# --- renamed keys: an old name is accepted for one release, then removed ----------------------
+
+RENAMED_KEYS: dict[str, dict[str, str]] = {
+    "timeouts": {"discovery": "identity_probe"},
+    "health": {"discovery_interval": "identity_interval", "discovery_prompt": "identity_prompt"},
+}
+"""Per section, old key -> new key ("discovery" names pool membership only; identity probing has
+its own keys). An old key is read as its new one; giving both is an error naming both."""
+
+
+def _renamed_keys(section: str, data: Any) -> Any:
+    """``data`` with the section's old keys under their new names; ValueError if both given."""
+    renamed = RENAMED_KEYS[section]
+    if not isinstance(data, dict) or not renamed.keys() & data.keys():
+        return data
+    out = dict(data)
+    for old, new in renamed.items():
+        if old in out and new in out:
+            raise ValueError(
+                f"{section}.{old} is the deprecated name of {section}.{new}: give only {new}"
+            )
+        if old in out:
+            out[new] = out.pop(old)
+    return out
+
+
+def deprecated_keys(data: Any) -> list[str]:
+    """One warning per old key a parsed config still uses, naming old -> new.
+
+    Who calls it: :func:`load_config` (which hands each to its ``on_deprecated``)."""
+    found = []
+    for section, renamed in RENAMED_KEYS.items():
+        given = data.get(section) if isinstance(data, dict) else None
+        for old, new in renamed.items():
+            if isinstance(given, dict) and old in given:
+                found.append(
+                    f"config key {section}.{old} is deprecated: use {section}.{new} "
+                    "(the old name is still read in this release)"
+                )
+    return found
+
+
 class TimeoutsConfig(_Frozen):
     """Seconds; all finite and positive.
 
     ``connect``: TCP connect to an instance. ``prefill``: the whole P leg. ``first_token``: from
     dispatch until D's first token. ``total``: the whole request, end to end. ``health``: one
-    ``/health`` call. ``discovery``: one identity probe (a 1-token prefill). ``inter_token``: the
-    longest silence of D in a stream after its first token.
+    ``/health`` call. ``identity_probe``: one identity probe (a 1-token prefill on P).
+    ``inter_token``: the longest silence of D in a stream after its first token.
     """
 
     connect: float = Field(default=5.0, gt=0)
@@ -204,7 +249,9 @@ class TimeoutsConfig(_Frozen):
     first_token: float = Field(default=180.0, gt=0)
     total: float = Field(default=600.0, gt=0)
     health: float = Field(default=10.0, gt=0)
-    discovery: float = Field(default=60.0, gt=0)
+    identity_probe: float = Field(
+        default=60.0, gt=0, description="seconds for one identity probe (old name: discovery)"
+    )
     inter_token: float = Field(
         default=60.0,
         gt=0,
@@ -213,6 +260,11 @@ class TimeoutsConfig(_Frozen):
             "with one SSE error event, counted against D's breaker"
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        return _renamed_keys("timeouts", data)
 
     @model_validator(mode="after")
     def _consistent(self) -> TimeoutsConfig:
@@ -226,18 +278,28 @@ class HealthConfig(_Frozen):
     unhealthy_interval: float = Field(
         default=1.0, gt=0, description="seconds between checks while any backend is unhealthy"
     )
-    discovery_interval: float | None = Field(
+    identity_interval: float | None = Field(
         default=300.0,
         gt=0,
         description=(
             "seconds between identity probes of a healthy prefill instance (push mode); "
-            "null: probe only at start and when an instance (re)joins"
+            "null: probe only at start and when an instance (re)joins "
+            "(old name: discovery_interval)"
         ),
     )
-    discovery_prompt: str = Field(default="ping", min_length=1)
+    identity_prompt: str = Field(
+        default="ping",
+        min_length=1,
+        description="prompt of the identity probe (old name: discovery_prompt)",
+    )
     failure_threshold: int = Field(
         default=2, ge=1, description="consecutive timed-out checks that take a backend out"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        return _renamed_keys("health", data)
 
 
 class AdmissionConfig(_Frozen):
@@ -477,8 +539,18 @@ def settings_from_mapping(data: Any) -> RouterSettings:
         raise ConfigError(path, msg) from exc
 
 
-def load_config(path: str | Path) -> RouterSettings:
-    """Read and validate a YAML config file; :class:`ConfigError` on any problem."""
+def _log_deprecated(message: str) -> None:
+    logging.getLogger(__name__).warning("%s", message)
+
+
+def load_config(
+    path: str | Path, on_deprecated: Callable[[str], None] = _log_deprecated
+) -> RouterSettings:
+    """Read and validate a YAML config file; :class:`ConfigError` on any problem.
+
+    Each deprecated key the file still uses (:data:`RENAMED_KEYS`) is handed to ``on_deprecated``
+    as one message naming old -> new (default: a warning on this module's logger), only once the
+    file is valid."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -487,4 +559,7 @@ def load_config(path: str | Path) -> RouterSettings:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError("<file>", f"invalid YAML: {exc}") from exc
-    return settings_from_mapping(data)
+    settings = settings_from_mapping(data)
+    for message in deprecated_keys(data):
+        on_deprecated(message)
+    return settings

@@ -1,12 +1,14 @@
 """The router's one exception tree and its translation into OpenAI-style error JSON.
 
 Who raises: config loading, request validation, upstream calls and orchestration. Who translates:
-the app boundary only (:func:`error_payload`), never the code that raises. Upstream transport
-errors are wrapped here with ``raise ... from exc`` by the upstream module.
+the edge only, through :func:`error_payload` (the app's responses, the request guard's 431, a
+started stream's final SSE error event), never the code that raises. Upstream transport errors
+are wrapped with ``raise ... from exc`` by :mod:`router.upstream.calls`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -55,6 +57,21 @@ class ClientRequestError(RouterError):
         self, message: str, param: str | None, status: int = 400, code: str | None = None
     ) -> None:
         super().__init__(message, status=status, param=param, code=code)
+
+
+class ModelNotFound(ClientRequestError):
+    """404: the request names a model the router does not serve (the message lists those it
+    does). The one model-404: raised by input validation (before anything else is looked at)
+    and by :meth:`router.routing.table.RoutingTable.lookup` (a reload may have dropped the
+    model since)."""
+
+    def __init__(self, model: str, served: Iterable[str]) -> None:
+        super().__init__(
+            f"The model `{model}` does not exist; served models: {', '.join(served)}",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
 
 
 class AuthenticationError(RouterError):
@@ -220,6 +237,7 @@ def outcome_label(exc: RouterError) -> str:
         return f"{exc.leg}_failed"
     labels: dict[type[RouterError], str] = {
         ClientRequestError: "invalid_request",
+        ModelNotFound: "invalid_request",
         AuthenticationError: "unauthorized",
         NoBackendAvailable: "no_backend",
         ClientDisconnected: "client_disconnected",

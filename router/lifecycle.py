@@ -1,10 +1,10 @@
 """Start and stop of one app run: the initial checks, the dispatches in flight, the drain.
 
-Who calls it: the runtime owns one :class:`Lifecycle`; dispatches register while they run; the
-server (``disagg-router serve``) calls :meth:`Lifecycle.drain` on SIGTERM/SIGINT before it stops:
-from then on ``/ready`` and new requests answer 503, requests in flight get ``drain.timeout``
-seconds to finish, and whatever still runs is then aborted (its client gets an error, both legs
-are cancelled, P and D are released).
+Who calls it: the runtime (:class:`router.runtime.Runtime`) owns one :class:`Lifecycle`; dispatches
+register while they run; the server (``disagg-router serve``) calls :meth:`Lifecycle.drain` on
+SIGTERM/SIGINT before it stops: from then on ``/ready`` and new requests answer 503, requests in
+flight get ``drain.timeout`` seconds to finish, and whatever still runs is then aborted (its client
+gets an error, both legs are cancelled, P and D are released).
 """
 
 from __future__ import annotations

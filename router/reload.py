@@ -1,7 +1,8 @@
 """Hot reload of the config file: SIGHUP, and optionally a watch on the file.
 
-Who calls it: the app lifespan, when the app was built from a file (``disagg-router serve``).
-:meth:`ConfigReloader.reload` re-reads and validates the file exactly like ``check-config``:
+Who calls it: the app lifespan (:mod:`router.http.app`), when the app was built from a file
+(``disagg-router serve``). :meth:`ConfigReloader.reload` re-reads and validates the file exactly
+like ``check-config``:
 
 - valid: the new routing table is swapped in at once
   (:meth:`router.routing.table.LiveRouting.apply`):

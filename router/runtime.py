@@ -67,11 +67,6 @@ class Runtime:
         """The current pools and rule for ``model``; 404 :class:`ClientRequestError` if unknown."""
         return self.routing.table.lookup(model)
 
-    def pools_for(self, model: str) -> tuple[Pool, Pool]:
-        """The current (P, D) pools that serve ``model``."""
-        found = self.model(model)
-        return (found.prefill, found.decode)
-
     def backends(self) -> list[BackendState]:
         """Every backend of every pool."""
         return [b for pool in self.pools for b in pool.backends]

@@ -1,6 +1,7 @@
 """Running the app under uvicorn with a graceful drain on SIGTERM/SIGINT.
 
-Who calls it: ``disagg-router serve``. The first SIGTERM or SIGINT starts the drain
+Who calls it: ``disagg-router serve`` (:mod:`router.cli`). The first SIGTERM or SIGINT starts
+the drain
 (:meth:`router.lifecycle.Lifecycle.drain`: ``/ready`` and new requests answer 503, requests in
 flight get ``drain.timeout`` seconds, the rest are aborted with both legs cancelled); then the
 server stops. A second signal stops it at once. The header-size bound is also given to the HTTP

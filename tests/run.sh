@@ -117,6 +117,8 @@ for suite in $SUITES; do
             export DISAGG_DEPLOY_REQUIRE_DOCKER=1
             step "docker suite" pytest_suite "docker"
             unset DISAGG_DEPLOY_REQUIRE_DOCKER
+            # The engine this run started does not outlive it (one that was running stays).
+            step "docker stop" bash "$ROOT/deploy/ci/install-tools.sh" --stop-docker
             ;;
         vllm033)
             step "vllm 0.33 suite" bash "$ROOT/tests/unit/connector/run_vllm033.sh"

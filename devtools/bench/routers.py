@@ -37,7 +37,7 @@ def router_config(
 ) -> dict[str, Any]:
     """Our router's YAML config for one P and one D.
 
-    Without ``identity`` the router discovers P's push identity itself (push mode).
+    Without ``identity`` the router probes P for its push identity itself (push mode).
     """
     prefill: dict[str, Any] = {"url": prefill_url}
     if identity is not None:

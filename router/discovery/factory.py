@@ -1,4 +1,7 @@
-"""The discovery source a pool's config asks for."""
+"""The discovery source a discovered pool's config asks for.
+
+Who calls it: :class:`router.discovery.manager.DiscoveryManager`, for pools whose ``discovery``
+is not static (a static pool's members come from the config and its reloads, not a source)."""
 
 from __future__ import annotations
 
@@ -6,14 +9,13 @@ from router.config import DnsDiscovery, KubernetesDiscovery, PoolConfig
 from router.discovery.dns import DnsSource
 from router.discovery.kubernetes import KubernetesSource
 from router.discovery.source import DiscoverySource
-from router.discovery.static import StaticSource
 
 
 def make_source(pool: PoolConfig) -> DiscoverySource:
-    """A fresh source for ``pool`` (static: its ``instances`` list)."""
+    """A fresh source for ``pool``; ValueError for a static pool (it has none)."""
     cfg = pool.discovery
     if isinstance(cfg, DnsDiscovery):
         return DnsSource(cfg)
     if isinstance(cfg, KubernetesDiscovery):
         return KubernetesSource(cfg)
-    return StaticSource(pool.instances)
+    raise ValueError("a static pool has no discovery source: its instances are configured")

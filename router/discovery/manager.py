@@ -1,13 +1,13 @@
 """Runs discovery for every discovered pool of a running router and feeds the pools.
 
-Who calls it: the app lifespan builds one :class:`DiscoveryManager` per app run, calls
-:meth:`DiscoveryManager.sync` at start and after every applied config reload, and
+Who calls it: the app lifespan (:mod:`router.http.app`) builds one :class:`DiscoveryManager` per app
+run, calls :meth:`DiscoveryManager.sync` at start and after every applied config reload, and
 :meth:`DiscoveryManager.close` at shutdown. For each pool whose config has a non-static
 ``discovery`` it runs one :class:`~router.discovery.watcher.PoolDiscovery`; a changed set goes
 through the pool's one membership update (:meth:`router.routing.pools.Pool.set_instances`):
 instances that left are drained (no new legs; legs in flight finish), instances that joined wait
-unhealthy until ``check`` (a health check and, for P in push mode, an identity probe)
-passes. Static pools get nothing from here: their members come from the config (and its reloads).
+unhealthy until ``check`` (a health check and, for P in push mode, an identity probe) passes. Static
+pools get nothing from here: their members come from the config (and its reloads).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Consume one discovery source for one pool: keep the last known set, apply changes, report.
 
-Who calls it: the app lifespan, one :class:`PoolDiscovery` per pool, its ``run()`` as a
-background task. Rules: a :class:`Failed` update, and a :class:`Found` with no instances, keep the
-last known set (a pool is never emptied by discovery: an instance that really went away fails its
-health checks instead) and mark the pool's discovery as failing in metrics and ``status()``; a
-changed non-empty set is handed to ``apply`` (the pool's membership update, which drains removed
-instances and probes new ones before use). ``synced`` is set once the first set is known.
+Who calls it: :class:`router.discovery.manager.DiscoveryManager`, one :class:`PoolDiscovery` per
+discovered pool, its ``run()`` as a background task. Rules: a :class:`Failed` update, and a
+:class:`Found` with no instances, keep the last known set (a pool is never emptied by discovery: an
+instance that really went away fails its health checks instead) and mark the pool's discovery as
+failing in metrics and ``status()``; a changed non-empty set is handed to ``apply`` (the pool's
+membership update, which drains removed instances and probes new ones before use). ``synced`` is set
+once the first set is known.
 """
 
 from __future__ import annotations

@@ -28,37 +28,25 @@ from router.dispatch.holds import Holds
 from router.dispatch.relay import Relay
 from router.dispatch.state import Attempt
 from router.errors import NoBackendAvailable, RouterError, RouterNotReady, UpstreamError
-from router.http.context import RequestContext
-from router.http.validation import ClientRequest
 from router.routing.backends import BackendState
-from router.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 
 class Dispatch:
-    """Both legs of one attempt on one (P, D) pair with one fresh request id.
+    """Both legs of one attempt (:class:`~router.dispatch.state.Attempt`: one (P, D) pair, one
+    fresh request id, the request's deadline).
 
-    ``prefill`` None: D alone (conditional disaggregation): D gets the client's request as is
-    (without ``kv_transfer_params``) and prefills locally; there is no P leg and no transfer.
-    ``prefill`` and ``decode`` come counted in flight by their pools' ``choose()``; the dispatch
-    owns those counts from here on. ``deadline``: see :class:`router.dispatch.state.Attempt`.
+    P None: D alone (conditional disaggregation): D gets the client's request as is (without
+    ``kv_transfer_params``) and prefills locally; there is no P leg and no transfer. P and D come
+    counted in flight by their pools' ``choose()``; the dispatch owns those counts from here on.
     """
 
-    def __init__(
-        self,
-        runtime: Runtime,
-        request: ClientRequest,
-        prefill: BackendState | None,
-        decode: BackendState,
-        ctx: RequestContext | None = None,
-        request_id: str | None = None,
-        deadline: float | None = None,
-    ) -> None:
-        self._a = Attempt(runtime, request, prefill, decode, ctx, request_id, deadline)
-        legs = [b for b in (prefill, decode) if b is not None]
-        self._holds = Holds(runtime.metrics, legs)
-        self._relay = Relay(self._a)
+    def __init__(self, attempt: Attempt) -> None:
+        self._a = attempt
+        legs = [b for b in (attempt.prefill, attempt.decode) if b is not None]
+        self._holds = Holds(attempt.runtime.metrics, legs)
+        self._relay = Relay(attempt)
 
     @property
     def request_id(self) -> str:

@@ -1,7 +1,8 @@
 """What one dispatch attempt holds on its instances: the in-flight count of each leg and its
 admission slot.
 
-Who uses it: :class:`router.dispatch.attempt.Dispatch`. The counts are taken by the pools when
+Who calls it: :class:`router.dispatch.attempt.Dispatch` and its legs
+(:mod:`router.dispatch.legs`). The counts are taken by the pools when
 they choose the pair (:meth:`router.routing.pools.Pool.choose`: choosing and counting are one
 step); a :class:`Holds` takes them over, admits the pair (:meth:`Holds.admit`) and gives each
 leg's count and slot back once (:meth:`Holds.release`) when the leg ends, and whatever is left

@@ -10,14 +10,7 @@ from __future__ import annotations
 
 import uuid
 
-from connector.contract import has_engine_suffix
-
 
 def new_request_id() -> str:
     """A fresh dispatch id: ``uuid4().hex`` (32 hex chars, never ends in ``-<8 hex>``)."""
     return uuid.uuid4().hex
-
-
-def is_safe_request_id(value: str) -> bool:
-    """True when vLLM's suffix stripping cannot alter ``value``."""
-    return bool(value) and not has_engine_suffix(value)

@@ -1,15 +1,16 @@
 """Chooses the route and the instances for a client request, opens the dispatch, retries once if
 configured.
 
-Who calls it: the app's generation endpoints. The request's ``model`` picks its pools and its
-disaggregation rule from the current routing table (read once: a reload during the request does
-not move it). The rule decides whether a P is used at all (:func:`decide`); P (if any) and D are
-both chosen before any leg starts. A retry happens only when ``retry_on_fresh_pair`` is set (the
-default), the failure is retryable (not a 4xx from vLLM) and nothing has been sent to the client
-yet (we are still before the commit point); the retry never re-picks the instance that failed,
-whatever the policy (no other usable instance: the first failure is the answer, and no retry is
-logged or counted), and uses a fresh request id. Every attempt shares one ``timeouts.total``
-deadline, counted from the first attempt: a retry does not restart it. The decision is counted in
+Who calls it: the app's generation endpoints (:mod:`router.http.generate`). The request's
+``model`` picks its pools and its disaggregation rule from the current routing table (read once: a
+reload during the request does not move it). The rule decides whether a P is used at all
+(:func:`decide`); P (if any) and D are both chosen before any leg starts, each counted in flight
+by its pool. A retry happens only when ``retry_on_fresh_pair`` is set (the default), the failure
+is retryable (not a 4xx from vLLM) and nothing has been sent to the client yet (we are still
+before the commit point); the retry never re-picks the instance that failed, whatever the policy
+(no other usable instance: the first failure is the answer, and no retry is logged or counted),
+and uses a fresh request id. Every attempt shares one ``timeouts.total`` deadline, counted from
+the first attempt: a retry does not restart it. The decision is counted in
 ``disagg_router_routing_decisions_total`` and logged.
 """
 
@@ -19,6 +20,7 @@ import logging
 import time
 
 from router.dispatch.attempt import Dispatch
+from router.dispatch.state import Attempt
 from router.errors import NoBackendAvailable, UpstreamError
 from router.http.context import RequestContext
 from router.http.validation import ClientRequest
@@ -73,7 +75,7 @@ async def open_dispatch(
         if failure is not None:
             _note_retry(runtime, *failure)
         rid = ctx.request_id if attempt == 1 else None
-        dispatch = Dispatch(runtime, request, prefill, decode, ctx, rid, deadline)
+        dispatch = Dispatch(Attempt(runtime, request, prefill, decode, ctx, rid, deadline))
         _log_attempt(dispatch, request, decision)
         try:
             await _open(dispatch)

@@ -1,7 +1,9 @@
 """Pure request/response rewriting for the two legs of a P/D dispatch.
 
-Who calls it: the orchestrator (leg bodies) and the relay (usage). Every function returns a new
-object and never mutates its input. No I/O here, so all of it is unit-tested directly.
+Who calls it: the dispatch's legs (:mod:`router.dispatch.legs`: leg bodies, P's answer) and relay
+(:mod:`router.dispatch.relay`: usage, the client's answer) and the identity probe
+(:mod:`router.health.monitor`). Every function returns a new object and never mutates its input.
+No I/O here, so all of it is unit-tested directly.
 
 Wire facts (vLLM 0.32 NIXL connectors): the prefill leg carries ``kv_transfer_params`` with
 ``do_remote_decode: true``; the decode leg carries ``do_remote_prefill: true`` plus P's
@@ -45,7 +47,7 @@ def prefill_body(
 ) -> dict[str, Any]:
     """The P leg: same request, 1 token, not streamed, asked to keep KV for a remote decode.
 
-    ``probe``: a discovery probe (``connector.contract.IDENTITY_PROBE_KEY``): our connector
+    ``probe``: an identity probe (``connector.contract.IDENTITY_PROBE_KEY``): our connector
     answers its identity without pinning blocks; vLLM's connectors ignore the key and keep the
     blocks for their lease."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}

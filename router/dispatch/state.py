@@ -1,9 +1,10 @@
 """What the pieces of one dispatch attempt share: its pair, ids, clock, deadline, the queue of
 D's payloads and the tasks of both legs.
 
-Who uses it: :class:`router.dispatch.attempt.Dispatch` builds one :class:`Attempt` per attempt;
-the legs (:mod:`router.dispatch.legs`), the commit point (:mod:`router.dispatch.commit`) and the
-relay (:mod:`router.dispatch.relay`) read and write it. Everything runs on the router's event
+Who calls it: the orchestrator (:mod:`router.dispatch.orchestrator`) builds one :class:`Attempt`
+per attempt for its :class:`router.dispatch.attempt.Dispatch`; the legs
+(:mod:`router.dispatch.legs`), the commit point (:mod:`router.dispatch.commit`) and the relay
+(:mod:`router.dispatch.relay`) read and write it. Everything runs on the router's event
 loop, so nothing here locks. It does no I/O and starts nothing.
 """
 

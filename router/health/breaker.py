@@ -1,6 +1,7 @@
 """Passive health of one instance: a circuit breaker fed by the outcomes of real legs.
 
-Who calls it: the dispatch records each leg's outcome (:meth:`Breaker.record_success`,
+Who calls it: each :class:`router.routing.backends.BackendState` holds one; the dispatch
+records each leg's outcome (:meth:`Breaker.record_success`,
 :meth:`Breaker.record_failure`); the pools route only to instances whose breaker is closed; the
 health monitor sends a half-open probe to an open instance once its backoff has passed and
 reports the probe's outcome the same way. ``failure_threshold`` consecutive failures open the

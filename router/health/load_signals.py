@@ -1,6 +1,7 @@
 """Live load signals of vLLM instances, scraped from their Prometheus ``/metrics``.
 
-Who calls it: the app lifespan runs :func:`run_scraper` as a background task; it scrapes every
+Who calls it: the app lifespan (:mod:`router.http.app`) runs :func:`run_scraper` as a background
+task; it scrapes every
 backend of every pool whose policy is ``power_of_two`` each ``load_signals.interval`` and stores
 the result in ``BackendState.signals``. The ``power_of_two`` policy reads them through
 :func:`backend_load`. A failed or unparsable scrape leaves no signals (the policy then uses the
@@ -72,7 +73,7 @@ def backend_load(backend: BackendState, now: float, stale_after: float) -> float
 
 async def scrape(client: httpx.AsyncClient, backend: BackendState, timeout: float) -> None:
     """Scrape one backend once; on any failure its signals are cleared (never raises)."""
-    headers = leg_headers(backend, new_request_id())
+    headers = leg_headers(client, backend, new_request_id())
     try:
         resp = await asyncio.wait_for(
             client.get(backend.url + "/metrics", headers=headers), timeout

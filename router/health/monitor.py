@@ -1,18 +1,19 @@
-"""Periodic health checks and prefill identity discovery.
+"""Periodic health checks and prefill identity probes.
 
-Who calls it: the app lifespan (one :class:`HealthMonitor` per runtime) runs ``run()`` as a
+Who calls it: the app lifespan (:mod:`router.http.app`; one :class:`HealthMonitor` per runtime)
+runs ``run()`` as a
 background task until shutdown: the first check of every backend at once (the router serves
 ``/health`` meanwhile; ``/ready`` says what is still missing), then periodic checks, and a
 half-open probe of every backend whose breaker is open and whose backoff has passed.
 ``/health`` is bounded by ``timeouts.health``, an identity probe (a real 1-token prefill, slow on
-a fresh or busy instance) and a breaker probe by ``timeouts.discovery``; failed checks take the
+a fresh or busy instance) and a breaker probe by ``timeouts.identity_probe``; failed checks take the
 backend out of rotation, a passing one puts it back.
 
-Discovery (push mode, prefill instances without a configured identity): a 1-token prefill probe
+Identity probes (push mode, prefill instances without a configured identity): a 1-token prefill
 with ``do_remote_decode: true`` makes vLLM answer with ``kv_transfer_params`` carrying its engine
 id, side-channel host/port, tp and pp size. It runs with the health check at start, whenever a P
 (re)joins after failing a check (a restarted vLLM is down for a while, so its new engine id is
-learned as it comes back), and every ``health.discovery_interval`` (default 300 s; null: never
+learned as it comes back), and every ``health.identity_interval`` (default 300 s; null: never
 periodically; <= ``interval``: on every check). Probes are rationed because each one costs P: it
 keeps the probe's KV block until its lease expires (no D ever fetches it) and keeps P's engine
 loop stepping meanwhile.
@@ -42,14 +43,12 @@ log = logging.getLogger(__name__)
 
 def learn_identity(runtime: Runtime, backend: BackendState, identity: PushIdentity) -> bool:
     """Record ``identity`` as learned from ``backend`` now; True (logged, counted) if it changed."""
-    backend.discovered_at = time.monotonic()
-    if identity == backend.discovered_identity:
+    backend.identity_learned_at = time.monotonic()
+    if identity == backend.learned_identity:
         return False
-    log.info(
-        "prefill %s identity: %s (was %s)", backend.label, identity, backend.discovered_identity
-    )
-    backend.discovered_identity = identity
-    runtime.metrics.discoveries.labels(backend.label).inc()
+    log.info("prefill %s identity: %s (was %s)", backend.label, identity, backend.learned_identity)
+    backend.learned_identity = identity
+    runtime.metrics.identity_changes.labels(backend.label).inc()
     return True
 
 
@@ -72,7 +71,7 @@ class HealthMonitor:
         body = prefill_body(
             {
                 "model": backend.model or self.settings.model_names[0],
-                "prompt": self.settings.health.discovery_prompt,
+                "prompt": self.settings.health.identity_prompt,
             },
             chat=False,
             transfer_id=rid,
@@ -89,24 +88,26 @@ class HealthMonitor:
         connector answers without pinning blocks); raises like a leg would."""
         if backend.role == "prefill":
             identity = await self.probe_identity(backend)
-            if backend.needs_discovery and self.settings.mode == "push":
+            if backend.needs_identity_probe and self.settings.mode == "push":
                 learn_identity(self.runtime, backend, identity)
             return
         rid = new_request_id()
         body = {
             "model": backend.model or self.settings.model_names[0],
-            "prompt": self.settings.health.discovery_prompt,
+            "prompt": self.settings.health.identity_prompt,
             "max_tokens": 1,
         }
         await post_json(self.client, backend, "decode", "/v1/completions", body, rid)
 
     async def probe_breaker(self, backend: BackendState) -> bool:
-        """Probe an open breaker (bounded by ``timeouts.discovery``); True if it closed."""
+        """Probe an open breaker (bounded by ``timeouts.identity_probe``); True if it closed."""
         breaker = backend.breaker
         breaker.begin_probe()
         labels = (backend.role, backend.label)
         try:
-            await asyncio.wait_for(self.probe_generation(backend), self.settings.timeouts.discovery)
+            await asyncio.wait_for(
+                self.probe_generation(backend), self.settings.timeouts.identity_probe
+            )
         except (UpstreamError, ValueError, TimeoutError) as exc:
             breaker.record_failure(repr(exc))
             self.metrics.breaker_probes.labels(*labels, "failed").inc()
@@ -121,24 +122,28 @@ class HealthMonitor:
         t = self.settings.timeouts
         resp = await asyncio.wait_for(
             self.client.get(
-                backend.url + "/health", headers=leg_headers(backend, new_request_id())
+                backend.url + "/health", headers=leg_headers(self.client, backend, new_request_id())
             ),
             t.health,
         )
         if resp.status_code != 200:
             raise ValueError(f"/health answered {resp.status_code}")
-        if self.settings.mode == "push" and backend.needs_discovery and self._probe_due(backend):
-            identity = await asyncio.wait_for(self.probe_identity(backend), t.discovery)
+        if (
+            self.settings.mode == "push"
+            and backend.needs_identity_probe
+            and self._probe_due(backend)
+        ):
+            identity = await asyncio.wait_for(self.probe_identity(backend), t.identity_probe)
             learn_identity(self.runtime, backend, identity)
 
     def _probe_due(self, backend: BackendState) -> bool:
-        if not backend.healthy or backend.discovered_at is None:
+        if not backend.healthy or backend.identity_learned_at is None:
             return True
-        interval = self.settings.health.discovery_interval
-        return interval is not None and time.monotonic() - backend.discovered_at >= interval
+        interval = self.settings.health.identity_interval
+        return interval is not None and time.monotonic() - backend.identity_learned_at >= interval
 
     async def check(self, backend: BackendState) -> bool:
-        """One bounded health check (and discovery); updates ``backend.healthy``.
+        """One bounded health check (and identity probe when due); updates ``backend.healthy``.
 
         A definite failure (refused, HTTP error, no kv params) takes the backend out at once; a
         timeout only after ``health.failure_threshold`` consecutive ones, so an instance that is

@@ -9,9 +9,11 @@ instances are still being checked (``/ready`` says what is missing). Built with 
 file's path (``disagg-router serve``), it also reloads that file on SIGHUP and, with
 ``reload.watch``, whenever the file changes (:mod:`router.reload`). The generation endpoints
 are :mod:`router.http.generate`'s, given this app's admission check. Every response carries
-``X-Request-Id``; every :class:`RouterError` leaves as OpenAI-style JSON, through
-:func:`router.http.generate.error_response` (the generation endpoints and this app's error
-handlers).
+``X-Request-Id``. Every :class:`RouterError` that reaches a client is OpenAI-style JSON built
+by :func:`router.errors.error_payload`: in :mod:`router.http.generate` for responses (also this
+app's exception handlers), in :mod:`router.http.guard` for a header bound (431, before the app
+runs), and in the dispatch's relay (:mod:`router.dispatch.relay`) as the final SSE error event
+of a stream that already started.
 """
 
 from __future__ import annotations

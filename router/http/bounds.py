@@ -1,8 +1,9 @@
 """Transport bounds on what a client sends: body size and time, header size.
 
-Who calls it: the app (:func:`read_body` for generation requests) and :class:`RequestGuard`
-(every HTTP request). Every limit comes from ``limits`` in the config; nothing is read without a
-size and a time bound. Violations are :class:`~router.errors.RouterError` (413, 408, 431).
+Who calls it: the app (:mod:`router.http.app`, :func:`read_body` for generation requests) and
+:class:`router.http.guard.RequestGuard` (every HTTP request). Every limit comes from ``limits`` in
+the config; nothing is read without a size and a time bound. Violations are
+:class:`~router.errors.RouterError` (413, 408, 431).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The outermost layer of every HTTP request: header bound, request id, trace span.
 
-Who calls it: the app wraps itself in one :class:`RequestGuard`. For each request it checks the
-header size (431 in OpenAI error form), builds the :class:`~router.http.context.RequestContext`
-(router's id, the client's ``X-Request-Id`` when safe, a request span continuing the client's W3C
-``traceparent`` when tracing is on) into ``request.state.ctx``, and puts ``X-Request-Id`` on the
-response unless the handler set one (the dispatch id that answered).
+Who calls it: the app (:mod:`router.http.app`) wraps itself in one :class:`RequestGuard`. For each
+request it checks the header size (431 in OpenAI error form), builds the
+:class:`~router.http.context.RequestContext` (router's id, the client's ``X-Request-Id`` when safe,
+a request span continuing the client's W3C ``traceparent`` when tracing is on) into
+``request.state.ctx``, and puts ``X-Request-Id`` on the response unless the handler set one (the
+dispatch id that answered).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Validation of client requests before any upstream traffic.
 
-Who calls it: the app, on the raw body of ``/v1/completions`` and ``/v1/chat/completions``.
+Who calls it: the app (:mod:`router.http.app`), on the raw body of ``/v1/completions`` and
+``/v1/chat/completions``.
 It checks what the router itself relies on (JSON object, model, prompt/messages, stream, token
 limits, ``n``) and what must never reach an instance: a body that is not UTF-8, nested deeper than
 ``limits.max_json_depth``, non-finite numbers (``NaN``, ``Infinity``, ``1e999``), wrongly typed
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.config import LimitsConfig
-from router.errors import ClientRequestError
+from router.errors import ClientRequestError, ModelNotFound
 from router.upstream import codec
 
 # Sampling parameters whose JSON type the router checks (vLLM would reject others with a 400
@@ -180,12 +181,7 @@ def parse_client_request(
     if not isinstance(model, str) or not model:
         raise ClientRequestError("model is required and must be a string", "model")
     if model not in models:
-        raise ClientRequestError(
-            f"The model `{model}` does not exist; served models: {', '.join(models)}",
-            "model",
-            status=404,
-            code="model_not_found",
-        )
+        raise ModelNotFound(model, models)
     if chat:
         _check_messages(body.get("messages"))
     elif "prompt" not in body:

@@ -102,9 +102,9 @@ class RouterMetrics:
             "Dispatches retried on a fresh P/D pair",
             registry=registry,
         )
-        self.discoveries = Counter(
+        self.identity_changes = Counter(
             "disagg_router_identity_changes",
-            "Prefill identities learned or changed by discovery",
+            "Prefill identities learned or changed (identity probes and P legs)",
             ["backend"],
             registry=registry,
         )

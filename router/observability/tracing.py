@@ -1,10 +1,11 @@
 """Optional OpenTelemetry tracing behind one small interface; a no-op when tracing is off.
 
-Who calls it: the runtime builds one :class:`Tracer` from ``tracing`` in the config
-(:func:`make_tracer`); the app opens a request span (continuing a client's W3C ``traceparent``),
-the dispatch a span per leg and one up to the first token, and each leg sends its span's
-``traceparent`` to vLLM. With tracing off (the default) every call is a constant no-op and the
-``opentelemetry`` packages are never imported; they come with the ``tracing`` extra.
+Who calls it: the runtime (:mod:`router.runtime`) builds one :class:`Tracer` from ``tracing`` in the
+config (:func:`make_tracer`); the request guard (:mod:`router.http.guard`) opens a request span
+(continuing a client's W3C ``traceparent``), the dispatch a span per leg and one up to the first
+token, and each leg sends its span's ``traceparent`` to vLLM. With tracing off (the default) every
+call is a constant no-op and the ``opentelemetry`` packages are never imported; they come with the
+``tracing`` extra.
 """
 
 from __future__ import annotations

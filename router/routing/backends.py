@@ -2,7 +2,7 @@
 
 Who mutates it: the load-signal scraper (``signals``), the dispatch (``in_flight`` and an
 admission slot around each leg, the leg's outcome into the ``breaker``) and the health monitor
-(``healthy``, ``checked``, breaker probes; the discovered identity goes through
+(``healthy``, ``checked``, breaker probes; the learned identity goes through
 :func:`router.health.monitor.learn_identity`). All mutation happens on the router's event
 loop, so no locking is needed. Policies only read it.
 """
@@ -40,8 +40,8 @@ class BackendState:
     role: Role
     healthy: bool = True
     in_flight: int = 0
-    discovered_identity: PushIdentity | None = None
-    discovered_at: float | None = None  # time.monotonic() of the last successful probe
+    learned_identity: PushIdentity | None = None
+    identity_learned_at: float | None = None  # time.monotonic() it was last learned
     failed_checks: int = 0  # consecutive failed health checks
     last_error: str | None = field(default=None)
     model: str = ""  # the served model name of the pool this backend belongs to
@@ -73,11 +73,11 @@ class BackendState:
 
     @property
     def identity(self) -> PushIdentity | None:
-        """The push identity: configured if given, else the last one discovered."""
-        return self.config.identity or self.discovered_identity
+        """The push identity: configured if given, else the last one learned (probe or P leg)."""
+        return self.config.identity or self.learned_identity
 
     @property
-    def needs_discovery(self) -> bool:
+    def needs_identity_probe(self) -> bool:
         return self.role == "prefill" and self.config.identity is None
 
     @property
@@ -94,10 +94,5 @@ class BackendState:
         if not self.breaker.closed:
             return f"breaker {self.breaker.state}: {self.breaker.last_error}"
         if require_identity and self.identity is None:
-            return "identity not discovered yet"
+            return "identity not learned yet"
         return None
-
-    def mark_failed(self, reason: str) -> None:
-        """Take the backend out of rotation until the next successful health check."""
-        self.healthy = False
-        self.last_error = reason

@@ -1,12 +1,13 @@
 """A pool of backends of one role of one model plus its policy; picks instances for a dispatch.
 
-Who calls it: the orchestrator, once per dispatch and leg; hot reload and discovery sources,
-through :meth:`Pool.update`, whenever the pool's membership or policy changes.
+Who calls it: the orchestrator, once per dispatch and leg, on the pools of the routing table
+(:mod:`router.routing.table`), which builds them and on hot reload updates them
+(:meth:`Pool.update`); :mod:`router.discovery.manager` sets a discovered pool's members.
 ``require_identity`` is set for the prefill pool in push mode: an instance whose identity is
-neither configured nor discovered yet cannot be paired and is skipped.
+neither configured nor learned yet cannot be paired and is skipped.
 
 Membership changes (:meth:`Pool.update`) keep the state of instances that stay (health, in-flight
-count, discovered identity, load signals) and apply at once, between two dispatches:
+count, learned identity, load signals) and apply at once, between two dispatches:
 - an instance that leaves is no longer chosen; dispatches already using it finish on it (they hold
   its state), and it is listed in ``draining`` until its last leg ends;
 - an instance that joins starts unhealthy and is chosen only after it passes a health check (and,

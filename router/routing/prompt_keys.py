@@ -1,7 +1,8 @@
 """What routing reads from a request's prompt: a prefix key, a session key, a length estimate.
 
-Who calls it: the policies (``prefix_affinity``, ``session_affinity``) and the conditional
-disaggregation rule. Pure functions of the validated request body; no I/O.
+Who calls it: the policies (:mod:`router.routing.policies`: ``prefix_affinity``,
+``session_affinity``) and the conditional disaggregation rule (:mod:`router.dispatch.orchestrator`).
+Pure functions of the validated request body; no I/O.
 
 Rendering: a completions prompt is its text (or its token ids); a chat request renders its
 messages in order with system (and developer) messages first, each as ``role``, a unit separator

@@ -1,6 +1,7 @@
 """The routing table: for each served model its P and D pools and its disaggregation rule.
 
-Who calls it: the runtime holds one :class:`LiveRouting`; requests read its current ``table``
+Who calls it: the runtime (:mod:`router.runtime`) holds one :class:`LiveRouting`; requests read
+its current ``table``
 (an immutable snapshot) once, at dispatch; hot reload calls :meth:`LiveRouting.apply` with a new,
 already validated config. ``apply`` runs without awaiting, so on the router's event loop the swap
 is atomic: a request sees either the old table or the new one. Pools of a model present in both
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from router.config import ModelRoute, RouterSettings
-from router.errors import ClientRequestError
+from router.errors import ModelNotFound
 from router.routing.pools import MembershipChange, Pool
 
 
@@ -42,13 +43,7 @@ class RoutingTable:
         """The pools serving ``model``; a 404 naming the served models otherwise."""
         found = self.models.get(model)
         if found is None:
-            known = ", ".join(self.models)
-            raise ClientRequestError(
-                f"The model `{model}` does not exist; served models: {known}",
-                "model",
-                status=404,
-                code="model_not_found",
-            )
+            raise ModelNotFound(model, self.models)
         return found
 
 

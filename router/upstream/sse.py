@@ -1,11 +1,11 @@
-"""OpenAI-style server-sent events (vLLM's streams, the router's): read with ``httpx-sse``, written
-by :func:`encode_data`.
+"""OpenAI-style server-sent events: read with ``httpx-sse``; :func:`encode_data` writes one event.
 
 An OpenAI stream is a sequence of ``data: <JSON>`` events ended by ``data: [DONE]``. The readers
 yield each event's data up to that terminator (not yielded) and raise :class:`StreamEndedEarly`
 when the stream ends without it; ``httpx_sse.SSEError`` when the answer is not an event stream;
 httpx errors propagate. Who uses them: the router's upstream legs, the bench client, the demo and
-the tests; the fake vLLM writes with :func:`encode_data`.
+the tests. :func:`encode_data` is the fake vLLM's (the router's relay writes its events from
+bytes, in the dispatch).
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def test_cpu_profile_answers_like_aggregated() -> None:
     assert text == aggregated["choices"][0]["message"]["content"]
     assert disaggregated["usage"]["completion_tokens"] == aggregated["usage"]["completion_tokens"]
     # The request really went P -> D: the router counted it, and P prefilled its prompt meanwhile
-    # (besides the router's request only its tiny discovery probes reach P).
+    # (besides the router's request only its tiny identity probes reach P).
     assert r_metrics.get("disagg_router_requests_total", 0.0) >= 1.0
     assert p_prefilled >= aggregated["usage"]["prompt_tokens"]
     assert leftovers == {"containers": [], "networks": [], "volumes": []}

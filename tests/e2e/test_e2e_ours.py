@@ -2,8 +2,8 @@
 
 One 2P1D stack serves the module (p0 and p1 on core 0, d0 on core 1). The 1P1D cases (the same
 as ``test_e2e_push.py``'s: the two connectors are interchangeable) run through a router
-that knows only p0 and d0 and discovers p0's identity; the 2P1D case through a router
-that knows both prefills and discovers their identities itself. Skipped while the connector's
+that knows only p0 and d0 and probes p0 for its identity; the 2P1D case through a router
+that knows both prefills and probes them for their identities itself. Skipped while the connector's
 vLLM facade is not importable in this checkout.
 
 Why 2P1D runs with our connector in the default suite: vLLM's NIXL connectors keep one core busy
@@ -48,7 +48,7 @@ def stack(e2e_dir: Path) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def router(stack: Stack) -> Iterator[RunningRouter]:
-    """A 1P1D push router (p0, d0); p0's identity discovered from p0."""
+    """A 1P1D push router (p0, d0); p0's identity probed from p0."""
     with running_router(stack, prefill_names=["p0"]) as running:
         router_completion(running.client(), stack.model_name, make_prompt("warmup"), False)
         yield running
@@ -64,7 +64,7 @@ def test_ours_2p1d_spreads_over_both_prefills_and_pairs_correctly(stack: Stack) 
     """
     prompts = [make_prompt(f"ours-2p1d-{i}") for i in range(8)]
     p0, p1 = stack.prefill
-    with running_router(stack) as router:  # both identities discovered
+    with running_router(stack) as router:  # both identities probed
         before = {p.name: metrics(p).get("vllm:prompt_tokens_total", 0.0) for p in stack.prefill}
         client = router.client()
         got = [
@@ -72,7 +72,7 @@ def test_ours_2p1d_spreads_over_both_prefills_and_pairs_correctly(stack: Stack) 
             for i, prompt in enumerate(prompts)
         ]
         after = {p.name: metrics(p).get("vllm:prompt_tokens_total", 0.0) for p in stack.prefill}
-    # Each P prefilled several of the ~300-word prompts (discovery probes are a few tokens).
+    # Each P prefilled several of the ~300-word prompts (identity probes are a few tokens).
     for name in (p0.name, p1.name):
         assert after[name] - before[name] >= 2 * 300, (name, before, after)
     want = [reference_text(p0, stack.model_name, p, False) for p in prompts]

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.upstream_push]
 # every block of D, a starved core) and can outlive P's 30 s lease (docs/notes/vllm-facts.md,
 # "Latency"), failing that request; the warm-up below absorbs it and retries.
 PUSH_OPTIONS = StackOptions(kind="vllm-push", topology="1p1d")
-ROUTER_OPTIONS = {"discovery_interval_s": 600.0}
+ROUTER_OPTIONS = {"identity_interval_s": 600.0}
 
 
 @pytest.fixture(scope="module")

@@ -140,7 +140,7 @@ def test_metrics_count_requests_and_latencies(fake: dict[str, FakeVllmServer]) -
 
 
 def test_unready_without_a_prefill_identity(fake: dict[str, FakeVllmServer]) -> None:
-    """Push mode, P has no configured identity and its discovery probe fails: not ready, and
+    """Push mode, P has no configured identity and its identity probe fails: not ready, and
     with ``when_no_prefill: fail`` requests are refused (by default D would serve them alone)."""
     p, d = fake["d1"], fake["d0"]
     p.state.kv_connector = False  # a "P" that returns no kv_transfer_params

@@ -33,7 +33,7 @@ def test_pull_runs_prefill_then_decode_with_its_kv_params(
     assert sse_payloads(resp.text)[-1] == "[DONE]"
     assert chat.status_code == 200
     assert chat.json()["choices"][0]["message"]["content"].startswith(" tok0")
-    # No discovery probe in pull mode: only the two prefill legs reached P.
+    # No identity probe in pull mode: only the two prefill legs reached P.
     p_legs, d_legs = p.state.generation_requests(), d.state.generation_requests()
     assert [r.path for r in p_legs] == ["/v1/completions", "/v1/chat/completions"]
     for p_leg, d_leg in zip(p_legs, d_legs, strict=True):

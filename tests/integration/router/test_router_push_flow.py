@@ -158,7 +158,7 @@ def test_stream_usage_chunk_is_merged(fake: dict[str, FakeVllmServer]) -> None:
 
 
 def test_two_prefills_each_pair_with_the_right_identity(fake: dict[str, FakeVllmServer]) -> None:
-    """2P1D with discovered identities: every D leg names the P that prefilled it."""
+    """2P1D with probed identities: every D leg names the P that prefilled it."""
     p0, p1, d = fake["p0"], fake["p1"], fake["d0"]
     settings = make_settings([p0.url, p1.url], [d.url])
     with running_router(settings) as router:
@@ -183,9 +183,9 @@ def test_two_prefills_each_pair_with_the_right_identity(fake: dict[str, FakeVllm
     assert used == {"engine-p0", "engine-p1"}
 
 
-def test_periodic_check_rediscovers_a_restarted_prefill(fake: dict[str, FakeVllmServer]) -> None:
+def test_periodic_check_reprobes_a_restarted_prefill(fake: dict[str, FakeVllmServer]) -> None:
     p, d = fake["p0"], fake["d0"]
-    settings = make_settings([p.url], [d.url], health={"interval": 0.1, "discovery_interval": 0.1})
+    settings = make_settings([p.url], [d.url], health={"interval": 0.1, "identity_interval": 0.1})
     req = {"model": MODEL, "prompt": "go", "max_tokens": 1}
     with running_router(settings) as router:
         assert httpx.post(f"{router.url}/v1/completions", json=req, timeout=10).is_success
@@ -247,10 +247,10 @@ def test_cached_tokens_from_prefill_kv_params_without_usage_details(
     }
 
 
-def test_discovery_probes_are_rationed(fake: dict[str, FakeVllmServer]) -> None:
-    """Health checks every 0.05 s, probes at most every discovery_interval (here: once)."""
+def test_identity_probes_are_rationed(fake: dict[str, FakeVllmServer]) -> None:
+    """Health checks every 0.05 s, probes at most every identity_interval (here: once)."""
     p, d = fake["p0"], fake["d0"]
-    settings = make_settings([p.url], [d.url], health={"interval": 0.05, "discovery_interval": 60})
+    settings = make_settings([p.url], [d.url], health={"interval": 0.05, "identity_interval": 60})
     with running_router(settings) as router:
         assert p.state.wait_for(lambda s: s.health_checks >= 10), "fewer than 10 health checks"
         assert httpx.get(f"{router.url}/ready").status_code == 200
@@ -280,7 +280,7 @@ def test_upstream_connections_are_reused(fake: dict[str, FakeVllmServer]) -> Non
 def test_restarted_prefill_is_relearned_on_rejoin_without_periodic_probes(
     fake: dict[str, FakeVllmServer],
 ) -> None:
-    """discovery_interval null: a P that goes down and comes back with a new engine id is
+    """identity_interval null: a P that goes down and comes back with a new engine id is
     probed again when it rejoins, and D legs name the new id."""
     d = fake["d0"]
     fabric = d.state.fabric
@@ -291,7 +291,7 @@ def test_restarted_prefill_is_relearned_on_rejoin_without_periodic_probes(
     settings = make_settings(
         [old.url],
         [d.url],
-        health={"interval": 0.1, "unhealthy_interval": 0.05, "discovery_interval": None},
+        health={"interval": 0.1, "unhealthy_interval": 0.05, "identity_interval": None},
     )
     req = {"model": MODEL, "prompt": "go", "max_tokens": 1}
     new = None

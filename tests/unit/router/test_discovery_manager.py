@@ -68,7 +68,7 @@ async def test_sets_feed_the_pool_and_a_changed_source_restarts() -> None:
         runtime = Runtime.create(_settings("a.test"), client)
         manager = DiscoveryManager(runtime, check, make=sources.make)
         manager.sync()
-        decode = runtime.pools_for("m")[1]
+        decode = runtime.model("m").decode
         assert await next_joiners() == ["http://127.0.0.1:2"]
         assert await next_joiners() == ["http://127.0.0.1:3"]
         assert [b.label for b in decode.backends] == ["http://127.0.0.1:2", "http://127.0.0.1:3"]

@@ -9,7 +9,6 @@ from prometheus_client import CollectorRegistry
 
 from router.config import InstanceConfig
 from router.discovery.source import Failed, Found, Update, base_url, found
-from router.discovery.static import StaticSource
 from router.discovery.watcher import PoolDiscovery
 from router.observability.metrics import RouterMetrics
 
@@ -86,7 +85,7 @@ async def test_run_consumes_a_source_until_cancelled() -> None:
         seen.append(instances)
         done.set()
 
-    source = StaticSource([InstanceConfig(url="http://127.0.0.1:9", name="p0")])
+    source = ScriptedSource([found([InstanceConfig(url="http://127.0.0.1:9", name="p0")])])
     watcher = PoolDiscovery("prefill", source, apply, RouterMetrics(CollectorRegistry()))
     task = asyncio.create_task(watcher.run())
     await done.wait()

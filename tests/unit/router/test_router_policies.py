@@ -75,8 +75,8 @@ def test_pool_skips_unhealthy_and_identityless_prefills() -> None:
     )
     pool = Pool("prefill", cfg, require_identity=True)
     assert [b.url[-1] for b in pool.usable()] == ["1", "3"]
-    pool.backends[1].discovered_identity = ident
-    pool.backends[2].mark_failed("down")
+    pool.backends[1].learned_identity = ident
+    pool.backends[2].healthy = False
     assert [b.url[-1] for b in pool.usable()] == ["1", "2"]
     assert pool.choose(exclude={"http://127.0.0.1:1"}).url.endswith("2")
     for b in pool.backends:

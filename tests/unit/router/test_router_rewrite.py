@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from router.config import PushIdentity
-from router.dispatch.ids import is_safe_request_id, new_request_id
+from connector.contract import has_engine_suffix
+from router.config import PushIdentity, settings_from_mapping
+from router.dispatch.ids import new_request_id
 from router.dispatch.rewrite import (
     client_response,
     decode_body_pull,
@@ -20,8 +21,9 @@ from router.dispatch.rewrite import (
     prefill_usage,
     strip_client_fields,
 )
-from router.errors import ClientRequestError, UpstreamHTTPError, error_payload
+from router.errors import ClientRequestError, UpstreamHTTPError, error_payload, outcome_label
 from router.http.validation import parse_client_request
+from router.routing.table import LiveRouting
 
 
 def test_request_ids_are_fresh_hex_without_vllm_suffix() -> None:
@@ -29,9 +31,8 @@ def test_request_ids_are_fresh_hex_without_vllm_suffix() -> None:
     assert len(ids) == 1000
     for rid in ids:
         assert re.fullmatch(r"[0-9a-f]{32}", rid)
-        assert is_safe_request_id(rid)
-    assert not is_safe_request_id("abc-0123abcd")
-    assert not is_safe_request_id("")
+        assert not has_engine_suffix(rid)
+    assert has_engine_suffix("abc-0123abcd")
 
 
 def test_prefill_body_caps_tokens_and_does_not_mutate() -> None:
@@ -142,6 +143,26 @@ def test_validation_error_carries_param_and_status() -> None:
     payload = error_payload(info.value)
     assert payload["error"]["param"] == "model"
     assert payload["error"]["code"] == "model_not_found"
+
+
+def test_an_unknown_model_is_one_404_at_validation_and_at_dispatch() -> None:
+    """Validation (before anything else) and the routing table (a reload may have dropped the
+    model since) raise the same error: same payload, status and outcome label."""
+    settings = settings_from_mapping(
+        {
+            "models": ["m"],
+            "prefill": {"instances": [{"url": "http://127.0.0.1:1"}]},
+            "decode": {"instances": [{"url": "http://127.0.0.1:2"}]},
+        }
+    )
+    with pytest.raises(ClientRequestError) as parsed:
+        parse_client_request(b'{"model": "x", "prompt": "p"}', chat=False, models={"m"})
+    with pytest.raises(ClientRequestError) as looked_up:
+        LiveRouting(settings).table.lookup("x")
+    for err in (parsed.value, looked_up.value):
+        assert (err.status, outcome_label(err)) == (404, "invalid_request")
+    assert error_payload(parsed.value) == error_payload(looked_up.value)
+    assert "served models: m" in looked_up.value.message
 
 
 def test_upstream_4xx_is_passed_through_and_5xx_becomes_502() -> None:

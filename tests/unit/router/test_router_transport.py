@@ -98,7 +98,8 @@ async def test_slow_health_checks_take_a_backend_out_only_after_the_threshold() 
         runtime = Runtime.create(settings, client)
         monitor = HealthMonitor(runtime)
         await monitor.check_all()
-        p_pool, d_pool = runtime.pools_for("m")
+        pools = runtime.model("m")
+        p_pool, d_pool = pools.prefill, pools.decode
         prefill, decode = p_pool.backends[0], d_pool.backends[0]
         assert prefill.healthy and prefill.identity is not None
         assert prefill.identity.engine_id == "eng"

@@ -116,7 +116,7 @@ async def test_a_leg_goes_out_with_the_headers_and_body_httpx_would_send() -> No
             "POST",
             url + "/v1/completions",
             content=codec.dumps(body),
-            headers=leg_headers(backend, "r-2", trace),
+            headers=leg_headers(client, backend, "r-2", trace),
         )
     head, _, sent_body = seen[1].partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")

@@ -1,0 +1,135 @@
+"""The import direction of the router's packages, read from the syntax trees (lazy imports and
+``TYPE_CHECKING`` imports count):
+
+- nothing imports ``router.http`` except the router's top-level modules (``router/*.py``), nor
+  do the dev tools;
+- ``router.upstream`` and ``router.observability`` import nothing of the request path
+  (``router.http``, ``dispatch``, ``routing``, ``health``, ``discovery``);
+- ``connector`` never imports ``router``;
+- ``router`` never imports the dev tools (``devstack``, ``bench``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+REQUEST_PATH = ("http", "dispatch", "routing", "health", "discovery")
+
+
+def _modules(package: str) -> dict[str, Path]:
+    out = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _is_module(name: str) -> bool:
+    base = REPO.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module ``name`` imports (``from a import b``: ``a``, and ``a.b`` if a module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = parts[: len(parts) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(
+                f"{base}.{alias.name}" for alias in node.names if _is_module(f"{base}.{alias.name}")
+            )
+    return found
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _violations(
+    sources: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()
+) -> list[tuple[str, str]]:
+    """``(importer, imported)`` for each module under ``sources`` (not under ``allowed``) that
+    imports a module under one of ``forbidden``."""
+    return sorted(
+        (name, imported)
+        for name, path in _modules(sources).items()
+        if not any(_within(name, a) for a in allowed)
+        for imported in _imports(name, path)
+        if any(_within(imported, f) for f in forbidden)
+    )
+
+
+def _top_level(name: str) -> bool:
+    """``router`` itself or one of ``router/*.py``."""
+    parts = name.split(".")
+    return parts == ["router"] or (
+        len(parts) == 2 and (REPO / "router" / f"{parts[1]}.py").is_file()
+    )
+
+
+KNOWN = {
+    # Request data defined in router.http but carried by the dispatch and the request log:
+    # RequestContext (http/context.py) and ClientRequest (http/validation.py) belong in a
+    # module below both (e.g. top-level router/request.py) once the app and dispatch splits land.
+    ("router.dispatch.state", "router.http.context"),
+    ("router.dispatch.state", "router.http.validation"),
+    ("router.dispatch.orchestrator", "router.http.context"),
+    ("router.dispatch.orchestrator", "router.http.validation"),
+    ("router.observability.reqlog", "router.http.context"),
+    # The TTFT-stage histogram's labels live with the arithmetic in dispatch/timeline.py, which
+    # is observability (pure, no I/O) and could move there.
+    ("router.observability.metrics", "router.dispatch.timeline"),
+    # The upstream calls take a BackendState (url, label, API key, endpoint cache) rather than a
+    # small protocol of their own.
+    ("router.upstream.calls", "router.routing.backends"),
+}
+"""Imports against the rules in the code today: each one a known debt, listed so that a new
+violation fails and a removed one must be struck from here."""
+
+
+def test_the_rules_see_imports() -> None:
+    """The reader finds what it must (else every rule below would pass vacuously)."""
+    imports = _imports("router.http.generate", REPO / "router" / "http" / "generate.py")
+    assert {"router.dispatch.orchestrator", "router.runtime"} <= imports
+    assert "router.http.app" in _imports("router.server", REPO / "router" / "server.py")
+
+
+def test_only_the_top_level_imports_router_http() -> None:
+    importers = [
+        (name, imported)
+        for name, imported in _violations("router", ("router.http",), allowed=("router.http",))
+        if not _top_level(name)
+    ]
+    assert set(importers) == {pair for pair in KNOWN if pair[1].startswith("router.http")}
+    assert _violations("devtools", ("router.http",)) == []  # they start the router by its top level
+
+
+@pytest.mark.parametrize("lower", ["router.upstream", "router.observability"])
+def test_lower_layers_import_no_request_path_package(lower: str) -> None:
+    forbidden = tuple(f"router.{p}" for p in REQUEST_PATH)
+    found = [
+        (name, imported)
+        for name, imported in _violations("router", forbidden)
+        if _within(name, lower)
+    ]
+    assert set(found) == {pair for pair in KNOWN if _within(pair[0], lower)}
+
+
+def test_the_connector_never_imports_the_router() -> None:
+    assert _violations("connector", ("router",)) == []
+
+
+def test_the_router_never_imports_the_dev_tools() -> None:
+    assert _violations("router", ("devstack", "bench")) == []
