@@ -241,6 +241,7 @@ class TimeoutsConfig(_Frozen):
     ``connect``: TCP connect to an instance. ``prefill``: the whole P leg. ``first_token``: from
     dispatch until D's first token. ``total``: the whole request, end to end. ``health``: one
     ``/health`` call. ``identity_probe``: one identity probe (a 1-token prefill on P).
+    ``inter_token``: the longest silence of D in a stream after its first token.
     """
 
     connect: float = Field(default=5.0, gt=0)
@@ -250,6 +251,14 @@ class TimeoutsConfig(_Frozen):
     health: float = Field(default=10.0, gt=0)
     identity_probe: float = Field(
         default=60.0, gt=0, description="seconds for one identity probe (old name: discovery)"
+    )
+    inter_token: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "a streamed answer whose D sends nothing for this long after its first token ends "
+            "with one SSE error event, counted against D's breaker"
+        ),
     )
 
     @model_validator(mode="before")

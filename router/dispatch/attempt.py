@@ -1,326 +1,109 @@
-"""One P/D dispatch: both legs of one attempt, shared by push and pull mode.
+"""One P/D dispatch attempt, shared by push and pull mode: its lifecycle, from the pair to close.
 
-Who calls it: :func:`router.dispatch.orchestrator.open_dispatch`, which chooses the pair and may
-retry.
-Lifecycle: ``open()`` runs the legs up to the commit point (D's first token, or D's whole answer
-for a non-streamed request); then ``sse_events()`` or ``json_response()`` relays the rest; then
-``close()`` (always, also on errors and disconnects) cancels whatever still runs.
+Who calls it: :func:`router.dispatch.orchestrator.open_dispatch`, which chooses the pair (each
+leg already counted in flight by its pool) and may retry on a fresh one; the HTTP layer then
+relays and closes it. Lifecycle: ``open()`` admits the pair and runs the legs up to the commit
+point (D's first token, or D's whole answer for a non-streamed request); then ``sse_events()``
+or ``json_response()`` relays the rest; then ``close()`` (always, also on errors and
+disconnects) cancels whatever still runs and gives back what the attempt holds.
 
+The pieces: :mod:`router.dispatch.state` (what they share), :mod:`router.dispatch.holds`
+(in-flight counts and admission), :mod:`router.dispatch.legs` (P's and D's leg),
+:mod:`router.dispatch.commit` (up to the first token), :mod:`router.dispatch.relay` (after it).
 The only difference between the modes is when the D leg may start: in push mode right away with
 P's identity (so D's block registration overlaps prefill); in pull mode after P answered, with
-the ``kv_transfer_params`` P returned. Everything else (timeouts, commit point, relay, usage
-merge, cancellation) is one code path. Every wait is bounded by a configured timeout.
+the ``kv_transfer_params`` P returned. Every wait is bounded by a configured timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator
 from typing import Any
 
-from router.config import PushIdentity
-from router.dispatch.ids import new_request_id
-from router.dispatch.rewrite import (
-    client_response,
-    decode_body_pull,
-    decode_body_push,
-    identity_from_kv,
-    merge_usage,
-    prefill_body,
-    prefill_usage,
-    strip_client_fields,
-)
-from router.dispatch.timeline import ttft_stages
-from router.errors import (
-    NoBackendAvailable,
-    RouterError,
-    RouterNotReady,
-    UpstreamError,
-    UpstreamProtocolError,
-    UpstreamTimeout,
-    error_payload,
-)
-from router.health.admission import Slot
-from router.health.monitor import learn_identity
-from router.http.context import RequestContext
-from router.http.validation import ClientRequest
-from router.observability.tracing import Span, span_attributes
+from router.dispatch.commit import until_first_token
+from router.dispatch.holds import Holds
+from router.dispatch.relay import Relay
+from router.dispatch.state import Attempt
+from router.errors import NoBackendAvailable, RouterError, RouterNotReady, UpstreamError
 from router.routing.backends import BackendState
-from router.runtime import Runtime
-from router.upstream import codec
-from router.upstream.calls import open_sse, post_json
 
 log = logging.getLogger(__name__)
 
 
-class _End:
-    """Queue sentinel: the D leg finished cleanly."""
-
-
-_END = _End()
-DecodeItem = str | dict[str, Any] | RouterError | _End
-
-
-def sse_error_event(exc: RouterError) -> bytes:
-    """The one SSE event sent when a stream fails after its first byte went out."""
-    return b"data: " + json.dumps(error_payload(exc)).encode() + b"\n\n"
-
-
 class Dispatch:
-    """Both legs of one attempt on one (P, D) pair with one fresh request id.
+    """Both legs of one attempt (:class:`~router.dispatch.state.Attempt`: one (P, D) pair, one
+    fresh request id, the request's deadline).
 
-    ``prefill`` None: D alone (conditional disaggregation): D gets the client's request as is
-    (without ``kv_transfer_params``) and prefills locally; there is no P leg and no transfer.
+    P None: D alone (conditional disaggregation): D gets the client's request as is (without
+    ``kv_transfer_params``) and prefills locally; there is no P leg and no transfer. P and D come
+    counted in flight by their pools' ``choose()``; the dispatch owns those counts from here on.
     """
 
-    def __init__(
-        self,
-        runtime: Runtime,
-        request: ClientRequest,
-        prefill: BackendState | None,
-        decode: BackendState,
-        ctx: RequestContext | None = None,
-        request_id: str | None = None,
-    ) -> None:
-        self.runtime = runtime
-        self.request = request
-        self.prefill = prefill
-        self.decode = decode
-        self.ctx = ctx or RequestContext()
-        self.request_id = request_id or new_request_id()
-        self.transfer_id = self.request_id
-        self.started = time.monotonic()
-        self.outcome = "in_progress"
-        self._queue: asyncio.Queue[DecodeItem] = asyncio.Queue()
-        self._p_task: asyncio.Task[dict[str, Any]] | None = None
-        self._d_task: asyncio.Task[None] | None = None
-        self._sent_identity: PushIdentity | None = None
-        self._first: DecodeItem = _END
-        self._slots: dict[str, Slot] = {}
-        self.timings: dict[str, float] = {}  # stage -> seconds since ``started``
-        self._stamps: dict[str, float] = {}  # more moments for the TTFT stages, same clock
+    def __init__(self, attempt: Attempt) -> None:
+        self._a = attempt
+        legs = [b for b in (attempt.prefill, attempt.decode) if b is not None]
+        self._holds = Holds(attempt.runtime.metrics, legs)
+        self._relay = Relay(attempt)
 
-    def _mark(self, stage: str) -> None:
-        self.timings.setdefault(stage, round(time.monotonic() - self.started, 6))
+    @property
+    def request_id(self) -> str:
+        return self._a.request_id
 
-    def _stamp(self, moment: str) -> None:
-        """A moment only the TTFT stages use (:func:`router.dispatch.timeline.ttft_stages`)."""
-        self._stamps.setdefault(moment, time.monotonic() - self.started)
+    @property
+    def prefill(self) -> BackendState | None:
+        return self._a.prefill
 
-    # ---- passive health and admission -------------------------------------------------------
+    @property
+    def decode(self) -> BackendState:
+        return self._a.decode
 
-    def _leg_failed(self, backend: BackendState, exc: UpstreamError) -> None:
-        """Feed a leg's failure to its instance's breaker (a 4xx is not the instance's fault)."""
-        if exc.instance_fault and backend.breaker.record_failure(exc.message, trip=exc.unreachable):
-            log.warning("%s %s taken out by its breaker: %s", backend.role, backend.label, exc)
-            m = self.runtime.metrics
-            m.child(m.breaker_open, backend.role, backend.label).set(1)
+    @property
+    def timings(self) -> dict[str, float]:
+        """Stage -> seconds since the attempt started (the request log's ``timings``)."""
+        return self._a.timings
 
-    def _leg_ok(self, backend: BackendState) -> None:
-        if not backend.breaker.closed or backend.breaker.failures:
-            backend.breaker.record_success()
-            m = self.runtime.metrics
-            m.child(m.breaker_open, backend.role, backend.label).set(0)
+    @property
+    def outcome(self) -> str:
+        """``in_progress`` until the answer ended: ``ok``, ``decode_failed_midstream``, or what
+        the HTTP layer sets (``client_disconnected``)."""
+        return self._a.outcome
 
-    async def _admit(self, backend: BackendState) -> None:
-        m = self.runtime.metrics
-        queue = m.child(m.admission_queue, backend.role, backend.label)
-        queued = not backend.gate.has_room()
-        if queued:
-            queue.inc()
-        try:
-            slot, waited = await backend.gate.acquire(backend.label)
-        except RouterError:
-            m.child(m.admission_rejected, backend.role, backend.label).inc()
-            raise
-        finally:
-            if queued:
-                queue.dec()
-        m.child(m.admission_wait, backend.role).observe(waited)
-        self._slots[backend.role] = slot
-
-    # ---- legs -------------------------------------------------------------------------------
-
-    @contextmanager
-    def _track(self, backend: BackendState) -> Iterator[Span]:
-        """Around one leg: in-flight count, its trace span, its admission slot released after."""
-        m = self.runtime.metrics
-        gauge = m.child(m.in_flight, backend.role, backend.label)
-        backend.in_flight += 1
-        gauge.set(backend.in_flight)
-        span = self.ctx.trace.child(
-            backend.role, span_attributes(backend=backend.label, request_id=self.request_id)
-        )
-        error: str | None = "cancelled"
-        try:
-            yield span
-            error = None
-        except RouterError as exc:
-            error = exc.message
-            raise
-        finally:
-            span.end(error)
-            backend.in_flight -= 1
-            gauge.set(backend.in_flight)
-            slot = self._slots.get(backend.role)
-            if slot is not None:
-                slot.release()
-
-    async def _prefill_leg(self, prefill: BackendState) -> dict[str, Any]:
-        """P leg: 1 token, not streamed; returns P's answer after checking its kv params."""
-        t = self.runtime.settings.timeouts
-        body = prefill_body(self.request.body, self.request.chat, self.transfer_id)
-        outcome = "error"
-        start = time.monotonic()
-        self._stamp("prefill_sent")
-        try:
-            with self._track(prefill) as span:
-                try:
-                    async with asyncio.timeout(t.prefill):
-                        data = await post_json(
-                            self.runtime.client,
-                            prefill,
-                            "prefill",
-                            self.request.path,
-                            body,
-                            self.request_id,
-                            span.headers(),
-                        )
-                except TimeoutError as exc:
-                    outcome = "timeout"
-                    raise UpstreamTimeout(
-                        "prefill", prefill.label, f"no answer within {t.prefill:g}s"
-                    ) from exc
-            self._check_prefill_answer(prefill, data)
-            self._leg_ok(prefill)
-            self._mark("prefill_done")
-            outcome = "ok"
-            log.debug(
-                "dispatch %s: prefill %s answered in %.3fs",
-                self.request_id,
-                prefill.label,
-                time.monotonic() - start,
-            )
-            return data
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except UpstreamError as exc:
-            self._leg_failed(prefill, exc)
-            raise
-        finally:
-            m = self.runtime.metrics
-            m.child(m.prefill_duration, prefill.label, outcome).observe(time.monotonic() - start)
-
-    def _check_prefill_answer(self, prefill: BackendState, data: dict[str, Any]) -> None:
-        kv = data.get("kv_transfer_params")
-        if not isinstance(kv, dict):
-            raise UpstreamProtocolError(
-                "prefill",
-                prefill.label,
-                "answer has no kv_transfer_params (is a NIXL KV connector configured?)",
-            )
-        if self._sent_identity is None:
-            return
-        try:
-            answered = identity_from_kv(kv)
-        except ValueError as exc:
-            raise UpstreamProtocolError("prefill", prefill.label, str(exc)) from exc
-        sent = self._sent_identity.engine_id
-        if answered.engine_id == sent:
-            return
-        if prefill.config.identity is not None:
-            raise UpstreamProtocolError(
-                "prefill",
-                prefill.label,
-                f"configured engine_id {sent} does not match the instance's "
-                f"{answered.engine_id}; fix the router config",
-            )
-        learn_identity(self.runtime, prefill, answered)
-        raise UpstreamProtocolError(
-            "prefill",
-            prefill.label,
-            f"engine id changed from {sent} to {answered.engine_id}; "
-            "the decode leg was paired with the old one",
-        )
-
-    async def _decode_leg(self) -> None:
-        """D leg: puts SSE payloads (or the one JSON answer), then ``_END`` or an error."""
-        try:
-            body = await self._decode_body()
-            start = time.monotonic()
-            self._stamp("decode_sent")
-            m = self.runtime.metrics
-            first = m.child(m.decode_first_token, self.decode.label)
-            args = (self.runtime.client, self.decode, "decode", self.request.path, body)
-            with self._track(self.decode) as span:
-                if self.request.stream:
-                    async with open_sse(*args, self.request_id, span.headers()) as payloads:
-                        async for payload in payloads:
-                            if start:
-                                first.observe(time.monotonic() - start)
-                                start = 0.0
-                                self._leg_ok(self.decode)
-                            self._queue.put_nowait(payload)
-                else:
-                    answer = await post_json(*args, self.request_id, span.headers())
-                    first.observe(time.monotonic() - start)
-                    self._leg_ok(self.decode)
-                    self._queue.put_nowait(answer)
-            self._queue.put_nowait(_END)
-        except RouterError as exc:
-            # In pull mode D's body waits for P: P's error surfaces here too, and is P's fault.
-            if isinstance(exc, UpstreamError) and exc.leg == "decode":
-                self._leg_failed(self.decode, exc)
-            self._queue.put_nowait(exc)
-
-    async def _decode_body(self) -> dict[str, Any]:
-        if self.prefill is None:
-            return strip_client_fields(self.request.body)
-        if self._sent_identity is not None:
-            return decode_body_push(
-                self.request.body, self._sent_identity, self.request_id, self.transfer_id
-            )
-        assert self._p_task is not None
-        answer = await asyncio.shield(self._p_task)
-        return decode_body_pull(self.request.body, answer["kv_transfer_params"], self.transfer_id)
-
-    # ---- commit point -----------------------------------------------------------------------
+    @outcome.setter
+    def outcome(self, value: str) -> None:
+        self._a.outcome = value
 
     async def open(self) -> None:
-        """Start both legs and wait for D's first token (the commit point).
+        """Admit the pair, start both legs and wait for D's first token (the commit point).
 
-        Raises the failing leg's error if P fails first or D fails before its first token, and
-        :class:`UpstreamTimeout` if the first token does not come in time. The caller must call
-        ``close()`` in every case.
+        Raises :class:`~router.errors.Overloaded` when an instance is full, the failing leg's
+        error if P fails first or D fails before its first token, and
+        :class:`~router.errors.UpstreamTimeout` if the first token does not come in time. The
+        caller must call ``close()`` in every case.
         """
-        settings = self.runtime.settings
-        prefill = self.prefill
-        if settings.mode == "push" and prefill is not None:
-            self._sent_identity = prefill.identity
-            if self._sent_identity is None:
-                raise NoBackendAvailable(f"prefill {prefill.label} has no known identity")
+        a = self._a
+        settings = a.runtime.settings
+        if settings.mode == "push" and a.prefill is not None:
+            a.sent_identity = a.prefill.identity
+            if a.sent_identity is None:
+                raise NoBackendAvailable(f"prefill {a.prefill.label} has no known identity")
         log.debug(
             "dispatch %s: %s %s prefill=%s (engine %s) decode=%s",
-            self.request_id,
+            a.request_id,
             settings.mode,
-            self.request.path,
-            prefill.label if prefill is not None else "-",
-            self._sent_identity.engine_id if self._sent_identity else "-",
-            self.decode.label,
+            a.request.path,
+            a.prefill.label if a.prefill is not None else "-",
+            a.sent_identity.engine_id if a.sent_identity else "-",
+            a.decode.label,
         )
-        self.runtime.lifecycle.enter(self)
-        if prefill is not None:
-            await self._admit(prefill)
-        await self._admit(self.decode)
-        self._mark("admitted")
-        first_token = self.ctx.trace.child("first_token", {"request_id": self.request_id})
+        a.runtime.lifecycle.enter(self)
+        await self._holds.admit()
+        a.mark("admitted")
+        first_token = a.ctx.trace.child("first_token", {"request_id": a.request_id})
         try:
-            await self._until_first_token()
+            await until_first_token(a, self._holds)
         except RouterError as exc:
             first_token.end(exc.message)
             raise
@@ -329,176 +112,37 @@ class Dispatch:
     def abort(self, reason: str) -> None:
         """End this dispatch early (router stopping): its client gets an error now, before or
         after the commit point; the legs are cancelled by ``close()`` as always."""
-        self._queue.put_nowait(RouterNotReady(reason))
+        self._a.queue.put_nowait(RouterNotReady(reason))
 
-    async def _until_first_token(self) -> None:
-        settings = self.runtime.settings
-        prefill = self.prefill
-        if prefill is not None:
-            self._p_task = asyncio.create_task(self._prefill_leg(prefill))
-        self._d_task = asyncio.create_task(self._decode_leg())
-        t = settings.timeouts
-        limit = min(t.first_token, t.total) if self.request.stream else t.total
-        deadline = self.started + limit
-        get = asyncio.create_task(self._queue.get())
-        waiting: set[asyncio.Future[Any]] = {get}
-        if self._p_task is not None:
-            waiting.add(self._p_task)
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    p_busy = self._p_task is not None and not self._p_task.done()
-                    backend = prefill if p_busy and prefill is not None else self.decode
-                    leg = "prefill" if backend is prefill else "decode"
-                    exc = UpstreamTimeout(leg, backend.label, f"no first token within {limit:g}s")
-                    self._leg_failed(backend, exc)
-                    raise exc
-                done, _ = await asyncio.wait(
-                    waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED
-                )
-                if self._p_task is not None and self._p_task in done:
-                    waiting.discard(self._p_task)
-                    p_exc = self._p_task.exception()
-                    if p_exc is not None:
-                        raise p_exc
-                if get in done:
-                    item = get.result()
-                    if isinstance(item, RouterError):
-                        raise item
-                    self._first = item
-                    self._mark("first_token")
-                    log.debug(
-                        "dispatch %s: first token after %.3fs",
-                        self.request_id,
-                        time.monotonic() - self.started,
-                    )
-                    return
-        finally:
-            get.cancel()
-
-    # ---- relay ------------------------------------------------------------------------------
-
-    async def _prefill_usage(self) -> Any:
-        """P's usage, waiting for P (bounded by the total timeout); None if P failed."""
-        if self._p_task is None:
-            return None
-        left = self.started + self.runtime.settings.timeouts.total - time.monotonic()
-        try:
-            async with asyncio.timeout(max(left, 0.0)):
-                answer = await asyncio.shield(self._p_task)
-        except (RouterError, TimeoutError):
-            return None
-        return prefill_usage(answer)
-
-    async def _client_event(self, payload: str) -> bytes:
-        if '"usage"' in payload:
-            try:
-                chunk = codec.loads(payload)
-            except ValueError:
-                chunk = None
-            if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
-                chunk["usage"] = merge_usage(chunk["usage"], await self._prefill_usage())
-                return b"data: " + codec.dumps(chunk) + b"\n\n"
-        return b"data: " + payload.encode() + b"\n\n"
-
-    async def sse_events(self) -> AsyncGenerator[bytes, None]:
-        """Client SSE bytes from the first token on; a later failure ends it with one error event.
-
-        What D has already sent goes out in one write (the events of one upstream read arrive
-        together); nothing waits for more, so the client sees every event as soon as it would
-        alone. Sets ``outcome`` before it yields the stream's last chunk, and only then (the
-        response ends the body with that chunk). Never raises :class:`RouterError` (headers are
-        already sent).
-        """
-        left = self.started + self.runtime.settings.timeouts.total - time.monotonic()
-        expiry = asyncio.get_running_loop().call_later(max(left, 0.0), self._expire)
-        item: DecodeItem | None = self._first
-        try:
-            while True:
-                events, item = await self._ready_events(item)
-                end = self._end_event(item)
-                if events or end is not None:
-                    yield b"".join(events if end is None else [*events, end])
-                if events and "client_first" not in self._stamps:
-                    self._observe_ttft_stages()
-                if end is not None:
-                    return
-                if not isinstance(item, str):
-                    item = await self._queue.get()
-        finally:
-            expiry.cancel()
-
-    async def _ready_events(self, item: DecodeItem | None) -> tuple[list[bytes], DecodeItem | None]:
-        """Client events for ``item`` and the payloads queued behind it; returns them with the
-        first item not taken (None: the queue is empty). A usage chunk may wait for P's answer,
-        so it starts a batch of its own: the events before it are not held back."""
-        batch: list[bytes] = []
-        while isinstance(item, str):
-            if batch and '"usage"' in item:
-                break
-            batch.append(await self._client_event(item))
-            try:
-                item = self._queue.get_nowait()
-            except asyncio.QueueEmpty:
-                item = None
-        return batch, item
-
-    def _end_event(self, item: DecodeItem | None) -> bytes | None:
-        """The stream's last event if ``item`` ends it (sets ``outcome``); None otherwise."""
-        if isinstance(item, _End):
-            self.outcome = "ok"
-            return b"data: [DONE]\n\n"
-        if isinstance(item, RouterError):
-            self.outcome = "decode_failed_midstream"
-            log.warning("dispatch %s failed mid-stream: %s", self.request_id, item.message)
-            return sse_error_event(item)
-        return None
-
-    def _expire(self) -> None:
-        """The relay's one timer: at the total timeout, queue the error that ends the stream
-        (no timer per awaited token; what D queued before it is still relayed)."""
-        limit = self.runtime.settings.timeouts.total
-        self._queue.put_nowait(
-            UpstreamTimeout("decode", self.decode.label, f"total {limit:g}s exceeded")
-        )
+    def sse_events(self) -> AsyncGenerator[bytes, None]:
+        """The client's SSE bytes after ``open()`` (:meth:`Relay.sse_events`)."""
+        return self._relay.sse_events()
 
     async def json_response(self) -> dict[str, Any]:
-        """The non-streamed answer for the client (after ``open()``), usage merged."""
-        if not isinstance(self._first, dict):
-            raise UpstreamProtocolError("decode", self.decode.label, "unexpected streamed answer")
-        self.outcome = "ok"
-        answer = client_response(self._first, await self._prefill_usage())
-        self._observe_ttft_stages()
-        return answer
-
-    def _observe_ttft_stages(self) -> None:
-        """Record the TTFT stages once the first answer byte is on its way to the client."""
-        self._stamp("client_first")
-        m = self.runtime.metrics
-        for stage, seconds in ttft_stages({**self.timings, **self._stamps}).items():
-            m.child(m.ttft_stage, stage).observe(seconds)
+        """The non-streamed answer for the client after ``open()``, usage merged."""
+        return await self._relay.json_response()
 
     async def close(self) -> None:
-        """Cancel whatever leg still runs and wait for it to unwind (idempotent).
+        """Cancel whatever leg still runs, wait for it to unwind, give back the in-flight counts
+        and admission slots (idempotent).
 
         After a successful answer the P leg is drained first (its answer can arrive after D's
         last token in push mode), bounded by what is left of the prefill timeout; reading it to
         the end also keeps the connection to P reusable.
         """
-        p_task = self._p_task
-        if self.outcome == "ok" and p_task is not None and not p_task.done():
-            left = self.started + self.runtime.settings.timeouts.prefill - time.monotonic()
+        a = self._a
+        p_task = a.p_task
+        if a.outcome == "ok" and p_task is not None and not p_task.done():
+            left = a.started + a.runtime.settings.timeouts.prefill - time.monotonic()
             if left > 0:
                 await asyncio.wait({p_task}, timeout=left)
-        tasks = [t for t in (self._d_task, self._p_task) if t is not None]
+        tasks = [t for t in (a.d_task, a.p_task) if t is not None]
         for task in tasks:
             if not task.done():
                 task.cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        for slot in self._slots.values():
-            slot.release()
-        self.runtime.lifecycle.leave(self)
-        p_result = results[-1] if self._p_task is not None else None
-        if isinstance(p_result, UpstreamError) and self.outcome == "ok":
-            log.warning("dispatch %s: prefill failed after commit: %s", self.request_id, p_result)
+        self._holds.release_all()
+        a.runtime.lifecycle.leave(self)
+        p_result = results[-1] if a.p_task is not None else None
+        if isinstance(p_result, UpstreamError) and a.outcome == "ok":
+            log.warning("dispatch %s: prefill failed after commit: %s", a.request_id, p_result)

@@ -1,24 +1,30 @@
 """Chooses the route and the instances for a client request, opens the dispatch, retries once if
 configured.
 
-Who calls it: the app's generation endpoints (:mod:`router.http.app`). The request's ``model`` picks
-its pools and its disaggregation rule from the current routing table (read once: a reload during the
-request does not move it). The rule decides whether a P is used at all (:func:`decide`); P (if any)
-and D are both chosen before any leg starts. A retry happens only when ``retry_on_fresh_pair`` is
-set (the default), the failure is retryable (not a 4xx from vLLM) and nothing has been sent to the
-client yet (we are still before the commit point); the retry never re-picks the instance that
-failed, whatever the policy (no other usable instance: the first failure is the answer), and uses a
-fresh request id. The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
+Who calls it: the app's generation endpoints (:mod:`router.http.generate`). The request's
+``model`` picks its pools and its disaggregation rule from the current routing table (read once: a
+reload during the request does not move it). The rule decides whether a P is used at all
+(:func:`decide`); P (if any) and D are both chosen before any leg starts, each counted in flight
+by its pool. A retry happens only when ``retry_on_fresh_pair`` is set (the default), the failure
+is retryable (not a 4xx from vLLM) and nothing has been sent to the client yet (we are still
+before the commit point); the retry never re-picks the instance that failed, whatever the policy
+(no other usable instance: the first failure is the answer, and no retry is logged or counted),
+and uses a fresh request id. Every attempt shares one ``timeouts.total`` deadline, counted from
+the first attempt: a retry does not restart it. The decision is counted in
+``disagg_router_routing_decisions_total`` and logged.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from router.dispatch.attempt import Dispatch
+from router.dispatch.state import Attempt
 from router.errors import NoBackendAvailable, UpstreamError
 from router.http.context import RequestContext
 from router.http.validation import ClientRequest
+from router.routing.backends import BackendState
 from router.routing.policies import RoutingInput
 from router.routing.prompt_keys import estimated_tokens
 from router.routing.table import ModelPools
@@ -56,46 +62,73 @@ async def open_dispatch(
     decision = decide(found, routed)
     runtime.metrics.child(runtime.metrics.routing_decisions, request.model, decision).inc()
     attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
+    deadline = time.monotonic() + runtime.settings.timeouts.total
     avoid: set[str] = set()
-    failure: UpstreamError | None = None
+    failure: tuple[str, UpstreamError] | None = None  # the failed attempt's id and error
     for attempt in range(1, attempts + 1):
-        strict = failure is not None
         try:
-            prefill = (
-                found.prefill.choose(avoid, routed, strict) if decision == DISAGGREGATED else None
-            )
-            decode = found.decode.choose(avoid, routed, strict)
+            prefill, decode = _choose_pair(found, decision, routed, avoid, failure is not None)
         except NoBackendAvailable:
             if failure is not None:
-                raise failure from None
+                raise failure[1] from None
             raise
+        if failure is not None:
+            _note_retry(runtime, *failure)
         rid = ctx.request_id if attempt == 1 else None
-        dispatch = Dispatch(runtime, request, prefill, decode, ctx, rid)
-        log.info(
-            "request %s model=%s route=%s prefill=%s decode=%s",
-            dispatch.request_id,
-            request.model,
-            decision,
-            prefill.label if prefill is not None else "-",
-            decode.label,
-        )
-        opened = False
+        dispatch = Dispatch(Attempt(runtime, request, prefill, decode, ctx, rid, deadline))
+        _log_attempt(dispatch, request, decision)
         try:
-            await dispatch.open()
-            opened = True
+            await _open(dispatch)
             return dispatch
         except UpstreamError as exc:
             if attempt == attempts or not exc.retryable:
                 raise
-            log.warning(
-                "dispatch %s failed before commit (%s); retrying on a fresh pair",
-                dispatch.request_id,
-                exc.message,
-            )
-            runtime.metrics.retries.inc()
             avoid.add(exc.backend)
-            failure = exc
-        finally:
-            if not opened:
-                await dispatch.close()
+            failure = dispatch.request_id, exc
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _note_retry(runtime: Runtime, failed_id: str, failure: UpstreamError) -> None:
+    """Log and count a retry that happens (a fresh pair was chosen)."""
+    log.warning(
+        "dispatch %s failed before commit (%s); retrying on a fresh pair",
+        failed_id,
+        failure.message,
+    )
+    runtime.metrics.retries.inc()
+
+
+async def _open(dispatch: Dispatch) -> None:
+    """``dispatch.open()``; a dispatch that failed to open is closed before the error goes on."""
+    opened = False
+    try:
+        await dispatch.open()
+        opened = True
+    finally:
+        if not opened:
+            await dispatch.close()
+
+
+def _choose_pair(
+    found: ModelPools, decision: str, routed: RoutingInput, avoid: set[str], strict: bool
+) -> tuple[BackendState | None, BackendState]:
+    """P (None: D alone) and D for one attempt, each counted in flight by its pool; when D
+    cannot be chosen, P's count is given back before :class:`NoBackendAvailable` propagates."""
+    prefill = found.prefill.choose(avoid, routed, strict) if decision == DISAGGREGATED else None
+    try:
+        return prefill, found.decode.choose(avoid, routed, strict)
+    except NoBackendAvailable:
+        if prefill is not None:
+            prefill.in_flight -= 1
+        raise
+
+
+def _log_attempt(dispatch: Dispatch, request: ClientRequest, decision: str) -> None:
+    log.info(
+        "request %s model=%s route=%s prefill=%s decode=%s",
+        dispatch.request_id,
+        request.model,
+        decision,
+        dispatch.prefill.label if dispatch.prefill is not None else "-",
+        dispatch.decode.label,
+    )

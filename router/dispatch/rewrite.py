@@ -1,8 +1,9 @@
 """Pure request/response rewriting for the two legs of a P/D dispatch.
 
-Who calls it: the dispatch's legs and relay (:mod:`router.dispatch.attempt`: leg bodies, P's answer,
-usage, the client's answer) and the identity probe (:mod:`router.health.monitor`). Every function
-returns a new object and never mutates its input. No I/O here, so all of it is unit-tested directly.
+Who calls it: the dispatch's legs (:mod:`router.dispatch.legs`: leg bodies, P's answer) and relay
+(:mod:`router.dispatch.relay`: usage, the client's answer) and the identity probe
+(:mod:`router.health.monitor`). Every function returns a new object and never mutates its input.
+No I/O here, so all of it is unit-tested directly.
 
 Wire facts (vLLM 0.32 NIXL connectors): the prefill leg carries ``kv_transfer_params`` with
 ``do_remote_decode: true``; the decode leg carries ``do_remote_prefill: true`` plus P's

@@ -1,7 +1,7 @@
 """Where a dispatch's time to first token goes, from the timestamps the router itself sees.
 
-Who uses it: :class:`router.dispatch.attempt.Dispatch` marks the moments below (seconds since it
-started) and, once the first event is handed to the client, records
+Who uses it: a dispatch attempt (:class:`router.dispatch.state.Attempt`) marks the moments below
+(seconds since it started) and, once the first event is handed to the client, its relay records
 :func:`ttft_stages` into the ``disagg_router_ttft_stage_seconds`` histogram. What happens inside
 P and D (queueing, the KV WRITE, D's first step) is not visible here; vLLM's and the connector's
 own metrics split it further (docs/router.md, "Where TTFT goes").

@@ -1,11 +1,11 @@
 """Admission control: a bounded number of legs per instance and a bounded wait for a slot.
 
-Who calls it: the dispatch (:mod:`router.dispatch.attempt`), for its P and D instance, before
-any leg starts. Each instance has
-one :class:`Gate` (on its :class:`~router.routing.backends.BackendState`): at most ``max_in_flight``
-slots held at once; up to ``queue_size`` callers wait for one, each at most ``max_wait`` seconds;
-anyone beyond that gets :class:`~router.errors.Overloaded` (429 with ``Retry-After``) at once.
-Nothing here waits without a bound.
+Who calls it: the dispatch (:mod:`router.dispatch.holds`), for its P and D instance, before
+any leg starts. Each instance has one :class:`Gate` (on its
+:class:`~router.routing.backends.BackendState`): at most ``max_in_flight`` slots held at once; up
+to ``queue_size`` callers wait for one, each at most ``max_wait`` seconds; anyone beyond that
+gets :class:`~router.errors.Overloaded` (429 with ``Retry-After``) at once. Nothing here waits
+without a bound.
 """
 
 from __future__ import annotations
@@ -42,9 +42,13 @@ class Gate:
         """True when a slot is free right now and nobody queues for one."""
         return self.in_use < self.config.max_in_flight and self.waiting == 0
 
-    async def acquire(self, label: str) -> tuple[Slot, float]:
-        """A slot and the seconds waited for it; :class:`Overloaded` beyond the bounds."""
+    async def acquire(self, label: str, max_wait: float | None = None) -> tuple[Slot, float]:
+        """A slot and the seconds waited for it; :class:`Overloaded` beyond the bounds.
+
+        ``max_wait``: wait at most this long (default, and at most: ``config.max_wait``), for a
+        caller whose admission already spent part of its wait elsewhere."""
         c = self.config
+        wait = c.max_wait if max_wait is None else min(max(max_wait, 0.0), c.max_wait)
         if self.has_room():
             await self._free.acquire()  # cannot block: a slot is free and nobody queues
             self.in_use += 1
@@ -57,7 +61,7 @@ class Gate:
         start = time.monotonic()
         self.waiting += 1
         try:
-            await asyncio.wait_for(self._free.acquire(), c.max_wait)
+            await asyncio.wait_for(self._free.acquire(), wait)
         except TimeoutError as exc:
             raise Overloaded(
                 f"no slot on instance {label} within {c.max_wait:g}s", retry_after=c.retry_after

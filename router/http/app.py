@@ -7,11 +7,13 @@ registry, the per-model pools, the tracer, the start/stop state) and starts the 
 and the load-signal scraper in the background, so ``/health`` answers at once while slow
 instances are still being checked (``/ready`` says what is missing). Built with the config
 file's path (``disagg-router serve``), it also reloads that file on SIGHUP and, with
-``reload.watch``, whenever the file changes (:mod:`router.reload`). Every response carries
+``reload.watch``, whenever the file changes (:mod:`router.reload`). The generation endpoints
+are :mod:`router.http.generate`'s, given this app's admission check. Every response carries
 ``X-Request-Id``. Every :class:`RouterError` that reaches a client is OpenAI-style JSON built
-by :func:`router.errors.error_payload`: here for responses and exception handlers, in
-:mod:`router.http.guard` for a header bound (431, before the app runs), and in the dispatch's
-relay as the final SSE error event of a stream that already started.
+by :func:`router.errors.error_payload`: in :mod:`router.http.generate` for responses (also this
+app's exception handlers), in :mod:`router.http.guard` for a header bound (431, before the app
+runs), and in the dispatch's relay (:mod:`router.dispatch.relay`) as the final SSE error event
+of a stream that already started.
 """
 
 from __future__ import annotations
@@ -21,30 +23,25 @@ import hmac
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.routing import Route
 
 from router.config import RouterSettings
 from router.discovery.manager import DiscoveryManager
-from router.dispatch.attempt import Dispatch
-from router.dispatch.orchestrator import open_dispatch
 from router.errors import (
     AuthenticationError,
-    ClientDisconnected,
     ClientRequestError,
     RouterError,
     RouterNotReady,
-    error_payload,
-    outcome_label,
 )
 from router.health.load_signals import run_scraper
 from router.health.monitor import HealthMonitor
@@ -55,17 +52,14 @@ from router.health.readiness import (
     readiness,
 )
 from router.http.bounds import read_body
-from router.http.context import RequestContext
-from router.http.disconnect import ClientWatch
+from router.http.generate import GenerationEndpoint, error_response, request_context
 from router.http.guard import RequestGuard
 from router.http.validation import ClientRequest, parse_client_request
-from router.observability.reqlog import log_request
 from router.reload import ConfigReloader
 from router.routing.backends import BackendState
 from router.runtime import Runtime, open_runtime
 from router.supervisor import Supervisor
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -86,18 +80,6 @@ def _settings(request: Request) -> RouterSettings:
     return initial
 
 
-def _ctx(request: Request) -> RequestContext:
-    ctx: RequestContext = getattr(request.state, "ctx", None) or RequestContext()
-    return ctx
-
-
-def _error_response(exc: RouterError, headers: dict[str, str] | None = None) -> JSONResponse:
-    headers = dict(headers or {})
-    if exc.retry_after is not None:
-        headers["Retry-After"] = str(exc.retry_after)
-    return JSONResponse(error_payload(exc), status_code=exc.status, headers=headers)
-
-
 def _authorize(request: Request, keys: list[str]) -> None:
     if not keys:
         return
@@ -106,64 +88,6 @@ def _authorize(request: Request, keys: list[str]) -> None:
     if scheme.lower() == "bearer" and any(hmac.compare_digest(token, k) for k in keys):
         return
     raise AuthenticationError("Incorrect or missing API key (Authorization: Bearer <key>)")
-
-
-async def _unless_disconnected(watch: ClientWatch, work: Awaitable[T]) -> T:
-    """Await ``work`` in this task; :class:`ClientDisconnected` if ``watch`` saw the client
-    leave meanwhile (``work`` was cancelled where it waited and has cleaned up)."""
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if watch.left():
-            raise ClientDisconnected("client disconnected") from None
-        raise
-
-
-class _DispatchStream(Response):
-    """The streamed answer of one dispatch: D's events as they come, in this task.
-
-    ``watch`` (armed by the handler) cancels the relay if the client leaves; the dispatch is
-    closed and ``on_close`` called however the stream ends. Unlike Starlette's
-    ``StreamingResponse`` it spawns no task group per request (docs/benchmarks/README.md,
-    "Router overhead").
-    """
-
-    def __init__(
-        self, dispatch: Dispatch, watch: ClientWatch, on_close: Callable[[Dispatch], None]
-    ) -> None:
-        # No body to render: the headers are set here instead of by Response.__init__.
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"x-request-id", dispatch.request_id.encode()),
-        ]
-        self.dispatch = dispatch
-        self.watch = watch
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            last = False
-            async with aclosing(self.dispatch.sse_events()) as events:
-                async for chunk in events:
-                    # The chunk that ends the stream (outcome set) also ends the body: one write.
-                    last = self.dispatch.outcome != "in_progress"
-                    if last:
-                        self.watch.stop()  # the answer is complete: a disconnect changes nothing
-                    await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-            if not last:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not self.watch.left():
-                raise
-        finally:
-            self.watch.stop()  # before anything below awaits (router.http.disconnect)
-            if self.dispatch.outcome == "in_progress":
-                self.dispatch.outcome = "client_disconnected"
-            await self.dispatch.close()
-            self.on_close(self.dispatch)
 
 
 def _signal_targets(runtime: Runtime) -> list[BackendState]:
@@ -239,46 +163,17 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(ClientRequestError(str(exc.detail), None, status=exc.status_code))
+        return error_response(ClientRequestError(str(exc.detail), None, status=exc.status_code))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error", exc_info=exc)
         err = RouterError("internal router error; see the router log")
-        return _error_response(err, {"X-Request-Id": _ctx(request).request_id})
-
-
-def _finish(
-    request: Request,
-    endpoint: str,
-    outcome: str,
-    status: int,
-    req: ClientRequest | None = None,
-    dispatch: Dispatch | None = None,
-) -> None:
-    """Count and log the end of one generation request."""
-    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
-    if runtime is None:
-        return
-    m = runtime.metrics
-    m.child(m.requests, runtime.settings.mode, endpoint, outcome).inc()
-    if not runtime.settings.logging.requests:
-        return
-    log_request(
-        _ctx(request),
-        endpoint=endpoint,
-        model=req.model if req else None,
-        outcome=outcome,
-        status=status,
-        prefill=dispatch.prefill.label if dispatch and dispatch.prefill else None,
-        decode=dispatch.decode.label if dispatch else None,
-        dispatch_id=dispatch.request_id if dispatch else None,
-        timings=dispatch.timings if dispatch else None,
-    )
+        return error_response(err, {"X-Request-Id": request_context(request).request_id})
 
 
 async def _admitted_request(request: Request, chat: bool) -> tuple[Runtime, ClientRequest]:
@@ -297,41 +192,6 @@ async def _admitted_request(request: Request, chat: bool) -> tuple[Runtime, Clie
     return runtime, req
 
 
-async def _generate(request: Request, chat: bool) -> Response:
-    """One generation request: validate, open a dispatch, then stream or answer in one piece."""
-    endpoint = "chat" if chat else "completions"
-    accepted = time.monotonic()
-    req: ClientRequest | None = None
-    watch: ClientWatch | None = None
-    try:
-        rt, req = await _admitted_request(request, chat)
-        watch = ClientWatch(request.receive)  # the body is read: receive() is the watch's now
-        dispatch = await _unless_disconnected(watch, open_dispatch(rt, req, _ctx(request)))
-    except BaseException as exc:
-        if watch is not None:
-            watch.stop()
-        if not isinstance(exc, RouterError):
-            raise
-        _finish(request, endpoint, outcome_label(exc), exc.status, req)
-        return _error_response(exc)
-    if req.stream:
-        m = rt.metrics
-        m.child(m.ttft, rt.settings.mode).observe(time.monotonic() - accepted)
-        return _DispatchStream(
-            dispatch, watch, lambda d: _finish(request, endpoint, d.outcome, 200, req, d)
-        )
-    try:
-        answer = await _unless_disconnected(watch, dispatch.json_response())
-    except RouterError as exc:
-        _finish(request, endpoint, outcome_label(exc), exc.status, req, dispatch)
-        return _error_response(exc, {"X-Request-Id": dispatch.request_id})
-    finally:
-        watch.stop()  # before close() awaits (router.http.disconnect)
-        await dispatch.close()
-    _finish(request, endpoint, "ok", 200, req, dispatch)
-    return JSONResponse(answer, headers={"X-Request-Id": dispatch.request_id})
-
-
 def _readiness(runtime: Runtime, discovery: DiscoveryManager | None) -> JSONResponse:
     """200 when every model can be served (a usable D, and a usable P or a rule that serves by
     D alone) and the router is not draining; the body says what is missing or degraded, how
@@ -347,16 +207,11 @@ def _routes() -> APIRouter:
     """The router's HTTP endpoints; each reads settings and runtime from its app."""
     api = APIRouter()
 
-    async def completions(request: Request) -> Response:
-        return await _generate(request, chat=False)
-
-    async def chat_completions(request: Request) -> Response:
-        return await _generate(request, chat=True)
-
-    # Plain Starlette routes: they read the raw request themselves, so FastAPI's per-request
-    # dependency solving bought nothing on the hot path (docs/benchmarks/README.md).
-    api.add_route("/v1/completions", completions, methods=["POST"])
-    api.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    # Plain ASGI apps on Starlette routes: they read the raw request themselves, so FastAPI's
+    # per-request dependency solving bought nothing on the hot path (docs/benchmarks/README.md).
+    for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):
+        endpoint = GenerationEndpoint(chat, _admitted_request)
+        api.routes.append(Route(path, endpoint, methods=["POST"]))
 
     @api.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """Noticing a client that goes away while its request is being answered.
 
-Who uses it: the generation endpoints (:mod:`router.http.app`), from the moment the request body has
-been read (the watcher then owns every later ``receive()``) until the answer has been sent. One
-task per request watches ``receive()`` for ``http.disconnect`` and cancels the request's own task;
-the handler turns that cancellation into :class:`~router.errors.ClientDisconnected` and closes
-the dispatch as for any other ending, so a leaving client never strands a leg.
+Who uses it: the generation endpoints (:mod:`router.http.generate`, and the stream it returns,
+:mod:`router.http.stream`), from the moment the request body has been read (the watcher then
+owns every later ``receive()``) until the answer has been sent. One task per request watches
+``receive()`` for ``http.disconnect`` and cancels the request's own task; the handler turns that
+cancellation into :class:`~router.errors.ClientDisconnected` and closes the dispatch as for any
+other ending, so a leaving client never strands a leg.
 
 Why a cancel is always delivered inside the watched section: the watcher runs only while the
 request's task is suspended at one of its awaits, and the handler calls :meth:`ClientWatch.stop`

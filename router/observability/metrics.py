@@ -172,6 +172,11 @@ class RouterMetrics:
             ["role", "backend"],
             registry=registry,
         )
+        self.stream_stalls = Counter(
+            "disagg_router_stream_stalls",
+            "Streams ended because D sent nothing for timeouts.inter_token after the first token",
+            registry=registry,
+        )
         self.breaker_probes = Counter(
             "disagg_router_breaker_probes",
             "Half-open probes of an open breaker by outcome",

@@ -1,10 +1,10 @@
 """Logging setup and the one summary line per client request.
 
-Who calls it: ``disagg-router serve`` (:mod:`router.cli`, :func:`configure_logging`) and the app
-(:mod:`router.http.app`, :func:`log_request` when a generation request ends). With ``logging.format:
-json`` every log record is one JSON object per line; the summary record carries the request id (and
-the client's own id when it sent a safe one), model, P, D, outcome, HTTP status and stage timings as
-fields.
+Who calls it: ``disagg-router serve`` (:mod:`router.cli`, :func:`configure_logging`) and the
+generation endpoints (:mod:`router.http.generate`, :func:`log_request` when a generation request
+ends). With ``logging.format: json`` every log record is one JSON object per line; the summary
+record carries the request id (and the client's own id when it sent a safe one), model, P, D,
+outcome, HTTP status and stage timings as fields.
 """
 
 from __future__ import annotations

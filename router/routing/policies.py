@@ -13,7 +13,8 @@ must not mutate the backends it is given.
 - ``prefix_affinity``: rendezvous (highest-random-weight) hashing of the prompt's leading
   characters with a load bound; requests sharing a prefix go to the same instance so vLLM's
   prefix cache hits. The choice depends only on the prefix and the set of usable instances
-  (the same on every router replica); the load bound uses this replica's in-flight counts.
+  (the same on every router replica); the load bound uses this replica's in-flight counts
+  (a leg counts from the moment its pool chose it, so a burst of choices sees each other).
 - ``session_affinity``: the same bounded rendezvous hashing over a session key (a header, or
   the request's ``user``); pins a conversation without relying on its text.
 """

@@ -90,16 +90,23 @@ class Pool:
         request: RoutingInput = NO_INPUT,
         strict: bool = False,
     ) -> BackendState:
-        """Pick a usable backend for ``request``, avoiding labels in ``exclude`` when any other
-        is usable (``strict``: never one of them); backends with a free admission slot come
-        first. :class:`NoBackendAvailable` when there is no candidate."""
+        """Pick a usable backend for ``request`` and count the leg in flight on it, in one step.
+
+        Avoids labels in ``exclude`` when any other is usable (``strict``: never one of them);
+        backends with a free admission slot come first. The chosen backend's ``in_flight`` is
+        incremented before this returns, so the next choice (even in the same burst, before any
+        leg starts) sees it: the caller owns that count and must decrement it when the leg ends
+        or is given up. :class:`NoBackendAvailable` when there is no candidate (nothing counted).
+        """
         usable = self.usable()
         fresh = [b for b in usable if b.label not in exclude]
         candidates = fresh if strict else (fresh or usable)
         if not candidates:
             raise NoBackendAvailable(f"no usable {self.role} instance")
         roomy = [b for b in candidates if b.gate.has_room()]
-        return self._policy.choose(roomy or candidates, request)
+        chosen = self._policy.choose(roomy or candidates, request)
+        chosen.in_flight += 1
+        return chosen
 
     def set_instances(self, instances: Sequence[InstanceConfig]) -> MembershipChange:
         """Make ``instances`` the pool's members (matched by label); the one membership update.

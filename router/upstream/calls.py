@@ -1,6 +1,6 @@
 """HTTP calls to one upstream vLLM instance, with httpx errors translated into ours.
 
-Who calls it: the dispatch (:mod:`router.dispatch.attempt`, P and D legs), the health monitor
+Who calls it: the dispatch (:mod:`router.dispatch.legs`, P and D legs), the health monitor
 (:mod:`router.health.monitor`) and the load-signal scraper (:mod:`router.health.load_signals`). Uses
 the app's one shared ``httpx.AsyncClient``; streams are always closed (context manager). Translating
 an error has no side effect: what a failure means for the instance's health is decided by the caller

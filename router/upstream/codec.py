@@ -2,10 +2,10 @@
 
 Who calls it: the client body's parse (:mod:`router.http.validation`), the legs' bodies and P's
 answer (:mod:`router.upstream.calls`), the one rewritten usage chunk
-(:mod:`router.dispatch.attempt`). msgspec is
-several times faster than ``json`` for these bodies (docs/benchmarks/README.md, "Router
-overhead"); where it refuses an input the standard library accepts (a lone UTF-16 surrogate, a
-byte-order mark), the standard library decides, so what is accepted and how is unchanged.
+(:mod:`router.dispatch.relay`). msgspec is several times faster than ``json`` for these bodies
+(docs/benchmarks/README.md, "Router overhead"); where it refuses an input the standard library
+accepts (a lone UTF-16 surrogate, a byte-order mark), the standard library decides, so what is
+accepted and how is unchanged.
 Pure functions; no state beyond the two reusable codec objects.
 """
 

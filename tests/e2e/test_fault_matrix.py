@@ -5,8 +5,9 @@ baseline (read from vLLM's ``/metrics``) within the connector's documented bound
 plus a margin, and the router (or a fresh one, after the router itself was stopped) serving the
 next request. The cases run in file order on one shared stack; the two that kill an instance
 come last (D is restarted after its kill; P's kill is the final case, whose next request D
-serves alone). The table goes to ``$FAULT_MATRIX_OUT`` (default: the session's
-work dir); docs/benchmarks/fault-matrix.md is produced by
+serves alone); D's stall (SIGSTOP, then SIGCONT of its processes) comes before them. The table
+goes to ``$FAULT_MATRIX_OUT`` (default: the session's work dir);
+docs/benchmarks/fault-matrix.md is produced by
 
     FAULT_MATRIX_OUT=docs/benchmarks/fault-matrix.md flock /tmp/vllm-e2e.lock \\
         .venv/bin/python -m pytest -m vllm tests/e2e/test_fault_matrix.py
@@ -286,6 +287,45 @@ def test_router_sigterm_with_requests_in_flight(stack: Stack, tmp_path: Path) ->
     assert "shutting down" in got
     case = f"SIGTERM of the router mid-stream (drain {SIGTERM_DRAIN_S:g} s)"
     _row(case, got, took, blocks, next_status)
+
+
+STALL_S = 2.0  # the router's timeouts.inter_token in the stall case
+
+
+def _signal_group(instance: StackInstance, sig: signal.Signals) -> None:
+    pid = instance.server.pid
+    assert pid is not None
+    os.killpg(pid, sig)
+
+
+def test_decode_stalls_mid_stream(stack: Stack) -> None:
+    """D's processes are stopped (SIGSTOP) after its first token: the router ends the stream
+    after ``inter_token``; once D runs again (SIGCONT) it sees the cancelled leg and frees its
+    blocks."""
+    d = stack.decode[0]
+    with _router(stack, inter_token=STALL_S) as router:
+        with httpx.stream(
+            "POST",
+            f"{router.url}/v1/completions",
+            json=_long(True, max_tokens=SIGTERM_MAX_TOKENS),
+            timeout=120,
+        ) as resp:
+            lines = resp.iter_lines()
+            first = next(lines)
+            _signal_group(d, signal.SIGSTOP)
+            start = time.monotonic()
+            try:
+                text = first + "\n" + "\n".join(lines)
+                took = time.monotonic() - start
+                stalls = _router_metric(router.url, "disagg_router_stream_stalls_total")
+            finally:
+                _signal_group(d, signal.SIGCONT)
+        blocks = _back_to_baseline(stack.prefill + stack.decode)
+        next_status = _next_ok(router.url, stack.model_name)
+    got = _final_event(text)
+    assert got.startswith("SSE error event (timeout") and stalls == 1, (got, stalls)
+    _row(f"D stalls mid-stream (SIGSTOP, inter_token {STALL_S:g} s; then SIGCONT)", got, took,
+         blocks, next_status)  # fmt: skip
 
 
 def _ready(url: str) -> bool:

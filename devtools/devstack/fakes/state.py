@@ -39,7 +39,9 @@ class FakeBehavior:
     ``fail_status``: answer every generation request with this HTTP error.
     ``hang``: never answer (until the client goes away or the cap passes).
     ``drop_after_tokens``: in a stream, cut the connection after this many tokens.
-    ``fail_times``: only the next N generation requests fail/hang/drop (None: all of them).
+    ``stall_after_tokens``: in a stream, send this many tokens, then nothing more (the connection
+    stays open until the client leaves or the hang cap passes).
+    ``fail_times``: only the next N generation requests fail/hang/drop/stall (None: all of them).
     ``leg_fail_status``: answer every real P/D leg (a request carrying ``kv_transfer_params``
     that is not an identity probe) with this HTTP error, while ``/health``, identity probes and
     plain completions (the router's half-open probe of a D) pass: an instance that looks alive
@@ -57,6 +59,7 @@ class FakeBehavior:
     fail_status: int | None = None
     hang: bool = False
     drop_after_tokens: int | None = None
+    stall_after_tokens: int | None = None
     fail_times: int | None = None
     leg_fail_status: int | None = None
     default_max_tokens: int = 16

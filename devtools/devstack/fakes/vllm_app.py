@@ -262,11 +262,11 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
             return response
         if body.get("stream"):
             b = state.behavior
-            drop_at = b.drop_after_tokens
-            if drop_at is not None and not state._take_failure():
-                drop_at = None
+            drop_at, stall_at = b.drop_after_tokens, b.stall_after_tokens
+            if (drop_at is not None or stall_at is not None) and not state._take_failure():
+                drop_at = stall_at = None
             return StreamingResponse(
-                _stream(state, gen, rec, drop_at),
+                _stream(state, gen, rec, drop_at, stall_at),
                 media_type="text/event-stream",
                 headers={"x-request-id": rid},
             )
@@ -376,12 +376,17 @@ async def _wait_for_remote_kv(
 
 
 async def _stream(
-    state: FakeVllmState, gen: _Generation, rec: RecordedRequest, drop_at: int | None
+    state: FakeVllmState,
+    gen: _Generation,
+    rec: RecordedRequest,
+    drop_at: int | None,
+    stall_at: int | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE body like vLLM's: (chat: role chunk), token chunks, finish chunk, usage, [DONE].
 
     Tokens go out on an absolute schedule (delays do not accumulate sleep overshoot); each one's
-    send time is recorded in ``rec.token_times``.
+    send time is recorded in ``rec.token_times``. ``drop_at``: abort the connection before that
+    token; ``stall_at``: send nothing from that token on (until cancelled or the hang cap).
     """
     outcome = "cancelled"
     try:
@@ -398,6 +403,10 @@ async def _stream(
             if drop_at is not None and i >= drop_at:
                 outcome = "dropped"
                 raise _DroppedStream
+            if stall_at is not None and i >= stall_at:
+                await asyncio.sleep(_HANG_CAP_S)  # cancelled when the client leaves
+                outcome = "error"
+                return
             last = i == gen.n_tokens - 1
             rec.token_times.append(time.perf_counter())
             yield _sse(gen.chunk(gen.token(i), "length" if last else None, first=first))

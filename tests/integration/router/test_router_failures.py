@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import httpx
+import pytest
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer, FakeVllmState
 from devstack.ports import free_port
@@ -304,3 +306,82 @@ def test_ready_while_decode_alone_serves_a_model_whose_prefill_pool_is_gone(
     assert body["models"][MODEL]["state"] == "degraded"
     assert any(MODEL in reason for reason in body["degraded"])
     assert up == 1 and degraded == 1
+
+
+def test_no_retry_is_logged_or_counted_without_a_fresh_pair(
+    fake: dict[str, FakeVllmServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One P that hangs: the retry finds no other P, so the client gets the first failure and
+    no retry is logged or counted (none happened)."""
+    p, d = fake["p0"], fake["d0"]
+    settings = _settings(p, d, timeouts={"prefill": 0.3, "first_token": 5, "total": 10})
+    with caplog.at_level(logging.INFO, logger="router"), running_router(settings) as router:
+        p.state.behavior = FakeBehavior(hang=True)
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        metrics = httpx.get(f"{router.url}/metrics").text
+    assert resp.status_code == 504
+    assert "disagg_router_retries_total 0.0" in metrics
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+
+
+def test_a_retry_keeps_the_first_attempts_total_deadline(fake: dict[str, FakeVllmServer]) -> None:
+    """p0 hangs until its 2 s prefill timeout, the retry on p1 has 0.5 s of the 2.5 s total left:
+    D's first token (1 s after its leg starts) comes too late for the request; with a deadline
+    restarted by the retry it would have come in time."""
+    p0, p1, d = fake["p0"], fake["p1"], fake["d0"]
+    timeouts = {"prefill": 2.0, "first_token": 2.0, "total": 2.5}
+    settings = make_settings([p0.url, p1.url], [d.url], timeouts=timeouts)
+    with running_router(settings) as router:
+        p0.state.behavior = FakeBehavior(hang=True)
+        d.state.behavior = FakeBehavior(prefill_delay_s=1.0)
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        assert d.state.wait_for(lambda s: s.in_flight == 0)
+        retries = httpx.get(f"{router.url}/metrics").text
+    assert "disagg_router_retries_total 1.0" in retries
+    assert resp.status_code == 504, resp.text
+    assert "first token" in resp.json()["error"]["message"]
+
+
+def test_decode_stalled_mid_stream_ends_with_one_error_event(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    """D sends 2 tokens, then nothing: after ``timeouts.inter_token`` the client gets one SSE
+    error event, D's leg is cancelled, the stall is counted."""
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(stall_after_tokens=2)
+    settings = _settings(p, d, timeouts={"inter_token": 0.3})
+    with running_router(settings) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+        metrics = httpx.get(f"{router.url}/metrics").text
+    assert resp.status_code == 200
+    payloads = sse_payloads(resp.text)
+    assert [json.loads(x)["choices"][0]["text"] for x in payloads[:2]] == [" tok0", " tok1"]
+    assert len(payloads) == 3
+    err = json.loads(payloads[2])["error"]
+    assert err["type"] == "timeout" and "inter_token" in err["message"], err
+    assert d.url in err["message"]
+    assert "disagg_router_stream_stalls_total 1.0" in metrics
+
+
+def test_a_decode_that_keeps_stalling_leaves_rotation(fake: dict[str, FakeVllmServer]) -> None:
+    """Each stall counts against D's breaker (its first tokens do not reset the count): after
+    ``failure_threshold`` stalled streams D is out, d1 serves."""
+    p, d0, d1 = fake["p0"], fake["d0"], fake["d1"]
+    ident = p.state.identity
+    identities = {p.url: {"engine_id": ident.engine_id, "host": ident.host, "port": ident.port}}
+    settings = make_settings(
+        [p.url],
+        [d0.url, d1.url],
+        identities=identities,
+        timeouts={"inter_token": 0.3},
+        breaker={"failure_threshold": 2, "backoff": 3600, "max_backoff": 3600},
+        retry_on_fresh_pair=False,
+    )
+    with running_router(settings) as router:
+        d0.state.behavior = FakeBehavior(stall_after_tokens=1)
+        for _ in range(4):  # round robin: d0 (stalls), d1, d0 (stalls: out), d1
+            httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
+        ready = httpx.get(f"{router.url}/ready").json()
+    assert ready["decode"] == [d1.url]
+    assert ready["missing"][f"decode {d0.url}"].startswith("breaker open")

@@ -257,3 +257,42 @@ def test_breaker_gauge_goes_back_to_zero_once_the_instance_serves_again(
     assert opened == 1
     assert served.status_code == 200 and _prefill_legs(p0) == 3
     assert closed == 0
+
+
+def test_a_full_decode_is_blamed_and_no_prefill_slot_is_held_while_waiting_for_it(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    """D is the bottleneck (one slot, held by a stream; one request queued for it): the next
+    request gets a 429 naming D, counted against D; P, free all along, is neither held by the
+    queued request nor reported at capacity."""
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(token_delay_s=0.02)
+    settings = make_settings([p.url], [d.url], **_admission(queue_size=1, max_wait=10))
+    result: dict[str, httpx.Response] = {}
+    with running_router(settings) as router:
+        url = router.url
+        with _held_stream(url):
+            queued = threading.Thread(
+                target=lambda: result.setdefault(
+                    "queued", httpx.post(f"{url}/v1/completions", json=SHORT, timeout=30)
+                )
+            )
+            queued.start()
+            wait_until(
+                lambda: _metric(url, "disagg_router_admission_queue_length") == 1,
+                10,
+                "the second request to queue",
+            )
+            queue_roles = httpx.get(f"{url}/metrics", timeout=5).text
+            third = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=30)
+            rejected_d = _metric(url, "disagg_router_admission_rejected_total", 'role="decode"')
+            rejected_p = _metric(url, "disagg_router_admission_rejected_total", 'role="prefill"')
+        queued.join(30)
+    assert f'disagg_router_admission_queue_length{{backend="{d.url}",role="decode"}} 1.0' in (
+        queue_roles
+    )
+    assert third.status_code == 429
+    assert d.url in third.json()["error"]["message"]
+    assert p.url not in third.json()["error"]["message"]
+    assert (rejected_d, rejected_p) == (1, 0)
+    assert result["queued"].status_code == 200, result["queued"].text

@@ -12,6 +12,7 @@ from router.routing.policies import (
     PowerOfTwo,
     PrefixAffinity,
     RoundRobin,
+    RoutingInput,
     SessionAffinity,
     make_policy,
 )
@@ -127,5 +128,19 @@ def test_update_swaps_the_policy_only_when_its_settings_change() -> None:
     pool.update(cfg)
     assert pool.choose().label == "i2"  # the cursor survived a no-op update
     pool.update(cfg.model_copy(update={"policy": "least_in_flight"}))
+    pool.backends[1].in_flight = 0  # the leg chosen above (choose() counts it) has ended
     pool.backends[0].in_flight = 1
     assert pool.choose().label == "i2"
+
+
+def test_a_burst_of_choices_counts_each_leg_and_keeps_the_affinity_load_bound() -> None:
+    """30 choices with one prefix over 3 instances, none of the legs started yet: each choice
+    is counted at once, so the hot prefix spills and no instance exceeds the bound (13)."""
+    cfg = PoolConfig(instances=_instances(1, 2, 3), policy="prefix_affinity", load_factor=1.25)
+    pool = Pool("prefill", cfg, require_identity=False)
+    hot = RoutingInput({"prompt": "the same system prompt " * 20})
+    for _ in range(30):
+        pool.choose(request=hot)
+    loads = sorted(b.in_flight for b in pool.backends)
+    assert sum(loads) == 30
+    assert loads[-1] <= 13, loads

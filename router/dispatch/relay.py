@@ -1,0 +1,167 @@
+"""The relay of one attempt after its commit point: D's payloads to the client, P's usage merged.
+
+Who calls it: :class:`router.dispatch.attempt.Dispatch` (``sse_events()`` for a stream, whose
+bytes the HTTP layer writes; ``json_response()`` for one answer). Once the commit point has
+passed, the client already has (or is about to get) a 200: a stream then ends with ``[DONE]``
+or with one SSE error event, never with an exception. Two timers bound a stream, one handle
+each rather than one per token: the request's ``timeouts.total`` deadline and D's silence
+after its first token (``timeouts.inter_token``; a stall is logged, counted and fed to D's
+breaker). Every wait for P's usage is bounded by the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from router.dispatch.legs import leg_failed
+from router.dispatch.rewrite import client_response, merge_usage, prefill_usage
+from router.dispatch.state import Attempt, DecodeItem, End
+from router.dispatch.timeline import ttft_stages
+from router.errors import RouterError, UpstreamProtocolError, UpstreamTimeout, error_payload
+from router.upstream import codec
+
+log = logging.getLogger(__name__)
+
+
+def sse_error_event(exc: RouterError) -> bytes:
+    """The one SSE event sent when a stream fails after its first byte went out."""
+    return b"data: " + json.dumps(error_payload(exc)).encode() + b"\n\n"
+
+
+class Relay:
+    """The client's side of one committed attempt (see the module docstring)."""
+
+    def __init__(self, attempt: Attempt) -> None:
+        self._a = attempt
+        self._stall_timer: asyncio.TimerHandle | None = None
+
+    async def sse_events(self) -> AsyncGenerator[bytes, None]:
+        """Client SSE bytes from the first token on; a later failure ends it with one error event.
+
+        What D has already sent goes out in one write (the events of one upstream read arrive
+        together); nothing waits for more, so the client sees every event as soon as it would
+        alone. Sets the attempt's ``outcome`` before it yields the stream's last chunk, and only
+        then (the response ends the body with that chunk). Never raises :class:`RouterError`
+        (headers are already sent).
+        """
+        a = self._a
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_later(max(a.deadline - time.monotonic(), 0.0), self._expire)
+        self._stall_timer = loop.call_later(a.runtime.settings.timeouts.inter_token, self._stall)
+        item: DecodeItem | None = a.first
+        try:
+            while True:
+                events, item = await self._ready_events(item)
+                end = self._end_event(item)
+                if events or end is not None:
+                    yield b"".join(events if end is None else [*events, end])
+                if events and "client_first" not in a.stamps:
+                    self._observe_ttft_stages()
+                if end is not None:
+                    return
+                if not isinstance(item, str):
+                    item = await a.queue.get()
+        finally:
+            expiry.cancel()
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+
+    async def _ready_events(self, item: DecodeItem | None) -> tuple[list[bytes], DecodeItem | None]:
+        """Client events for ``item`` and the payloads queued behind it; returns them with the
+        first item not taken (None: the queue is empty). A usage chunk may wait for P's answer,
+        so it starts a batch of its own: the events before it are not held back."""
+        batch: list[bytes] = []
+        while isinstance(item, str):
+            if batch and '"usage"' in item:
+                break
+            batch.append(await self._client_event(item))
+            try:
+                item = self._a.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                item = None
+        return batch, item
+
+    async def _client_event(self, payload: str) -> bytes:
+        if '"usage"' in payload:
+            try:
+                chunk = codec.loads(payload)
+            except ValueError:
+                chunk = None
+            if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
+                chunk["usage"] = merge_usage(chunk["usage"], await self._prefill_usage())
+                return b"data: " + codec.dumps(chunk) + b"\n\n"
+        return b"data: " + payload.encode() + b"\n\n"
+
+    def _end_event(self, item: DecodeItem | None) -> bytes | None:
+        """The stream's last event if ``item`` ends it (sets ``outcome``); None otherwise."""
+        if isinstance(item, End):
+            self._a.outcome = "ok"
+            return b"data: [DONE]\n\n"
+        if isinstance(item, RouterError):
+            self._a.outcome = "decode_failed_midstream"
+            log.warning("dispatch %s failed mid-stream: %s", self._a.request_id, item.message)
+            return sse_error_event(item)
+        return None
+
+    def _expire(self) -> None:
+        """At the request's deadline, queue the error that ends the stream (what D queued
+        before it is still relayed)."""
+        limit = self._a.runtime.settings.timeouts.total
+        self._a.queue.put_nowait(
+            UpstreamTimeout("decode", self._a.decode.label, f"total {limit:g}s exceeded")
+        )
+
+    def _stall(self) -> None:
+        """D sent nothing for ``timeouts.inter_token`` since its last payload: queue the error
+        that ends the stream, count it against D's breaker. Re-arms itself for the rest of the
+        period while D is sending; does nothing once D's leg has ended."""
+        a = self._a
+        limit = a.runtime.settings.timeouts.inter_token
+        if a.d_task is None or a.d_task.done():
+            return
+        idle = time.monotonic() - a.last_token
+        if idle < limit:
+            self._stall_timer = asyncio.get_running_loop().call_later(limit - idle, self._stall)
+            return
+        exc = UpstreamTimeout(
+            "decode", a.decode.label, f"no token for {limit:g}s (timeouts.inter_token)"
+        )
+        log.warning("dispatch %s: decode %s stalled mid-stream", a.request_id, a.decode.label)
+        a.runtime.metrics.stream_stalls.inc()
+        leg_failed(a.runtime, a.decode, exc)
+        a.queue.put_nowait(exc)
+
+    async def json_response(self) -> dict[str, Any]:
+        """The non-streamed answer for the client (after the commit point), usage merged."""
+        a = self._a
+        if not isinstance(a.first, dict):
+            raise UpstreamProtocolError("decode", a.decode.label, "unexpected streamed answer")
+        a.outcome = "ok"
+        answer = client_response(a.first, await self._prefill_usage())
+        self._observe_ttft_stages()
+        return answer
+
+    async def _prefill_usage(self) -> Any:
+        """P's usage, waiting for P (bounded by the request's deadline); None if P failed."""
+        p_task = self._a.p_task
+        if p_task is None:
+            return None
+        try:
+            async with asyncio.timeout(max(self._a.deadline - time.monotonic(), 0.0)):
+                answer = await asyncio.shield(p_task)
+        except (RouterError, TimeoutError):
+            return None
+        return prefill_usage(answer)
+
+    def _observe_ttft_stages(self) -> None:
+        """Record the TTFT stages once the first answer byte is on its way to the client."""
+        a = self._a
+        a.stamp("client_first")
+        m = a.runtime.metrics
+        for stage, seconds in ttft_stages({**a.timings, **a.stamps}).items():
+            m.child(m.ttft_stage, stage).observe(seconds)

@@ -1,0 +1,78 @@
+"""What the pieces of one dispatch attempt share: its pair, ids, clock, deadline, the queue of
+D's payloads and the tasks of both legs.
+
+Who calls it: the orchestrator (:mod:`router.dispatch.orchestrator`) builds one :class:`Attempt`
+per attempt for its :class:`router.dispatch.attempt.Dispatch`; the legs
+(:mod:`router.dispatch.legs`), the commit point (:mod:`router.dispatch.commit`) and the relay
+(:mod:`router.dispatch.relay`) read and write it. Everything runs on the router's event
+loop, so nothing here locks. It does no I/O and starts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from router.config import PushIdentity
+from router.dispatch.ids import new_request_id
+from router.errors import RouterError
+from router.http.context import RequestContext
+from router.http.validation import ClientRequest
+from router.routing.backends import BackendState
+from router.runtime import Runtime
+
+
+class End:
+    """Queue sentinel: the D leg finished cleanly."""
+
+
+END = End()
+DecodeItem = str | dict[str, Any] | RouterError | End
+"""What the D leg queues: an SSE payload, the one JSON answer, the error that ends it, or END."""
+
+
+class Attempt:
+    """The shared state of one attempt on one (P, D) pair with one fresh request id.
+
+    ``prefill`` None: D alone (conditional disaggregation). ``deadline``: the
+    ``time.monotonic()`` by which the client request must end (``timeouts.total`` counted from
+    the first attempt; default: from now).
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        request: ClientRequest,
+        prefill: BackendState | None,
+        decode: BackendState,
+        ctx: RequestContext | None = None,
+        request_id: str | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.request = request
+        self.prefill = prefill
+        self.decode = decode
+        self.ctx = ctx or RequestContext()
+        self.request_id = request_id or new_request_id()
+        self.transfer_id = self.request_id
+        self.started = time.monotonic()
+        self.deadline = deadline or self.started + runtime.settings.timeouts.total
+        self.outcome = "in_progress"
+        self.queue: asyncio.Queue[DecodeItem] = asyncio.Queue()
+        self.p_task: asyncio.Task[dict[str, Any]] | None = None
+        self.d_task: asyncio.Task[None] | None = None
+        self.sent_identity: PushIdentity | None = None  # push mode: the P identity D was given
+        self.first: DecodeItem = END  # D's first payload (the commit point)
+        self.last_token = 0.0  # time.monotonic() of D's last streamed payload
+        self.timings: dict[str, float] = {}  # stage -> seconds since ``started``
+        self.stamps: dict[str, float] = {}  # more moments for the TTFT stages, same clock
+
+    def mark(self, stage: str) -> None:
+        """Note when ``stage`` was reached (once; reported in the request log)."""
+        self.timings.setdefault(stage, round(time.monotonic() - self.started, 6))
+
+    def stamp(self, moment: str) -> None:
+        """A moment only the TTFT stages use (:func:`router.dispatch.timeline.ttft_stages`)."""
+        self.stamps.setdefault(moment, time.monotonic() - self.started)

@@ -1,0 +1,148 @@
+"""The two generation endpoints (``/v1/completions``, ``/v1/chat/completions``): one client
+request from its admission to the end of its answer.
+
+Who calls it: the app (:mod:`router.http.app`) mounts one :class:`GenerationEndpoint` per path
+and hands it the app's admission check (running, key, bounded body, valid input). The endpoint
+opens a dispatch (:func:`router.dispatch.orchestrator.open_dispatch`), then streams it
+(:class:`router.http.stream.DispatchStream`) or answers in one piece; a
+:class:`~router.errors.RouterError` before the answer becomes OpenAI-style JSON with its status.
+Every request is counted and (with ``logging.requests``) logged once when it ends; a client
+that leaves cancels the work where it waits and the dispatch is still closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.dispatch.attempt import Dispatch
+from router.dispatch.orchestrator import open_dispatch
+from router.errors import ClientDisconnected, RouterError, error_payload, outcome_label
+from router.http.context import RequestContext
+from router.http.disconnect import ClientWatch
+from router.http.stream import DispatchStream
+from router.http.validation import ClientRequest
+from router.observability.reqlog import log_request
+from router.runtime import Runtime
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+Admit = Callable[[Request, bool], Awaitable[tuple[Runtime, ClientRequest]]]
+"""The app's checks before any upstream traffic: ``(request, chat) -> (runtime, request)``."""
+
+
+def request_context(request: Request) -> RequestContext:
+    """The ids the request-id middleware gave this request (fresh ones if it gave none)."""
+    ctx: RequestContext = getattr(request.state, "ctx", None) or RequestContext()
+    return ctx
+
+
+def error_response(exc: RouterError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """``exc`` as OpenAI-style JSON with its status (and ``Retry-After`` when it has one)."""
+    headers = dict(headers or {})
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
+    return JSONResponse(error_payload(exc), status_code=exc.status, headers=headers)
+
+
+class GenerationEndpoint:
+    """The ASGI app of one generation path (``chat``: ``/v1/chat/completions``)."""
+
+    def __init__(self, chat: bool, admit: Admit) -> None:
+        self.chat = chat
+        self.admit = admit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await generate(Request(scope, receive, send), self.chat, self.admit)
+        await response(scope, receive, send)
+
+
+async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
+    """One generation request: admit, open a dispatch, then stream or answer in one piece."""
+    endpoint = "chat" if chat else "completions"
+    accepted = time.monotonic()
+    req: ClientRequest | None = None
+    watch: ClientWatch | None = None
+    try:
+        rt, req = await admit(request, chat)
+        watch = ClientWatch(request.receive)  # the body is read: receive() is the watch's now
+        opening = open_dispatch(rt, req, request_context(request))
+        dispatch = await _unless_disconnected(watch, opening)
+    except BaseException as exc:
+        if watch is not None:
+            watch.stop()
+        if not isinstance(exc, RouterError):
+            raise
+        _finish(request, endpoint, outcome_label(exc), exc.status, req)
+        return error_response(exc)
+    if req.stream:
+        m = rt.metrics
+        m.child(m.ttft, rt.settings.mode).observe(time.monotonic() - accepted)
+        return DispatchStream(
+            dispatch, watch, lambda d: _finish(request, endpoint, d.outcome, 200, req, d)
+        )
+    return await _answer(request, endpoint, req, dispatch, watch)
+
+
+async def _answer(
+    request: Request, endpoint: str, req: ClientRequest, dispatch: Dispatch, watch: ClientWatch
+) -> JSONResponse:
+    """The non-streamed answer of an opened dispatch, which is closed here."""
+    try:
+        answer = await _unless_disconnected(watch, dispatch.json_response())
+    except RouterError as exc:
+        _finish(request, endpoint, outcome_label(exc), exc.status, req, dispatch)
+        return error_response(exc, {"X-Request-Id": dispatch.request_id})
+    finally:
+        watch.stop()  # before close() awaits (router.http.disconnect)
+        await dispatch.close()
+    _finish(request, endpoint, "ok", 200, req, dispatch)
+    return JSONResponse(answer, headers={"X-Request-Id": dispatch.request_id})
+
+
+async def _unless_disconnected(watch: ClientWatch, work: Awaitable[T]) -> T:
+    """Await ``work`` in this task; :class:`ClientDisconnected` if ``watch`` saw the client
+    leave meanwhile (``work`` was cancelled where it waited and has cleaned up)."""
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if watch.left():
+            raise ClientDisconnected("client disconnected") from None
+        raise
+
+
+def _finish(
+    request: Request,
+    endpoint: str,
+    outcome: str,
+    status: int,
+    req: ClientRequest | None = None,
+    dispatch: Dispatch | None = None,
+) -> None:
+    """Count and log the end of one generation request."""
+    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+    if runtime is None:
+        return
+    m = runtime.metrics
+    m.child(m.requests, runtime.settings.mode, endpoint, outcome).inc()
+    if not runtime.settings.logging.requests:
+        return
+    log_request(
+        request_context(request),
+        endpoint=endpoint,
+        model=req.model if req else None,
+        outcome=outcome,
+        status=status,
+        prefill=dispatch.prefill.label if dispatch and dispatch.prefill else None,
+        decode=dispatch.decode.label if dispatch else None,
+        dispatch_id=dispatch.request_id if dispatch else None,
+        timings=dispatch.timings if dispatch else None,
+    )

@@ -1,0 +1,107 @@
+"""Dispatches on one event loop over mock P and D instances (no servers): what happens between
+choosing the pair and the legs' first bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.config import AdmissionConfig, InstanceConfig, settings_from_mapping
+from router.dispatch.holds import Holds
+from router.dispatch.orchestrator import open_dispatch
+from router.health.admission import Gate
+from router.http.validation import ClientRequest
+from router.observability.metrics import RouterMetrics
+from router.routing.backends import BackendState
+from router.runtime import open_runtime
+from tests.unit.router.mock_upstream import KV, answer
+
+IDENTITY = {"engine_id": "eng", "host": "127.0.0.1", "port": 5600}
+PREFILLS = [f"http://127.0.0.1:{9201 + i}" for i in range(3)]
+DECODE = "http://127.0.0.1:9301"
+
+
+async def test_a_burst_with_one_prefix_keeps_every_prefill_within_the_load_bound() -> None:
+    """30 dispatches with one prefix opened at once (every choice made before any leg starts)
+    over 3 P: ``ceil(1.25 * 30 / 3) = 13`` holds for each P."""
+    legs: Counter[str] = Counter()
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        if request.url.port != 9301:
+            legs[str(request.url.port)] += 1
+        return httpx.Response(200, json=answer("a", KV))
+
+    settings = settings_from_mapping(
+        {
+            "models": ["m"],
+            "prefill": {
+                "instances": [{"url": u, "identity": IDENTITY} for u in PREFILLS],
+                "policy": "prefix_affinity",
+            },
+            "decode": {"instances": [{"url": DECODE}]},
+        }
+    )
+    body = {"model": "m", "prompt": "one shared prefix " * 30, "max_tokens": 2}
+    request = ClientRequest(body=body, chat=False, stream=False, model="m")
+    async with open_runtime(settings, httpx.MockTransport(upstream)) as runtime:
+        opened = await asyncio.gather(*(open_dispatch(runtime, request) for _ in range(30)))
+        for dispatch in opened:
+            await dispatch.close()
+        in_flight = [b.in_flight for pool in runtime.pools for b in pool.backends]
+    assert sum(legs.values()) == 30, json.dumps(legs)
+    assert max(legs.values()) <= 13, legs
+    assert in_flight == [0, 0, 0, 0]  # every count taken by a choice was given back
+
+
+def _pair(max_in_flight: int = 1) -> tuple[BackendState, BackendState]:
+    admission = AdmissionConfig(max_in_flight=max_in_flight, queue_size=4, max_wait=30)
+    return tuple(  # type: ignore[return-value]
+        BackendState(InstanceConfig(url=u), role=r, gate=Gate(admission), in_flight=1)
+        for u, r in ((PREFILLS[0], "prefill"), (DECODE, "decode"))
+    )
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while not predicate():
+        await asyncio.sleep(0)  # yield to the admitting task; no time passes
+
+
+@pytest.mark.parametrize("full_role", ["prefill", "decode"])
+async def test_admission_waits_for_the_full_instance_holding_no_slot_on_the_other(
+    full_role: str,
+) -> None:
+    p, d = _pair()
+    full, other = (p, d) if full_role == "prefill" else (d, p)
+    held, _ = await full.gate.acquire(full.label)
+    holds = Holds(RouterMetrics(CollectorRegistry()), [p, d])
+    admitting = asyncio.create_task(holds.admit())
+    await _until(lambda: full.gate.waiting == 1)
+    assert other.gate.in_use == 0  # nothing held on the free instance meanwhile
+    held.release()
+    await admitting
+    assert (p.gate.in_use, d.gate.in_use) == (1, 1)
+    holds.release_all()
+    assert (p.gate.in_use, d.gate.in_use, p.in_flight, d.in_flight) == (0, 0, 0, 0)
+
+
+async def test_a_slot_won_while_the_other_filled_up_is_given_back() -> None:
+    """P frees up while D has filled: the dispatch gives P's slot back and waits for D."""
+    p, d = _pair()
+    p_held, _ = await p.gate.acquire(p.label)
+    holds = Holds(RouterMetrics(CollectorRegistry()), [p, d])
+    admitting = asyncio.create_task(holds.admit())
+    await _until(lambda: p.gate.waiting == 1)
+    d_held, _ = await d.gate.acquire(d.label)
+    p_held.release()
+    await _until(lambda: d.gate.waiting == 1)
+    assert p.gate.in_use == 0
+    d_held.release()
+    await admitting
+    assert (p.gate.in_use, d.gate.in_use) == (1, 1)
+    holds.release_all()
