@@ -28,7 +28,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from connector.contract import KV_TRANSFER_PARAMS, PeerIdentity, read_prefill_answer
+from connector.contract import (
+    KV_TRANSFER_PARAMS,
+    PeerIdentity,
+    decode_leg_params,
+    prefill_leg_params,
+    read_prefill_answer,
+)
 from devstack.stack import Stack, StackInstance, StackOptions
 from tests.e2e.e2e_support import load, metrics, module_stack, wait_idle
 from tests.support.wait import wait_until
@@ -78,17 +84,17 @@ def _body(prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> 
 
 
 def identity(p: StackInstance, rid: str) -> dict[str, Any]:
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": p.engine_id,
-        "remote_host": "127.0.0.1",
-        "remote_port": p.side_channel_port,
-        "tp_size": 1,
-        "pp_size": 1,
-        "remote_request_id": f"cmpl-{rid}-0",
-        "transfer_id": rid,
-    }
+    """The D leg's ``kv_transfer_params``, built with the contract's builder (as the router)."""
+    assert p.engine_id is not None and p.side_channel_port is not None
+    return decode_leg_params(
+        engine_id=p.engine_id,
+        host="127.0.0.1",
+        port=p.side_channel_port,
+        tp_size=1,
+        pp_size=1,
+        request_id=f"cmpl-{rid}-0",
+        transfer_id=rid,
+    )
 
 
 async def disagg(client: httpx.AsyncClient, stack: Stack, prompt: list[int]) -> dict[str, Any]:
@@ -103,7 +109,7 @@ async def disagg_legs(
     non-200 leg)."""
     p, d = stack.prefill[0], stack.decode[0]
     headers = {"X-Request-Id": rid}
-    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": rid}
+    p_params = prefill_leg_params(rid)
     p_leg = client.post(p.url + "/v1/completions", headers=headers, json=_body(prompt, 1, p_params))
     d_leg = client.post(
         d.url + "/v1/completions", headers=headers, json=_body(prompt, MAX_TOKENS, identity(p, rid))
@@ -303,7 +309,7 @@ async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> No
     # the client goes away once P reports the request running, i.e. after its first chunk.
     prompt = tokens("p-abort", 16000)
     headers = {"X-Request-Id": rid}
-    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": rid}
+    p_params = prefill_leg_params(rid)
     p_body = _body(prompt, 1, p_params) | {"stream": True}
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         d_leg = asyncio.ensure_future(
