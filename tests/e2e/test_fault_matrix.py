@@ -35,6 +35,7 @@ import pytest
 import yaml
 
 from connector.config import ConnectorConfig
+from connector.faults import INJECTED
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
 from devstack.stack import Stack, StackInstance, StackOptions
@@ -308,14 +309,16 @@ def test_nixl_error_in_ps_writer_mid_transfer(stack: Stack, e2e_dir: Path) -> No
         assert not trigger.exists()  # P's writer consumed it: the fault hit this request's WRITE
         blocks = _back_to_baseline(stack.prefill + stack.decode)
         next_status = _next_ok(router.url, stack.model_name) + " (P's writer went on)"
-    log = p.server.log_path.read_text(errors="replace")
-    assert "injected fault: NIXL error mid-transfer" in log and "counted; the thread goes on" in log
+    p_log = p.server.log_path.read_text(errors="replace")
+    assert INJECTED in p_log and "counted; the thread goes on" in p_log
+    d_log = stack.decode[0].server.log_path.read_text(errors="replace")
+    assert INJECTED in d_log  # D failed the load on P's `failed` notification, naming the cause
     if resp.status_code == 200:
         assert resp.json()["choices"][0]["text"], resp.text
         got = "200 (the router retried on a fresh transfer)"
     else:
         err = resp.json()["error"]  # a clear OpenAI-style error, not a hang
-        got = f"{resp.status_code} {err['type']}"
+        got = f"{resp.status_code} {err['type']} ({err['message'][:70]})"
     _row("NIXL error in P's writer mid-transfer (injected)", got, took, blocks, next_status)
 
 
