@@ -67,6 +67,9 @@ class ConnectorConfig:
     nixl_progress_thread: bool = False
     """Both: start NIXL's UCX progress thread (it busy-polls a core in nixl 1.5.1; see
     ``connector.nixl_backend``). Off: the connector's own threads drive progress."""
+    fault_injection_file: str = ""
+    """P, tests only: a path whose appearance makes P's next WRITE fail mid-transfer
+    (:mod:`connector.faults`). Empty (the default): no fault injection at all."""
 
     @staticmethod
     def read_by(name: str) -> Literal["P", "D", "both"]:
@@ -122,4 +125,5 @@ _READ_BY: dict[str, Literal["P", "D", "both"]] = {
     "receiver_poll_s": "D",
     "post_on_finish": "P",
     "nixl_progress_thread": "both",
+    "fault_injection_file": "P",
 }

@@ -4,11 +4,16 @@ thread around :class:`~connector.consumer_state.ConsumerState` (which holds ever
 vLLM-independent. Who calls it: the D worker (``register``/``cancel``/``cancel_key`` from vLLM's
 engine thread, ``take_results`` once per step); the engine thread never blocks on the network.
 See :mod:`connector.consumer_state` for the contract of :meth:`PushConsumer.take_results`.
+
+Errors (:mod:`connector.supervision`): side-channel errors are answers the state handles (the
+transfer fails or waits within its bounds); a NIXL error reading notifications is counted and
+the receiver goes on (the deadlines and pings still bound every wait). A side-channel task that
+raises anything else is counted and logged (its transfer ends by its bounds; the pool goes on);
+anything else ending the receiver makes the instance unhealthy.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -22,8 +27,7 @@ from connector.protocol import decode_reply
 from connector.records import TransferRecord
 from connector.side_channel import request
 from connector.specs import KeyCancel, RecvSpec
-
-logger = logging.getLogger(__name__)
+from connector.supervision import CoreHealth
 
 Transport = Callable[[str, int, bytes, float], bytes]
 """``(host, port, request frame, timeout_s) -> reply frame``; raises
@@ -39,7 +43,9 @@ class PushConsumer:
         config: ConnectorConfig,
         clock: Callable[[], float] = time.monotonic,
         transport: Transport = request,
+        health: CoreHealth | None = None,
     ) -> None:
+        self.health = health or CoreHealth()
         self._ep = endpoint
         self._cfg = config
         self._clock = clock
@@ -50,7 +56,12 @@ class PushConsumer:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dpc-sidechan")
         self._stop = threading.Event()
         self._wake = threading.Event()  # a registration ends the receiver's idle wait
-        self._thread = threading.Thread(target=self._run, name="dpc-receiver", daemon=True)
+        self._thread = threading.Thread(
+            target=self.health.run,
+            args=("dpc-receiver", self._run),
+            name="dpc-receiver",
+            daemon=True,
+        )
         self._thread.start()
 
     # ---- engine thread -------------------------------------------------------------------
@@ -96,7 +107,15 @@ class PushConsumer:
 
     # ---- side-channel pool ---------------------------------------------------------------
     def _submit(self, ask: Ask) -> Future[None]:
-        return self._pool.submit(self._send, ask)
+        future = self._pool.submit(self._send, ask)
+        future.add_done_callback(self._sent)
+        return future
+
+    def _sent(self, future: Future[None]) -> None:
+        """Notice a side-channel task that raised (its own errors are answers, see ``_send``)."""
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None:
+            self.health.survived("dpc-sidechan: side-channel task", exc)
 
     def _send(self, ask: Ask) -> None:
         result: Answer
@@ -114,7 +133,7 @@ class PushConsumer:
         try:
             self._state.notifications(self._ep.take_notifs())
         except TransferError as exc:  # the deadlines and pings still bound every wait
-            logger.warning("could not read NIXL notifications: %s", exc)
+            self.health.survived("dpc-receiver: reading NIXL notifications", exc)
 
     def _run(self) -> None:
         while not self._stop.is_set():

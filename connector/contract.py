@@ -5,18 +5,26 @@ A disaggregated request runs as two legs, each a normal OpenAI request whose bod
 
 - the P leg asks P to prefill and keep the KV for a remote decode (``do_remote_decode``), with the
   router's ``transfer_id``; :data:`IDENTITY_PROBE_KEY` marks an identity probe, for which our
-  connector answers its identity and keeps no blocks;
+  connector answers its identity and keeps no blocks (:func:`prefill_leg_params`,
+  :func:`read_prefill_leg`);
 - P answers with its identity (``remote_engine_id``, ``remote_host``, ``remote_port``, ``tp_size``,
-  ``pp_size``), its engine request id and the blocks it keeps (:func:`prefill_answer_params`);
+  ``pp_size``), its engine request id and the blocks it keeps (:func:`prefill_answer_params`,
+  :func:`read_prefill_answer`);
 - the D leg (``do_remote_prefill``) carries P's identity and request id in push mode
-  (:func:`decode_leg_params`), or exactly what P answered in pull mode.
+  (:func:`decode_leg_params`, :func:`read_decode_leg`), or exactly what P answered in pull mode.
+
+One builder and one reader per message: the router, the connector's scheduler and the fake vLLM
+build and read ``kv_transfer_params`` only through them, so none of them can drift from the
+others. Readers raise :class:`~connector.errors.ContractError` (a ``ValueError``) naming the field
+that is missing or bad.
 
 Request ids: vLLM's input processor appends ``-<8 hex>`` to every external request id and push
 connectors strip exactly such a suffix to match D's registration with P's prefill
 (:func:`base_request_id`); an id that already ends that way could collide after stripping
 (:func:`has_engine_suffix`).
 
-Importing this module is cheap and safe anywhere: it imports only the standard library.
+Importing this module is cheap and safe anywhere: it imports only the standard library (and
+:mod:`connector.errors`, which imports nothing).
 """
 
 from __future__ import annotations
@@ -24,7 +32,10 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from connector.errors import ContractError
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 """The request and response field that carries the P/D parameters."""
@@ -48,6 +59,48 @@ IDENTITY_PROBE_KEY = "identity_probe"
 decode (the router's identity probes)."""
 
 _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """Who P is, as P's answer and the push-mode D leg carry it."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+
+@dataclass(frozen=True)
+class PrefillLeg:
+    """What a P leg asks (:func:`read_prefill_leg`)."""
+
+    transfer_id: str | None
+    probe: bool
+
+
+@dataclass(frozen=True)
+class DecodeLeg:
+    """What a D leg carries (:func:`read_decode_leg`)."""
+
+    peer: PeerIdentity
+    request_id: str | None
+    """P's engine request id (``remote_request_id``), when the sender knew it."""
+    transfer_id: str | None
+
+
+@dataclass(frozen=True)
+class PrefillAnswer:
+    """What P answered (:func:`read_prefill_answer`); only ``peer`` is required, the rest is
+    ``None`` where P's connector does not send it (vLLM's own NIXL connectors)."""
+
+    peer: PeerIdentity
+    request_id: str | None
+    block_ids: tuple[Any, ...] | None
+    num_tokens: int | None
+    transfer_mode: str | None
+    transfer_id: str | None
 
 
 def prefill_leg_params(transfer_id: str, *, probe: bool = False) -> dict[str, Any]:
@@ -105,13 +158,87 @@ def prefill_answer_params(
     transfer_mode: str = "push",
     tp_size: int = 1,
     pp_size: int = 1,
+    transfer_id: str | None = None,
 ) -> dict[str, Any]:
-    """``kv_transfer_params`` of P's answer: who P is and which blocks it keeps for D."""
+    """``kv_transfer_params`` of P's answer: who P is and which blocks it keeps for D (the P
+    leg's ``transfer_id`` is echoed when it had one)."""
     params = _remote_params(engine_id, host, port, tp_size, pp_size, request_id)
     params[REMOTE_BLOCK_IDS] = list(block_ids)
     params[REMOTE_NUM_TOKENS] = num_tokens
     params[TRANSFER_MODE] = transfer_mode
+    if transfer_id:
+        params[TRANSFER_ID] = transfer_id
     return params
+
+
+def _opt_str(params: Mapping[str, Any], key: str) -> str | None:
+    value = params.get(key)
+    return None if value in (None, "") else str(value)
+
+
+def _int(params: Mapping[str, Any], key: str, default: int | None = None) -> int | None:
+    value = params.get(key)
+    if value in (None, ""):
+        return default
+    if isinstance(value, bool):
+        raise ContractError(f"{KV_TRANSFER_PARAMS}.{key}: not an integer: {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError) as exc:
+        raise ContractError(f"{KV_TRANSFER_PARAMS}.{key}: not an integer: {value!r}") from exc
+
+
+def _peer(params: Mapping[str, Any]) -> PeerIdentity:
+    """P's identity in ``params``; :class:`ContractError` names what is missing or bad."""
+    missing = [
+        k for k in (REMOTE_ENGINE_ID, REMOTE_HOST, REMOTE_PORT) if params.get(k) in (None, "")
+    ]
+    if missing:
+        raise ContractError(f"{KV_TRANSFER_PARAMS} lack {', '.join(missing)}")
+    port = _int(params, REMOTE_PORT)
+    assert port is not None  # checked above
+    return PeerIdentity(
+        engine_id=str(params[REMOTE_ENGINE_ID]),
+        host=str(params[REMOTE_HOST]),
+        port=port,
+        tp_size=_int(params, TP_SIZE, 1) or 1,
+        pp_size=_int(params, PP_SIZE, 1) or 1,
+    )
+
+
+def read_prefill_leg(params: Mapping[str, Any] | None) -> PrefillLeg | None:
+    """The P leg in a request's ``params``; ``None`` when they ask for no remote decode."""
+    if not is_prefill_leg(params):
+        return None
+    assert params is not None
+    return PrefillLeg(_opt_str(params, TRANSFER_ID), bool(params.get(IDENTITY_PROBE_KEY)))
+
+
+def read_decode_leg(params: Mapping[str, Any] | None) -> DecodeLeg | None:
+    """The D leg in a request's ``params``; ``None`` when they ask for no remote prefill,
+    :class:`ContractError` when P's identity is incomplete."""
+    if not is_decode_leg(params):
+        return None
+    assert params is not None
+    return DecodeLeg(
+        _peer(params), _opt_str(params, REMOTE_REQUEST_ID), _opt_str(params, TRANSFER_ID)
+    )
+
+
+def read_prefill_answer(params: Mapping[str, Any]) -> PrefillAnswer:
+    """P's answer (ours, or vLLM's NIXL connectors'); :class:`ContractError` when P's identity
+    is incomplete or a field has the wrong type."""
+    blocks = params.get(REMOTE_BLOCK_IDS)
+    if blocks is not None and not isinstance(blocks, list | tuple):
+        raise ContractError(f"{KV_TRANSFER_PARAMS}.{REMOTE_BLOCK_IDS}: not a list: {blocks!r}")
+    return PrefillAnswer(
+        peer=_peer(params),
+        request_id=_opt_str(params, REMOTE_REQUEST_ID),
+        block_ids=None if blocks is None else tuple(blocks),
+        num_tokens=_int(params, REMOTE_NUM_TOKENS),
+        transfer_mode=_opt_str(params, TRANSFER_MODE),
+        transfer_id=_opt_str(params, TRANSFER_ID),
+    )
 
 
 def is_prefill_leg(params: Mapping[str, Any] | None) -> bool:

@@ -44,3 +44,14 @@ class NixlUnavailableError(ConnectorError, RuntimeError):
 
 class TransferError(ConnectorError, RuntimeError):
     """NIXL refused or failed an operation (registration, descriptor list, WRITE, notification)."""
+
+
+class TransferCoreFailedError(ConnectorError, RuntimeError):
+    """A transfer-core thread stopped on an unexpected error; the instance can no longer move
+    KV. Raised from the next engine step's worker hook so that vLLM fails the engine and its
+    ``/health`` answers 503 (the router then takes the instance out of rotation)."""
+
+
+class ContractError(ConnectorError, ValueError):
+    """``kv_transfer_params`` lack a field the message needs or carry a bad value; the message
+    names the field."""

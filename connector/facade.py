@@ -165,6 +165,7 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _collect(self) -> WorkerStep:
         step = self._work().collect()
+        self._stats.record_errors(step.errors)
         for rec in step.records:
             self._stats.record(rec)
             log = logger.info if rec.ok else logger.warning

@@ -13,7 +13,6 @@ writer polls it from then on. The endpoint's lock orders the two threads' calls.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -26,8 +25,7 @@ from connector.protocol import Registration
 from connector.records import TransferRecord
 from connector.side_channel import SideChannelServer
 from connector.specs import SendAbort, SendSpec
-
-logger = logging.getLogger(__name__)
+from connector.supervision import CoreHealth
 
 
 class PushProducer:
@@ -39,18 +37,26 @@ class PushProducer:
         engine_id: str,
         config: ConnectorConfig,
         clock: Callable[[], float] = time.monotonic,
+        health: CoreHealth | None = None,
     ) -> None:
         self._ep = endpoint
         self._cfg = config
         self._clock = clock
+        self.health = health or CoreHealth()
         self._state = ProducerState(engine_id, endpoint.layout, config, clock)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._server = SideChannelServer(
-            config.side_channel_host, config.side_channel_port, self.handle_request
+            config.side_channel_host,
+            config.side_channel_port,
+            self.handle_request,
+            on_error=self._side_channel_error,
+            run=self.health.run,
         )
         self.port = self._server.port
-        self._thread = threading.Thread(target=self._run, name="dpc-writer", daemon=True)
+        self._thread = threading.Thread(
+            target=self.health.run, args=("dpc-writer", self._run), name="dpc-writer", daemon=True
+        )
         self._thread.start()
 
     # ---- engine thread -------------------------------------------------------------------
@@ -91,6 +97,11 @@ class PushProducer:
         self._wake.set()
         return reply
 
+    def _side_channel_error(self, exc: BaseException) -> None:
+        """A side-channel connection's handler raised: that D sees its request fail and keeps
+        its own bounds; the server goes on."""
+        self.health.survived("dpc-side-channel: request", exc)
+
     # ---- writer thread -------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -110,7 +121,10 @@ class PushProducer:
         self._state.expire(now)
         for reg, note in self._state.take_notifications():
             self._notify(reg, note)
-        self._ep.progress()
+        try:
+            self._ep.progress()
+        except TransferError as exc:  # WRITEs in flight are still judged by their own state
+            self.health.survived("dpc-writer: NIXL progress", exc)
         return self._state.busy()
 
     def _connect(self, reg: Registration) -> None:
@@ -118,8 +132,8 @@ class PushProducer:
         try:
             self._ep.prepare_remote(reg.d_agent_name, reg.d_agent_metadata, reg.d_layout)
             self._ep.connect(reg.d_agent_name)
-        except TransferError as exc:
-            logger.warning("could not connect to D agent %s: %s", reg.d_agent_name, exc)
+        except TransferError as exc:  # the WRITE connects (or fails) when it is posted
+            self.health.survived(f"dpc-writer: connect to D agent {reg.d_agent_name}", exc)
             return
         self._state.connected(reg.d_agent_name)
 
@@ -132,6 +146,7 @@ class PushProducer:
                 reg.d_agent_name, write.local_ids, write.remote_ids, write.notif
             )
         except TransferError as exc:
+            self.health.survived(f"WRITE for {write.key}", exc)
             self._state.finish(write, ok=False, reason=f"WRITE could not be posted: {exc}")
             return
         self._state.posted(write, handle)
@@ -140,18 +155,19 @@ class PushProducer:
         try:
             verdict = self._state.judge(write, self._ep.state(write.handle))
         except TransferError as exc:
+            self.health.survived(f"dpc-writer: state of the WRITE for {write.key}", exc)
             verdict = (False, f"WRITE state unknown: {exc}")
         if verdict is None:
             return
         try:
             self._ep.release(write.handle)
         except TransferError as exc:
-            logger.warning("release of WRITE handle for %s failed: %s", write.key, exc)
+            self.health.survived(f"dpc-writer: release of the WRITE handle for {write.key}", exc)
         self._state.finish(write, *verdict)
 
     def _notify(self, reg: Registration, note: bytes) -> None:
         try:
             self._ep.prepare_remote(reg.d_agent_name, reg.d_agent_metadata, reg.d_layout)
             self._ep.send_notif(reg.d_agent_name, note)
-        except TransferError as exc:
-            logger.warning("fail notification for %s not sent: %s", reg.transfer_key, exc)
+        except TransferError as exc:  # D's own bounds (timeout, pings) end its wait
+            self.health.survived(f"dpc-writer: fail notification for {reg.transfer_key}", exc)

@@ -9,6 +9,10 @@ asynchronously, registers the newly allocated blocks once, and on abort while wa
 worker to cancel (vLLM itself holds the blocks until the worker reports the request).
 P (``do_remote_decode``): on a successful finish keeps the blocks (returns ``True``) and hands
 them to the worker's writer; on abort/error tells the worker so D learns at once.
+
+It reads the legs' ``kv_transfer_params`` and builds P's answer only through
+:mod:`connector.contract` (``read_decode_leg``, ``read_prefill_leg``,
+``prefill_answer_params``), the functions the router and the fake vLLM use too.
 """
 
 from __future__ import annotations
@@ -18,7 +22,15 @@ from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
-from connector.contract import IDENTITY_PROBE_KEY
+from connector.contract import (
+    DecodeLeg,
+    PrefillLeg,
+    is_decode_leg,
+    prefill_answer_params,
+    read_decode_leg,
+    read_prefill_leg,
+)
+from connector.errors import ContractError
 from connector.metadata import PushConnectorMetadata
 from connector.specs import (
     KeyCancel,
@@ -29,8 +41,6 @@ from connector.specs import (
 )
 
 logger = logging.getLogger(__name__)
-
-_REQUIRED_REMOTE = ("remote_engine_id", "remote_host", "remote_port")
 
 
 class PushScheduler:
@@ -47,28 +57,23 @@ class PushScheduler:
         self._meta = PushConnectorMetadata()
 
     # ---- D ---------------------------------------------------------------------------------
-    def _remote(self, request: Request) -> dict[str, Any] | None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+    def _remote(self, request: Request) -> DecodeLeg | None:
+        """The D leg ``request`` carries, if it is one this connector can serve."""
+        try:
+            leg = read_decode_leg(request.kv_transfer_params)
+        except ContractError as exc:
+            logger.error("request %s: %s; prefilling locally", request.request_id, exc)
             return None
-        missing = [k for k in _REQUIRED_REMOTE if params.get(k) in (None, "")]
-        if missing:
-            logger.error(
-                "request %s: kv_transfer_params lack %s; prefilling locally",
-                request.request_id,
-                ", ".join(missing),
-            )
-            return None
-        if int(params.get("tp_size") or 1) != 1 or int(params.get("pp_size") or 1) != 1:
+        if leg is not None and (leg.peer.tp_size != 1 or leg.peer.pp_size != 1):
             logger.error(
                 "request %s: P has tp_size=%s pp_size=%s; only 1/1 is supported; prefilling "
                 "locally",
                 request.request_id,
-                params.get("tp_size"),
-                params.get("pp_size"),
+                leg.peer.tp_size,
+                leg.peer.pp_size,
             )
             return None
-        return dict(params)
+        return leg
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -83,12 +88,12 @@ class PushScheduler:
         self, request: Request, blocks: Any, num_external_tokens: int
     ) -> None:
         """Register the blocks allocated for the pushed tokens (first call only)."""
-        params = self._remote(request)
-        if params is None or request.request_id in self._handled:
+        leg = self._remote(request)
+        if leg is None or request.request_id in self._handled:
             return
         self._handled.add(request.request_id)
-        key = transfer_key(params, request.request_id)
-        host, port = str(params["remote_host"]), int(params["remote_port"])
+        key = transfer_key(leg.transfer_id, request.request_id)
+        host, port = leg.peer.host, leg.peer.port
         if num_external_tokens <= 0:
             # Full local hit: nothing to receive; let P free its blocks now.
             self._meta.key_cancels.append(KeyCancel(key, host, port))
@@ -101,7 +106,7 @@ class PushScheduler:
             RecvSpec(
                 d_request_id=request.request_id,
                 transfer_key=key,
-                p_engine_id=str(params["remote_engine_id"]),
+                p_engine_id=leg.peer.engine_id,
                 host=host,
                 port=port,
                 block_ids=tuple(new_ids),
@@ -122,36 +127,31 @@ class PushScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         """Called once per finished request before vLLM frees its blocks."""
         rid = request.request_id
-        params = request.kv_transfer_params or {}
-        if rid in self._handled or params.get("do_remote_prefill"):
-            return self._d_finished(request, params)
-        if params.get("do_remote_decode"):
-            return self._p_finished(request, params, block_ids)
+        if rid in self._handled or is_decode_leg(request.kv_transfer_params):
+            return self._d_finished(request)
+        p_leg = read_prefill_leg(request.kv_transfer_params)
+        if p_leg is not None:
+            return self._p_finished(request, p_leg, block_ids)
         return False, None
 
-    def _d_finished(self, request: Request, params: dict[str, Any]) -> tuple[bool, None]:
+    def _d_finished(self, request: Request) -> tuple[bool, None]:
         rid = request.request_id
         was_handled = rid in self._handled
         self._handled.discard(rid)
         if rid in self._waiting:
             # Aborted while waiting: vLLM keeps the blocks until the worker reports rid.
             self._meta.cancels.append(rid)
-        elif not was_handled and self._remote(request) is not None:
+        elif not was_handled and (leg := self._remote(request)) is not None:
             # Finished before any block was allocated: let P free its prefill now.
-            self._meta.key_cancels.append(
-                KeyCancel(
-                    transfer_key(params, rid),
-                    str(params["remote_host"]),
-                    int(params["remote_port"]),
-                )
-            )
+            key = transfer_key(leg.transfer_id, rid)
+            self._meta.key_cancels.append(KeyCancel(key, leg.peer.host, leg.peer.port))
         return False, None
 
     def _p_finished(
-        self, request: Request, params: dict[str, Any], block_ids: list[int]
+        self, request: Request, leg: PrefillLeg, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        key = transfer_key(params, rid)
+        key = transfer_key(leg.transfer_id, rid)
         ok = request.status in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
@@ -160,27 +160,21 @@ class PushScheduler:
             reason = f"prefill ended with status {request.status.name}"
             self._meta.failed_prefills.append(SendAbort(key, reason))
             return False, None
-        out: dict[str, Any] = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": rid,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": list(block_ids),
-            "remote_num_tokens": request.num_computed_tokens,
-            "tp_size": 1,
-            "pp_size": 1,
-            "transfer_mode": "push",
-        }
-        if params.get("transfer_id"):
-            out["transfer_id"] = params["transfer_id"]
-        if params.get(IDENTITY_PROBE_KEY):
-            # An identity probe (the router's): answer who we are, keep nothing.
-            out["remote_block_ids"] = []
+        # An identity probe (the router's) is answered who we are; it keeps nothing.
+        kept = () if leg.probe else tuple(block_ids)
+        out = prefill_answer_params(
+            engine_id=self.engine_id,
+            host=self.host,
+            port=self.port,
+            request_id=rid,
+            block_ids=kept,
+            num_tokens=request.num_computed_tokens,
+            transfer_id=leg.transfer_id,
+        )
+        if leg.probe:
             return False, out
         self._sending.add(rid)
-        self._meta.finished_prefills.append(SendSpec(rid, key, tuple(block_ids)))
+        self._meta.finished_prefills.append(SendSpec(rid, key, kept))
         return True, out
 
     # ---- step plumbing -------------------------------------------------------------------

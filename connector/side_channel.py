@@ -1,7 +1,9 @@
 """P's side channel: a tiny threaded TCP server with length-prefixed frames (stdlib only).
 
 One request frame and one reply frame per connection. The handler runs on the server's
-connection thread and must answer quickly (it only takes a lock and updates dicts).
+connection thread and must answer quickly (it only takes a lock and updates dicts). An error the
+handler did not expect closes that one connection (the peer sees a side-channel error and keeps
+its own bounds), goes to ``on_error`` and the server goes on serving.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import socket
 import socketserver
 import struct
+import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from connector.errors import ProtocolError, SideChannelError, SideChannelRefusedError
 from connector.protocol import MAX_FRAME_BYTES
@@ -57,9 +61,21 @@ def request(host: str, port: int, payload: bytes, timeout_s: float) -> bytes:
 
 
 class SideChannelServer:
-    """Serves ``handler(request_bytes) -> reply_bytes`` on ``host:port`` (port 0: ephemeral)."""
+    """Serves ``handler(request_bytes) -> reply_bytes`` on ``host:port`` (port 0: ephemeral).
 
-    def __init__(self, host: str, port: int, handler: Callable[[bytes], bytes]) -> None:
+    ``on_error`` gets what a connection's handler raised beyond the side channel's own errors
+    (called on that connection's thread); ``run`` runs the serving loop (e.g.
+    :meth:`connector.supervision.CoreHealth.run`, so that a serving loop that ends is noticed).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Callable[[bytes], bytes],
+        on_error: Callable[[BaseException], None],
+        run: Callable[[str, Callable[[], None]], None],
+    ) -> None:
         outer_handler = handler
 
         class _Handler(socketserver.BaseRequestHandler):
@@ -76,15 +92,24 @@ class SideChannelServer:
             daemon_threads = True
             allow_reuse_address = True
 
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                """socketserver's hook for an error a connection's handler raised."""
+                exc = sys.exc_info()[1]
+                if exc is not None:
+                    on_error(exc)
+
         self._server = _Server((host, port), _Handler)
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.2},
+            target=run,
+            args=("dpc-side-channel", self._serve),
             daemon=True,
             name="dpc-side-channel",
         )
         self._thread.start()
+
+    def _serve(self) -> None:
+        self._server.serve_forever(poll_interval=0.2)
 
     def close(self) -> None:
         self._server.shutdown()

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from connector.contract import base_request_id
 
 
-def transfer_key(params: Mapping[str, Any], request_id: str) -> str:
+def transfer_key(transfer_id: str | None, request_id: str) -> str:
     """The id P and D match a transfer on.
 
     ``transfer_id`` (router-chosen, sent on both legs) wins. Without it each side uses the base
     of its *own* engine request id (the ``-<8 hex>`` suffix stripped), which agrees when both legs
     carry the same ``X-Request-Id`` on the same endpoint, as with vLLM's own push connector.
     """
-    tid = params.get("transfer_id")
-    if tid:
-        return f"t:{tid}"
+    if transfer_id:
+        return f"t:{transfer_id}"
     return f"r:{base_request_id(request_id)}"
 
 

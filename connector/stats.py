@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from connector.records import TransferRecord
 
-_FIELDS = ("ok", "failed", "bytes", "blocks", "write_s", "reg_to_write_s")
+_FIELDS = ("ok", "failed", "bytes", "blocks", "errors", "write_s", "reg_to_write_s")
 
 
 @dataclass
@@ -42,6 +42,10 @@ class PushTransferStats(KVConnectorStats):  # type: ignore[misc]
             self.data["write_s"].append(rec.write_s)
         self.data["reg_to_write_s"].append(rec.registration_to_write_s)
 
+    def record_errors(self, count: int) -> None:
+        """Errors the transfer core's threads met (:mod:`connector.supervision`)."""
+        self.data["errors"] += count
+
     def reset(self) -> None:
         self.data = dict[str, Any]()
         self.__post_init__()
@@ -61,6 +65,7 @@ class PushTransferStats(KVConnectorStats):  # type: ignore[misc]
         return {
             "num_transfers": self.data["ok"],
             "num_failed": self.data["failed"],
+            "num_thread_errors": self.data["errors"],
             "total_bytes": self.data["bytes"],
             "total_blocks": self.data["blocks"],
             "avg_write_ms": avg_ms(self.data["write_s"]),
@@ -68,7 +73,7 @@ class PushTransferStats(KVConnectorStats):  # type: ignore[misc]
         }
 
     def is_empty(self) -> bool:
-        return not (self.data["ok"] or self.data["failed"])
+        return not (self.data["ok"] or self.data["failed"] or self.data["errors"])
 
 
 class PushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
@@ -111,6 +116,13 @@ class PushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 labelnames=names,
             )
         )
+        self._errors = per_engine(
+            self._counter_cls(
+                name="disagg_push_thread_errors_total",
+                documentation="Errors the connector's threads met (survived, or stopped on).",
+                labelnames=names,
+            )
+        )
         buckets = [0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]
         self._write = per_engine(
             self._histogram_cls(
@@ -135,6 +147,7 @@ class PushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         self._failures[engine_idx].inc(d.get("failed", 0))
         self._bytes[engine_idx].inc(d.get("bytes", 0))
         self._blocks[engine_idx].inc(d.get("blocks", 0))
+        self._errors[engine_idx].inc(d.get("errors", 0))
         for x in d.get("write_s", []):
             self._write[engine_idx].observe(x)
         for x in d.get("reg_to_write_s", []):

@@ -4,7 +4,9 @@ Who calls it: the facade, from vLLM's worker hooks. It describes the KV cache te
 :class:`~connector.layout.LayoutSpec` (memory type and device from the tensors, checked against
 ``kv_buffer_device``), owns the NIXL endpoint and the transfer core (:class:`PushProducer` on P,
 :class:`PushConsumer` on D) and forwards each step's metadata to them. It never blocks the
-engine thread on the network.
+engine thread on the network. :meth:`PushWorker.collect` raises
+:class:`~connector.errors.TransferCoreFailedError` once a transfer-core thread has stopped, so
+that vLLM fails the engine (see :mod:`connector.supervision`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from connector import faults
 from connector.config import ConnectorConfig
 from connector.consumer import PushConsumer
 from connector.layout import check_buffer_device, kv_memory, layout_from_kv_caches
@@ -21,6 +24,7 @@ from connector.metadata import PushConnectorMetadata
 from connector.nixl_backend import NixlEndpoint
 from connector.producer import PushProducer
 from connector.records import TransferRecord
+from connector.supervision import CoreHealth
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +58,8 @@ class WorkerStep:
     failed_recving: set[str] = field(default_factory=set)
     failed_block_ids: set[int] = field(default_factory=set)
     records: list[TransferRecord] = field(default_factory=list)
+    errors: int = 0
+    """Errors the transfer core's threads met since the last step (:mod:`connector.supervision`)."""
 
 
 class PushWorker:
@@ -65,6 +71,7 @@ class PushWorker:
         self.endpoint: NixlEndpoint | None = None
         self.producer: PushProducer | None = None
         self.consumer: PushConsumer | None = None
+        self.health = CoreHealth()
         self._recv_blocks: dict[str, tuple[int, ...]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -81,12 +88,17 @@ class PushWorker:
         name = f"dpc-{s.engine_id}-{uuid.uuid4().hex[:8]}"
         self.endpoint = NixlEndpoint(name, layout, progress_thread=self.config.nixl_progress_thread)
         if s.is_producer:
-            self.producer = PushProducer(self.endpoint, s.engine_id, self.config)
+            self.producer = PushProducer(
+                faults.wrap(self.endpoint, self.config),
+                s.engine_id,
+                self.config,
+                health=self.health,
+            )
             logger.info(
                 "P side channel on %s:%d", self.config.side_channel_host, self.producer.port
             )
         if s.is_consumer:
-            self.consumer = PushConsumer(self.endpoint, self.config)
+            self.consumer = PushConsumer(self.endpoint, self.config, health=self.health)
         logger.info(
             "NIXL agent %s: %s device %d, %d regions x %d blocks, %s %d-token blocks, "
             "vLLM layout %s, block format %s",
@@ -118,8 +130,12 @@ class PushWorker:
                 self.producer.abort(abort)
 
     def collect(self) -> WorkerStep:
-        """Completions since the last call (each request id reported once)."""
-        step = WorkerStep()
+        """Completions since the last call (each request id reported once).
+
+        Raises :class:`~connector.errors.TransferCoreFailedError` once a transfer-core thread has
+        stopped (vLLM then fails the engine: the instance reports itself unhealthy)."""
+        self.health.check()
+        step = WorkerStep(errors=self.health.take_errors())
         if self.producer is not None:
             step.finished_sending = self.producer.take_released()
             step.records += self.producer.take_records()

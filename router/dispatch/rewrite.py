@@ -18,15 +18,11 @@ from typing import Any
 
 from connector.contract import (
     KV_TRANSFER_PARAMS,
-    PP_SIZE,
-    REMOTE_ENGINE_ID,
-    REMOTE_HOST,
-    REMOTE_PORT,
     REMOTE_PREFILL_CACHED_TOKENS,
-    TP_SIZE,
     TRANSFER_ID,
     decode_leg_params,
     prefill_leg_params,
+    read_prefill_answer,
 )
 from router.config import PushIdentity
 
@@ -88,16 +84,18 @@ def decode_body_pull(
 
 
 def identity_from_kv(kv: dict[str, Any]) -> PushIdentity:
-    """P's identity from the ``kv_transfer_params`` it returned; ``ValueError`` if incomplete."""
+    """P's identity from the ``kv_transfer_params`` it returned (read with the connector's
+    contract); ``ValueError`` if incomplete."""
     try:
+        peer = read_prefill_answer(kv).peer
         return PushIdentity(
-            engine_id=str(kv[REMOTE_ENGINE_ID]),
-            host=str(kv[REMOTE_HOST]),
-            port=int(kv[REMOTE_PORT]),
-            tp_size=int(kv.get(TP_SIZE) or 1),
-            pp_size=int(kv.get(PP_SIZE) or 1),
+            engine_id=peer.engine_id,
+            host=peer.host,
+            port=peer.port,
+            tp_size=peer.tp_size,
+            pp_size=peer.pp_size,
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except ValueError as exc:  # the contract's ContractError, or the identity's own bounds
         raise ValueError(f"incomplete kv_transfer_params from prefill: {exc}") from exc
 
 

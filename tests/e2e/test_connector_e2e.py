@@ -28,6 +28,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from connector.contract import (
+    KV_TRANSFER_PARAMS,
+    PeerIdentity,
+    decode_leg_params,
+    prefill_leg_params,
+    read_prefill_answer,
+)
 from devstack.stack import Stack, StackInstance, StackOptions
 from tests.e2e.e2e_support import load, metrics, module_stack, wait_idle
 from tests.support.wait import wait_until
@@ -77,25 +84,32 @@ def _body(prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> 
 
 
 def identity(p: StackInstance, rid: str) -> dict[str, Any]:
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": p.engine_id,
-        "remote_host": "127.0.0.1",
-        "remote_port": p.side_channel_port,
-        "tp_size": 1,
-        "pp_size": 1,
-        "remote_request_id": f"cmpl-{rid}-0",
-        "transfer_id": rid,
-    }
+    """The D leg's ``kv_transfer_params``, built with the contract's builder (as the router)."""
+    assert p.engine_id is not None and p.side_channel_port is not None
+    return decode_leg_params(
+        engine_id=p.engine_id,
+        host="127.0.0.1",
+        port=p.side_channel_port,
+        tp_size=1,
+        pp_size=1,
+        request_id=f"cmpl-{rid}-0",
+        transfer_id=rid,
+    )
 
 
 async def disagg(client: httpx.AsyncClient, stack: Stack, prompt: list[int]) -> dict[str, Any]:
     """Both legs at once; returns D's JSON (raises on a non-200 leg)."""
+    return (await disagg_legs(client, stack, prompt, uuid.uuid4().hex))[1]
+
+
+async def disagg_legs(
+    client: httpx.AsyncClient, stack: Stack, prompt: list[int], rid: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both legs at once under request id ``rid``; returns P's and D's JSON (raises on a
+    non-200 leg)."""
     p, d = stack.prefill[0], stack.decode[0]
-    rid = uuid.uuid4().hex
     headers = {"X-Request-Id": rid}
-    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": rid}
+    p_params = prefill_leg_params(rid)
     p_leg = client.post(p.url + "/v1/completions", headers=headers, json=_body(prompt, 1, p_params))
     d_leg = client.post(
         d.url + "/v1/completions", headers=headers, json=_body(prompt, MAX_TOKENS, identity(p, rid))
@@ -103,8 +117,22 @@ async def disagg(client: httpx.AsyncClient, stack: Stack, prompt: list[int]) -> 
     p_resp, d_resp = await asyncio.gather(p_leg, d_leg)
     assert p_resp.status_code == 200, p_resp.text
     assert d_resp.status_code == 200, d_resp.text
-    out: dict[str, Any] = d_resp.json()
-    return out
+    return p_resp.json(), d_resp.json()
+
+
+def check_prefill_answer(stack: Stack, params: dict[str, Any], rid: str, length: int) -> None:
+    """P's real answer reads with the contract's reader (the one the router uses), and ours
+    says what the connector sent: P's identity, its request id, the blocks it keeps."""
+    answer = read_prefill_answer(params)
+    p = stack.prefill[0]
+    assert answer.peer.engine_id == p.engine_id
+    if stack.options.kind != "ours":
+        return
+    assert answer.peer == PeerIdentity(p.engine_id, "127.0.0.1", p.side_channel_port)
+    assert answer.request_id is not None and answer.request_id.startswith(f"cmpl-{rid}-0-")
+    assert answer.transfer_id == rid and answer.transfer_mode == "push"
+    assert answer.num_tokens == length
+    assert answer.block_ids is not None and len(answer.block_ids) >= -(-length // BLOCK)
 
 
 async def aggregated(client: httpx.AsyncClient, stack: Stack, prompt: list[int]) -> dict[str, Any]:
@@ -205,9 +233,11 @@ async def test_output_equals_aggregated(stack: Stack, length: int) -> None:
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         ref = await aggregated(client, stack, prompt)
         before = metrics(stack.decode[0])
-        got = await disagg(client, stack, prompt)
+        rid = uuid.uuid4().hex
+        p_json, got = await disagg_legs(client, stack, prompt, rid)
     assert_same(got, ref)
     assert got["usage"]["prompt_tokens"] == length
+    check_prefill_answer(stack, p_json[KV_TRANSFER_PARAMS], rid, length)
     # The whole prompt came from P through the connector (D computed none of it itself).
     assert delta(before, metrics(stack.decode[0]), EXTERNAL_HITS) == length
 
@@ -279,7 +309,7 @@ async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> No
     # the client goes away once P reports the request running, i.e. after its first chunk.
     prompt = tokens("p-abort", 16000)
     headers = {"X-Request-Id": rid}
-    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": rid}
+    p_params = prefill_leg_params(rid)
     p_body = _body(prompt, 1, p_params) | {"stream": True}
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         d_leg = asyncio.ensure_future(

@@ -3,7 +3,8 @@
 For each fault: what the client gets within its bound, P's and D's KV blocks back to their
 baseline (read from vLLM's ``/metrics``) within the connector's documented bound for the fault
 plus a margin, and the router (or a fresh one, after the router itself was stopped) serving the
-next request. The cases run in file order on one shared stack; the two that kill an instance
+next request. The cases run in file order on one shared stack (P runs the connector's
+test-only fault injection, dormant until a case creates its file); the two that kill an instance
 come last (D is restarted after its kill; P's kill is the final case, whose next request D
 serves alone); D's stall (SIGSTOP, then SIGCONT of its processes) comes before them. The table
 goes to ``$FAULT_MATRIX_OUT`` (default: the session's work dir);
@@ -15,6 +16,7 @@ docs/benchmarks/fault-matrix.md is produced by
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib.util
@@ -34,6 +36,7 @@ import pytest
 import yaml
 
 from connector.config import ConnectorConfig
+from connector.faults import INJECTED
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
 from devstack.stack import Stack, StackInstance, StackOptions
@@ -63,9 +66,16 @@ SIGTERM_MAX_TOKENS = 6000
 ROWS: list[dict[str, str]] = []
 
 
+WRITE_FAULT_FILE = "p-write-fault"  # connector/faults.py: its appearance fails P's next WRITE
+CONCURRENT_STREAMS = 128
+
+
 @pytest.fixture(scope="module")
 def stack(e2e_dir: Path) -> Iterator[Stack]:
-    with module_stack(StackOptions(kind="ours", topology="1p1d"), e2e_dir) as started:
+    # Test-only fault injection, dormant until a case creates the file (connector/faults.py).
+    extra = {"fault_injection_file": str(e2e_dir / WRITE_FAULT_FILE)}
+    options = StackOptions(kind="ours", topology="1p1d", connector_extra_config=extra)
+    with module_stack(options, e2e_dir) as started:
         yield started
     _write_table(e2e_dir)
 
@@ -326,6 +336,59 @@ def test_decode_stalls_mid_stream(stack: Stack) -> None:
     assert got.startswith("SSE error event (timeout") and stalls == 1, (got, stalls)
     _row(f"D stalls mid-stream (SIGSTOP, inter_token {STALL_S:g} s; then SIGCONT)", got, took,
          blocks, next_status)  # fmt: skip
+
+
+def test_nixl_error_in_ps_writer_mid_transfer(stack: Stack, e2e_dir: Path) -> None:
+    p = stack.prefill[0]
+    trigger = e2e_dir / WRITE_FAULT_FILE
+    with _router(stack) as router:
+        trigger.touch()
+        start = time.monotonic()
+        resp = httpx.post(f"{router.url}/v1/completions", json=_long(False), timeout=120)
+        took = time.monotonic() - start
+        assert not trigger.exists()  # P's writer consumed it: the fault hit this request's WRITE
+        blocks = _back_to_baseline(stack.prefill + stack.decode)
+        next_status = _next_ok(router.url, stack.model_name) + " (P's writer went on)"
+    p_log = p.server.log_path.read_text(errors="replace")
+    assert INJECTED in p_log and "counted; the thread goes on" in p_log
+    d_log = stack.decode[0].server.log_path.read_text(errors="replace")
+    assert INJECTED in d_log  # D failed the load on P's `failed` notification, naming the cause
+    if resp.status_code == 200:
+        assert resp.json()["choices"][0]["text"], resp.text
+        got = "200 (the router retried on a fresh transfer)"
+    else:
+        err = resp.json()["error"]  # a clear OpenAI-style error, not a hang
+        got = f"{resp.status_code} {err['type']} ({err['message'][:70]})"
+    _row("NIXL error in P's writer mid-transfer (injected)", got, took, blocks, next_status)
+
+
+async def _stream_all(url: str, count: int) -> list[str]:
+    """``count`` streamed requests at once; each one's last SSE data line."""
+    limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def one(i: int) -> str:
+            body = {"model": "tiny", "prompt": make_prompt(f"c{i}", 40), "max_tokens": 8,
+                    "stream": True}  # fmt: skip
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                lines = [line async for line in resp.aiter_lines() if line.startswith("data:")]
+            return f"{resp.status_code} {lines[-1] if lines else ''}"
+
+        return list(await asyncio.gather(*(one(i) for i in range(count))))
+
+
+def test_concurrent_streams_leave_no_kv_behind(stack: Stack) -> None:
+    with _router(stack) as router:
+        start = time.monotonic()
+        ends = asyncio.run(_stream_all(router.url, CONCURRENT_STREAMS))
+        took = time.monotonic() - start
+        blocks = _back_to_baseline(stack.prefill + stack.decode)
+        next_status = _next_ok(router.url, stack.model_name)
+    done = sum(end == "200 data: [DONE]" for end in ends)
+    assert done == CONCURRENT_STREAMS, sorted(set(ends))
+    case = f"{CONCURRENT_STREAMS} concurrent streams (the lease path at a large batch)"
+    _row(case, f"{done}/{CONCURRENT_STREAMS} streams 200, ending [DONE]", took, blocks,
+         next_status)  # fmt: skip
 
 
 def _ready(url: str) -> bool:

@@ -25,13 +25,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from connector.contract import (
     IDENTITY_PROBE_KEY,
     KV_TRANSFER_PARAMS,
-    REMOTE_ENGINE_ID,
     REMOTE_PREFILL_CACHED_TOKENS,
     is_decode_leg,
-    is_prefill_leg,
     prefill_answer_params,
+    read_decode_leg,
+    read_prefill_leg,
     with_engine_suffix,
 )
+from connector.errors import ContractError
 from devstack.fakes.state import FakeVllmState, RecordedRequest
 from router.upstream.sse import DONE, encode_data
 
@@ -105,7 +106,8 @@ class _Generation:
         self.internal_id = self.id if chat else f"{self.id}-0"
         kv = body.get(KV_TRANSFER_PARAMS)
         self.kv_in: dict[str, Any] | None = kv if isinstance(kv, dict) else None
-        self.is_prefill = is_prefill_leg(self.kv_in)
+        self.p_leg = read_prefill_leg(self.kv_in)
+        self.is_prefill = self.p_leg is not None
         self.is_remote_decode = is_decode_leg(self.kv_in)
         self.script = state.next_script()
         self.prompt_tokens = _prompt_tokens(body)
@@ -149,7 +151,7 @@ class _Generation:
         return usage
 
     def kv_out(self) -> dict[str, Any] | None:
-        if not self.is_prefill or not self.state.kv_connector:
+        if self.p_leg is None or not self.state.kv_connector:
             return None
         ident = self.state.identity
         params = prefill_answer_params(
@@ -162,6 +164,7 @@ class _Generation:
             transfer_mode=self.state.transfer_mode,
             tp_size=ident.tp_size,
             pp_size=ident.pp_size,
+            transfer_id=self.p_leg.transfer_id,
         )
         params["dcp_size"] = 1
         params[REMOTE_PREFILL_CACHED_TOKENS] = self.cached_tokens()
@@ -363,9 +366,15 @@ async def _wait_for_remote_kv(
     state: FakeVllmState, gen: _Generation, request: Request, rid: str
 ) -> str | None:
     """D side: wait for the paired P's prefill; None when the KV is there (or no fabric)."""
-    if state.fabric is None or not gen.is_remote_decode or gen.kv_in is None:
+    if state.fabric is None:
         return None
-    engine_id = str(gen.kv_in.get(REMOTE_ENGINE_ID))
+    try:
+        leg = read_decode_leg(gen.kv_in)
+    except ContractError:  # like our connector: P's identity incomplete, prefill locally
+        return None
+    if leg is None:
+        return None
+    engine_id = leg.peer.engine_id
     deadline = time.monotonic() + state.behavior.kv_wait_timeout_s
     while not state.fabric.is_done(engine_id, rid):
         if time.monotonic() > deadline:

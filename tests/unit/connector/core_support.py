@@ -4,6 +4,8 @@
 ``_conforms``) and behaves like ``NixlEndpoint`` without NIXL's progress thread: a posted WRITE
 reports ``write_state`` (``DONE`` by default) when polled, a sent notification leaves (lands in
 ``notifs``) only when ``progress`` runs, and ``take_notifs`` returns what ``deliver`` put in.
+``progress_errors`` and ``notif_errors`` are raised, one per call, by ``progress`` and
+``take_notifs`` (a NIXL error is a :class:`TransferError`; anything else stands for a bug).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class MemoryEndpoint:
         self.progress_open = threading.Event()  # clear it to park the next progress() caller
         self.progress_open.set()
         self.in_progress = threading.Event()  # set when a progress() call starts
+        self.progress_errors: list[BaseException] = []
+        self.notif_errors: list[BaseException] = []
 
     def metadata(self) -> bytes:
         return b"meta:" + self.name.encode()
@@ -80,11 +84,15 @@ class MemoryEndpoint:
             self.inbox.append(message)
 
     def take_notifs(self) -> list[bytes]:
+        if self.notif_errors:
+            raise self.notif_errors.pop(0)
         with self.inbox_lock:
             out, self.inbox = self.inbox, []
         return out
 
     def progress(self) -> None:
+        if self.progress_errors:
+            raise self.progress_errors.pop(0)
         self.in_progress.set()
         assert self.progress_open.wait(10), "progress() parked for 10 s"
         self.notifs.extend(self.unsent)

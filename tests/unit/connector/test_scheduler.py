@@ -183,3 +183,34 @@ def test_plain_request_is_untouched() -> None:
     req.status = RequestStatus.FINISHED_STOPPED
     assert s.request_finished(req, [1]) == (False, None)
     assert not s.has_pending_push_work()
+
+
+def test_scheduler_and_router_speak_the_same_contract() -> None:
+    """The router's leg bodies read as the scheduler expects, and P's answer reads back with the
+    contract's reader and the router's ``identity_from_kv``."""
+    from connector.contract import PeerIdentity, PrefillAnswer, read_prefill_answer
+    from router.config import PushIdentity
+    from router.dispatch.rewrite import decode_body_push, identity_from_kv, prefill_body
+
+    p = PushScheduler("p0", "127.0.0.1", 18250, 128)
+    p_body = prefill_body({"model": "m", "prompt": "x"}, False, "tid")
+    req = make_request("cmpl-tid-0-0123abcd", 300, p_body["kv_transfer_params"])
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    req.num_computed_tokens = 300
+    _, answer = p.request_finished(req, [1, 2, 3])
+    assert answer is not None
+    peer = PeerIdentity("p0", "127.0.0.1", 18250)
+    assert read_prefill_answer(answer) == PrefillAnswer(
+        peer, "cmpl-tid-0-0123abcd", (1, 2, 3), 300, "push", "tid"
+    )
+    identity = identity_from_kv(answer)
+    assert identity == PushIdentity(engine_id="p0", host="127.0.0.1", port=18250)
+
+    d = sched()
+    d_body = decode_body_push({"model": "m", "prompt": "x"}, identity, "cmpl-tid-0-0123abcd", "tid")
+    d_req = make_request("cmpl-tid-0-fedcba98", 300, d_body["kv_transfer_params"])
+    assert d.get_num_new_matched_tokens(d_req, 0) == (300, True)
+    d.update_state_after_alloc(d_req, blocks([], [5, 6]), 300)
+    assert d.build_connector_meta().registrations == [
+        RecvSpec("cmpl-tid-0-fedcba98", "t:tid", "p0", "127.0.0.1", 18250, (5, 6), 0)
+    ]
