@@ -13,7 +13,7 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-from router.dispatch.timeline import STAGES
+from router.observability.timeline import STAGES
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -65,7 +65,7 @@ class RouterMetrics:
         )
         self.ttft_stage = Histogram(
             "disagg_router_ttft_stage_seconds",
-            "Router-observed time to first token by stage (router/dispatch/timeline.py): "
+            "Router-observed time to first token by stage (router/observability/timeline.py): "
             + ", ".join(STAGES),
             ["stage"],
             buckets=_STAGE_BUCKETS,
