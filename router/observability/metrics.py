@@ -10,7 +10,14 @@ from __future__ import annotations
 import contextlib
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.metrics import MetricWrapperBase
 
 from router.observability.timeline import STAGES
@@ -41,7 +48,8 @@ M = TypeVar("M", bound=MetricWrapperBase)
 
 
 class RouterMetrics:
-    """All router metrics; names are prefixed ``disagg_router_``.
+    """All router metrics; names are prefixed ``disagg_router_``, beside the process's own
+    ``process_*`` (CPU seconds, resident memory, open file descriptors, start time).
 
     Record through :meth:`child` on the request path: it keeps each labelled series once found
     (``labels()`` validates and locks on every call, a few per cent of a loaded router's CPU).
@@ -49,6 +57,7 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        ProcessCollector(registry=registry)
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         self.requests = Counter(
             "disagg_router_requests",
