@@ -22,8 +22,7 @@ import time
 from router.dispatch.attempt import Dispatch
 from router.dispatch.state import Attempt
 from router.errors import NoBackendAvailable, UpstreamError
-from router.http.context import RequestContext
-from router.http.validation import ClientRequest
+from router.request import ClientRequest, RequestContext
 from router.routing.backends import BackendState
 from router.routing.policies import RoutingInput
 from router.routing.prompt_keys import estimated_tokens

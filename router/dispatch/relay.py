@@ -21,8 +21,8 @@ from typing import Any
 from router.dispatch.legs import leg_failed
 from router.dispatch.rewrite import client_response, merge_usage, prefill_usage
 from router.dispatch.state import Attempt, DecodeItem, End
-from router.dispatch.timeline import ttft_stages
 from router.errors import RouterError, UpstreamProtocolError, UpstreamTimeout, error_payload
+from router.observability.timeline import ttft_stages
 from router.upstream import codec
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,7 @@ from typing import Any
 from router.config import PushIdentity
 from router.dispatch.ids import new_request_id
 from router.errors import RouterError
-from router.http.context import RequestContext
-from router.http.validation import ClientRequest
+from router.request import ClientRequest, RequestContext
 from router.routing.backends import BackendState
 from router.runtime import Runtime
 
@@ -74,5 +73,5 @@ class Attempt:
         self.timings.setdefault(stage, round(time.monotonic() - self.started, 6))
 
     def stamp(self, moment: str) -> None:
-        """A moment only the TTFT stages use (:func:`router.dispatch.timeline.ttft_stages`)."""
+        """A moment only the TTFT stages use (:func:`router.observability.timeline.ttft_stages`)."""
         self.stamps.setdefault(moment, time.monotonic() - self.started)

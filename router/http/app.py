@@ -54,8 +54,9 @@ from router.health.readiness import (
 from router.http.bounds import read_body
 from router.http.generate import GenerationEndpoint, error_response, request_context
 from router.http.guard import RequestGuard
-from router.http.validation import ClientRequest, parse_client_request
+from router.http.validation import parse_client_request
 from router.reload import ConfigReloader
+from router.request import ClientRequest
 from router.routing.backends import BackendState
 from router.runtime import Runtime, open_runtime
 from router.supervisor import Supervisor

@@ -25,11 +25,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from router.dispatch.attempt import Dispatch
 from router.dispatch.orchestrator import open_dispatch
 from router.errors import ClientDisconnected, RouterError, error_payload, outcome_label
-from router.http.context import RequestContext
 from router.http.disconnect import ClientWatch
 from router.http.stream import DispatchStream
-from router.http.validation import ClientRequest
 from router.observability.reqlog import log_request
+from router.request import ClientRequest, RequestContext
 from router.runtime import Runtime
 
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 Who calls it: the app (:mod:`router.http.app`) wraps itself in one :class:`RequestGuard`. For each
 request it checks the header size (431 in OpenAI error form), builds the
-:class:`~router.http.context.RequestContext` (router's id, the client's ``X-Request-Id`` when safe,
+:class:`~router.request.RequestContext` (router's id, the client's ``X-Request-Id`` when safe,
 a request span continuing the client's W3C ``traceparent`` when tracing is on) into
 ``request.state.ctx``, and puts ``X-Request-Id`` on the response unless the handler set one (the
 dispatch id that answered).
@@ -17,8 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router.config import LimitsConfig
 from router.errors import error_payload
 from router.http.bounds import HeadersTooLarge, check_headers
-from router.http.context import RequestContext, safe_client_id
 from router.observability.tracing import NO_SPAN, Span
+from router.request import RequestContext, safe_client_id
 
 
 class RequestGuard:

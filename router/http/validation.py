@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from router.config import LimitsConfig
 from router.errors import ClientRequestError, ModelNotFound
+from router.request import ClientRequest
 from router.upstream import codec
 
 # Sampling parameters whose JSON type the router checks (vLLM would reject others with a 400
@@ -118,21 +118,6 @@ def _check_types(body: dict[str, Any]) -> None:
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))
     ):
         raise ClientRequestError("stop must be a string or an array of strings", "stop")
-
-
-@dataclass(frozen=True)
-class ClientRequest:
-    """A validated generation request. ``body`` is the parsed JSON (not to be mutated)."""
-
-    body: dict[str, Any]
-    chat: bool
-    stream: bool
-    model: str
-    headers: Mapping[str, str] = field(default_factory=dict)  # lower-cased names (routing)
-
-    @property
-    def path(self) -> str:
-        return "/v1/chat/completions" if self.chat else "/v1/completions"
 
 
 def _is_int(value: Any) -> bool:

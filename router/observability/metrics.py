@@ -10,10 +10,17 @@ from __future__ import annotations
 import contextlib
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.metrics import MetricWrapperBase
 
-from router.dispatch.timeline import STAGES
+from router.observability.timeline import STAGES
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -41,7 +48,8 @@ M = TypeVar("M", bound=MetricWrapperBase)
 
 
 class RouterMetrics:
-    """All router metrics; names are prefixed ``disagg_router_``.
+    """All router metrics; names are prefixed ``disagg_router_``, beside the process's own
+    ``process_*`` (CPU seconds, resident memory, open file descriptors, start time).
 
     Record through :meth:`child` on the request path: it keeps each labelled series once found
     (``labels()`` validates and locks on every call, a few per cent of a loaded router's CPU).
@@ -49,6 +57,7 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        ProcessCollector(registry=registry)
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         self.requests = Counter(
             "disagg_router_requests",
@@ -65,7 +74,7 @@ class RouterMetrics:
         )
         self.ttft_stage = Histogram(
             "disagg_router_ttft_stage_seconds",
-            "Router-observed time to first token by stage (router/dispatch/timeline.py): "
+            "Router-observed time to first token by stage (router/observability/timeline.py): "
             + ", ".join(STAGES),
             ["stage"],
             buckets=_STAGE_BUCKETS,

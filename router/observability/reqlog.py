@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from router.config import LoggingConfig
-from router.http.context import RequestContext
+from router.request import RequestContext
 
 log = logging.getLogger("router.requests")
 

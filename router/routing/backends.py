@@ -72,6 +72,11 @@ class BackendState:
         return self.config.label
 
     @property
+    def api_key(self) -> str | None:
+        """Sent as a Bearer token with every request to this instance (None: no key)."""
+        return self.config.api_key
+
+    @property
     def identity(self) -> PushIdentity | None:
         """The push identity: configured if given, else the last one learned (probe or P leg)."""
         return self.config.identity or self.learned_identity

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from httpx_sse import SSEError
@@ -26,15 +26,33 @@ from router.errors import (
     UpstreamUnavailable,
     UpstreamUnreachable,
 )
-from router.routing.backends import BackendState
 from router.upstream import codec
 from router.upstream.client import send_leg
 from router.upstream.sse import StreamEndedEarly, aiter_data
 
 
+class Instance(Protocol):
+    """What a call needs of the instance it goes to; the router's
+    :class:`router.routing.backends.BackendState` is one. ``leg_headers_cache`` belongs to
+    :func:`leg_headers` (None until its first call)."""
+
+    leg_headers_cache: tuple[httpx.Headers, httpx.Headers] | None
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def api_key(self) -> str | None: ...
+
+    def endpoint(self, path: str) -> httpx.URL: ...
+
+
 def leg_headers(
     client: httpx.AsyncClient,
-    backend: BackendState,
+    backend: Instance,
     request_id: str,
     extra: Mapping[str, str] | None = None,
 ) -> httpx.Headers:
@@ -50,8 +68,8 @@ def leg_headers(
         base = httpx.Headers(client.headers)
         base["Host"] = httpx.URL(backend.url).netloc.decode("ascii")
         base["Content-Type"] = "application/json"
-        if backend.config.api_key:
-            base["Authorization"] = f"Bearer {backend.config.api_key}"
+        if backend.api_key:
+            base["Authorization"] = f"Bearer {backend.api_key}"
         cached = backend.leg_headers_cache = (client.headers, base)
     fields = httpx.Headers(cached[1])
     for name, value in (extra or {}).items():
@@ -62,7 +80,7 @@ def leg_headers(
 
 def _leg_request(
     client: httpx.AsyncClient,
-    backend: BackendState,
+    backend: Instance,
     path: str,
     body: dict[str, Any],
     request_id: str,
@@ -86,7 +104,7 @@ def _leg_request(
     return request
 
 
-def _translate(exc: httpx.HTTPError, leg: str, backend: BackendState) -> UpstreamError:
+def _translate(exc: httpx.HTTPError, leg: str, backend: Instance) -> UpstreamError:
     """Our error for an httpx one (pure: the backend is only named)."""
     if isinstance(exc, httpx.ConnectTimeout):
         return UpstreamConnectTimeout(leg, backend.label, "connect timed out")
@@ -106,7 +124,7 @@ def _detail(resp: httpx.Response) -> Any:
 
 async def post_json(
     client: httpx.AsyncClient,
-    backend: BackendState,
+    backend: Instance,
     leg: str,
     path: str,
     body: dict[str, Any],
@@ -133,7 +151,7 @@ async def post_json(
 @asynccontextmanager
 async def open_sse(
     client: httpx.AsyncClient,
-    backend: BackendState,
+    backend: Instance,
     leg: str,
     path: str,
     body: dict[str, Any],
@@ -163,9 +181,7 @@ async def open_sse(
         await resp.aclose()
 
 
-async def _sse_payloads(
-    resp: httpx.Response, leg: str, backend: BackendState
-) -> AsyncIterator[str]:
+async def _sse_payloads(resp: httpx.Response, leg: str, backend: Instance) -> AsyncIterator[str]:
     try:
         async for payload in aiter_data(resp):
             yield payload

@@ -27,8 +27,9 @@ from tests.deploy.deploy_support import DASHBOARD, DEPLOY, REPO, require_tool
 
 ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
 
-# PromQL pieces that are not metric names: label matchers, ranges, `by (...)` groupings.
-_NOT_NAMES = re.compile(r"\{[^}]*\}|\[[^\]]*\]|\b(?:by|without)\s*\([^)]*\)")
+# PromQL pieces that are not metric names: label matchers, ranges, `by (...)` groupings and
+# `on (...)` matchings.
+_NOT_NAMES = re.compile(r"\{[^}]*\}|\[[^\]]*\]|\b(?:by|without|on|ignoring)\s*\([^)]*\)")
 # An identifier not followed by "(" (that would be a function call).
 _IDENT = re.compile(r"(?<![\w:.])([a-zA-Z_:][\w:]*)\b(?!\s*\()")
 _PROMQL_WORDS = {"by", "without", "and", "or", "unless", "on", "ignoring", "offset"}
@@ -101,12 +102,18 @@ def test_parser_finds_metric_names() -> None:
 
 def test_router_metrics_exist_in_the_router() -> None:
     exported = _router_sample_names()
-    used = {n for e in _exprs() for n in _metric_names(e) if n.startswith("disagg_router_")}
+    used = {
+        n
+        for e in _exprs()
+        for n in _metric_names(e)
+        if n.startswith(("disagg_router_", "process_"))
+    }
     assert used, "the dashboard shows router metrics"
     assert used <= exported, (
         f"not exported by router/observability/metrics.py: {sorted(used - exported)}"
     )
     # Every router metric family is on the dashboard.
+    exported = {n for n in exported if n.startswith("disagg_router_")}
     families = {n.removesuffix(s) for n in exported for s in ("_total", "_bucket") if n.endswith(s)}
     families |= {n for n in exported if not n.endswith(("_sum", "_count", "_total", "_bucket"))}
     shown = {n.removesuffix("_total").removesuffix("_bucket").removesuffix("_count") for n in used}
@@ -135,7 +142,8 @@ def test_every_query_names_a_known_prefix() -> None:
     for expr in _exprs() + _alert_exprs():
         names = _metric_names(expr)
         assert names, f"no metric in {expr!r}"
-        assert all(n.startswith(("disagg_router_", "disagg_push_", "vllm:")) for n in names), expr
+        known = ("disagg_router_", "disagg_push_", "vllm:", "process_")
+        assert all(n.startswith(known) for n in names), expr
 
 
 def test_alert_rules_query_metrics_that_exist() -> None:

@@ -1,4 +1,5 @@
-"""RouterMetrics.child: the series it keeps are the registry's, and a forgotten backend's go."""
+"""RouterMetrics: the series child keeps are the registry's, a forgotten backend's go, and the
+process's own metrics are there."""
 
 from __future__ import annotations
 
@@ -31,3 +32,11 @@ def test_forgotten_backend_gets_a_fresh_exported_series() -> None:
     # The instance comes back: what is recorded must be exported again, not go to the old series.
     m.child(m.in_flight, "prefill", "p0").set(1)
     assert _sample(registry, "disagg_router_backend_in_flight", labels) == 1.0
+
+
+def test_metrics_include_the_router_process_own() -> None:
+    """CPU, memory and open descriptors of the router process, beside its own series."""
+    text = RouterMetrics(CollectorRegistry()).render().decode()
+    samples = {line.split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
+    assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= samples
+    assert "process_open_fds" in samples  # Linux: read from /proc

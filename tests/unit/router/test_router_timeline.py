@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.dispatch.timeline import STAGES, ttft_stages
+from router.observability.timeline import STAGES, ttft_stages
 
 
 def _timeline(**marks: float) -> dict[str, float]:
