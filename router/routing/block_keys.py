@@ -18,18 +18,23 @@ tokens (default), a completion with added special tokens (default true), a token
 is. A request using anything else that changes vLLM's tokens (tools, a request chat template,
 non-text content parts) gets no keys, and the policy falls back to approximate routing. The
 tokenizer is loaded from a local directory only (never the network). Tokenizing costs CPU on the
-request path: rendered prompts are cached (LRU, ``tokenize_cache_entries``) and text longer than
-``max_prompt_chars`` is cut (the keys of the last two blocks before the cut are dropped, since a
-cut can change the tokens at its end).
+request path (docs/router.md gives the measured cost): prompts are cached (LRU,
+``tokenize_cache_entries``), a chat piece by piece (:class:`PromptTokenizer`), and text longer
+than ``max_prompt_chars`` is cut (the keys of the last two blocks before the cut are dropped,
+since a cut can change the tokens at its end).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 ROOT_KEY = bytes(16)
 """The parent of every chain's first block."""
@@ -59,6 +64,8 @@ class _Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
+    def get_added_vocab(self) -> dict[str, int]: ...
+
 
 def load_tokenizer(path: str) -> _Tokenizer:
     """The Hugging Face tokenizer in the local directory ``path`` (no download). Slow: call it
@@ -85,14 +92,48 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]] | None:
     return out
 
 
+class _Lru:
+    """A bounded map, least recently used entry out first."""
+
+    def __init__(self, entries: int) -> None:
+        self._entries = entries
+        self._data: OrderedDict[Any, list[int]] = OrderedDict()
+
+    def get(self, key: Any) -> list[int] | None:
+        found = self._data.get(key)
+        if found is not None:
+            self._data.move_to_end(key)
+        return found
+
+    def put(self, key: Any, value: list[int]) -> None:
+        self._data[key] = value
+        if len(self._data) > self._entries:
+            self._data.popitem(last=False)
+
+
 class PromptTokenizer:
-    """Token ids of a request's prompt as vLLM computes them; see the module docstring."""
+    """Token ids of a request's prompt as vLLM computes them; see the module docstring.
+
+    A rendered chat is tokenized piecewise: a tokenizer splits its input at its added (special)
+    tokens before anything else, so the pieces between them (a system prompt, one turn) are
+    tokenized and cached alone, and a conversation's next turn costs only its new pieces. The
+    first ``VERIFY_FIRST`` chats are also tokenized whole; if a piecewise result ever differs
+    (added tokens that strip whitespace around them, say), piecewise tokenizing is switched off
+    for good and the whole-prompt cache alone serves.
+    """
+
+    VERIFY_FIRST = 32
 
     def __init__(self, tokenizer: _Tokenizer, cache_entries: int, max_prompt_chars: int) -> None:
         self._tokenizer = tokenizer
-        self._cache: OrderedDict[tuple[bool, str], list[int]] = OrderedDict()
-        self._cache_entries = cache_entries
+        self._cache = _Lru(cache_entries)
+        self._pieces = _Lru(cache_entries * 4)
         self._max_chars = max_prompt_chars
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        self._added = {t: i for t, i in added.items() if t}
+        alternatives = "|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True))
+        self._split = re.compile(f"({alternatives})") if alternatives else None
+        self._verify_left = self.VERIFY_FIRST
 
     def token_ids(self, body: Mapping[str, Any], chat: bool) -> tuple[list[int], bool] | None:
         """``(token ids, cut)`` of the prompt (``cut``: text beyond ``max_prompt_chars`` was left
@@ -111,6 +152,8 @@ class PromptTokenizer:
                 **kwargs,
             )
             special = body.get("add_special_tokens", False) is True
+            if not special and isinstance(text, str) and len(text) <= self._max_chars:
+                return self._encode_pieces(text), False
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -129,13 +172,35 @@ class PromptTokenizer:
     def _encode(self, text: str, special: bool) -> list[int]:
         key = (special, text)
         ids = self._cache.get(key)
-        if ids is not None:
-            self._cache.move_to_end(key)
-            return ids
-        ids = list(self._tokenizer.encode(text, add_special_tokens=special))
-        self._cache[key] = ids
-        if len(self._cache) > self._cache_entries:
-            self._cache.popitem(last=False)
+        if ids is None:
+            ids = list(self._tokenizer.encode(text, add_special_tokens=special))
+            self._cache.put(key, ids)
+        return ids
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        """``text`` (no added special tokens) tokenized piece by piece; see the class doc."""
+        if self._split is None:
+            return self._encode(text, False)
+        ids: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            added = self._added.get(piece)
+            if added is not None:
+                ids.append(added)
+                continue
+            found = self._pieces.get(piece)
+            if found is None:
+                found = list(self._tokenizer.encode(piece, add_special_tokens=False))
+                self._pieces.put(piece, found)
+            ids += found
+        if self._verify_left > 0:
+            self._verify_left -= 1
+            whole = self._encode(text, False)
+            if whole != ids:
+                log.warning("piecewise tokenizing differs from whole-prompt tokenizing; off")
+                self._split = None
+                return whole
         return ids
 
 
