@@ -459,7 +459,7 @@ class KvEventsConfig(_Frozen):
     )
     topic: str = Field(default="", description="the publisher's topic")
     max_blocks_per_instance: int = Field(
-        default=262144, ge=1, description="index bound per instance (oldest blocks forgotten)"
+        default=131072, ge=1, description="index bound per instance (oldest blocks forgotten)"
     )
     probe_interval: float = Field(
         default=5.0, gt=0, description="seconds of silence before the replay socket is probed"
