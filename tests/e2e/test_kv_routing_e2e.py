@@ -93,7 +93,7 @@ def router(stack: Stack, subscriber: Subscriber) -> Iterator[RunningRouter]:
     with running_router(
         stack, kv_events=True, prefill_policy="kv_aware", decode_policy="kv_aware"
     ) as running:
-        wait_until(lambda: _kv_live(running), timeout=60.0, what="live KV event streams")
+        wait_until(lambda: _kv_live(running), timeout=240.0, what="live KV event streams")
         yield running
 
 
