@@ -193,3 +193,48 @@ def _kv_blocks(router: RunningRouter, label: str) -> int:
     instances = body["kv_events"][router.stack.model_name]["instances"]
     blocks: int = instances.get(label, {}).get("blocks", 0)
     return blocks
+
+
+def _p_prompt_tokens(stack: Stack) -> float:
+    text = httpx.get(stack.prefill[0].url + "/metrics", timeout=10.0).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prompt_tokens_total{")
+    )
+
+
+def test_a_follow_up_whose_prefix_decode_holds_is_served_by_decode_alone(
+    router: RunningRouter, tokenizer: PromptTokenizer
+) -> None:
+    """D stores the blocks of what it decoded (its KV came from P); with decode_only_fraction,
+    the next turn goes to D alone."""
+    turn_1 = {"messages": [{"role": "system", "content": "Decode holds this. " * 80}]}
+    turn_1["messages"].append({"role": "user", "content": "First?"})
+    _send(router, True, turn_1)
+    found = request_keys(tokenizer, turn_1, True, 128)
+    assert found is not None
+    wait_until(
+        lambda: _kv_blocks(router, "d0") >= len(found[1]),
+        timeout=30.0,
+        what="D's events to store the first turn's blocks",
+    )
+    turn_2 = {"messages": [*turn_1["messages"], {"role": "user", "content": "Second?"}]}
+    overrides = {"kv_events": {"decode_only_fraction": 0.5}}
+    stack = router.stack
+    with running_router(
+        stack, overrides, kv_events=True, prefill_policy="kv_aware", decode_policy="kv_aware"
+    ) as second:
+        wait_until(lambda: _kv_live(second), timeout=240.0, what="live KV event streams")
+        wait_until(lambda: _kv_blocks(second, "d0") >= len(found[1]), timeout=30.0, what="D's")
+        p_before = _p_prompt_tokens(stack)
+        _send(second, True, turn_2)
+        metrics = httpx.get(second.url + "/metrics", timeout=10.0).text
+    decided = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("disagg_router_routing_decisions_total{")
+        and 'decision="decode_only_cached"' in line
+    ]
+    assert decided and decided[0].endswith(" 1.0")
+    assert _p_prompt_tokens(stack) == p_before  # no P leg
