@@ -47,8 +47,9 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ],
     ("/v1/completions", {"prompt": FOX}),
 ]
-"""A repeated prompt, a chat and its follow-up, then fillers that evict (16 blocks of 128 tokens
-in all), then the first prompt again; ``/reset_prefix_cache`` at the end clears everything."""
+"""A repeated prompt, a chat and its follow-up, then fillers that evict (the cache holds 32 blocks
+of 128 tokens, twice ``max_model_len``; the prompts are 1000 to 1500 tokens), then the first
+prompt again; ``/reset_prefix_cache`` at the end clears everything."""
 QUIET_S = 1.0
 
 
@@ -121,7 +122,7 @@ def record(out: Path, work: Path) -> None:
             json.dumps(events),
             "--enable-prompt-tokens-details",
             "--num-gpu-blocks-override",
-            "16",
+            "32",
         ),
     )
     # vLLM binds a wildcard endpoint (and connects to a host one); subscribers connect.
