@@ -33,11 +33,11 @@ def _stores() -> list[bytes]:
 class Running:
     """A stream task following ``publisher`` into ``index``."""
 
-    def __init__(self, publisher: FakeKvPublisher) -> None:
+    def __init__(self, publisher: FakeKvPublisher, timing: StreamTiming = TIMING) -> None:
         self.index = KvIndex(max_blocks=10_000)
         self.registry = CollectorRegistry()
         target = StreamTarget("tiny", "p0", publisher.endpoint, publisher.replay_endpoint, "")
-        self.stream = EventStream(target, self.index, TIMING, KvMetrics(self.registry))
+        self.stream = EventStream(target, self.index, timing, KvMetrics(self.registry))
         self.ctx = zmq.asyncio.Context()
         self.task = asyncio.ensure_future(self.stream.run(self.ctx))
 
@@ -79,7 +79,7 @@ async def test_a_joining_stream_replays_what_the_instance_already_holds(
 
 async def test_a_gap_is_filled_from_the_replay_socket(publisher: FakeKvPublisher) -> None:
     stores = _stores()
-    running = Running(publisher)
+    running = Running(publisher, StreamTiming(probe_interval=60.0, probe_timeout=5.0))  # no probe
     try:
         await _until(lambda: running.stream.state == "live" and publisher.subscriptions > 0)
         await publisher.publish(stores[0], live=False)  # lost on the way
