@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,13 +144,30 @@ def our_config(stack: Any, stack_name: str, decode_only_fraction: float) -> dict
     return config
 
 
+def kv_ready(url: str, timeout_s: float = 300.0) -> None:
+    """Wait until the router at ``url`` has its tokenizer loaded and every KV event stream live
+    (``/ready``'s ``kv_events``): before that ``kv_aware`` routes approximately."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        kv = httpx.get(url + "/ready", timeout=10.0).json().get("kv_events", {})
+        models = list(kv.values())
+        states = {i["state"] for m in models for i in m["instances"].values()}
+        if models and all(m["tokenizer"] == "loaded" for m in models) and states == {"live"}:
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"{url}: KV-aware routing not ready after {timeout_s:g} s")
+
+
 @contextmanager
 def our_stack_router(
     stack: Any, name: str, logs: Path, decode_only_fraction: float
 ) -> Iterator[tuple[str, ChildProcess]]:
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     with our_router(our_config(stack, name, decode_only_fraction), port, logs, 180.0) as router:
-        yield f"http://127.0.0.1:{port}", router
+        if name == "kv_aware":
+            kv_ready(url)
+        yield url, router
 
 
 def vllm_router_args(stack: Any, name: str, block_size: int) -> list[str]:
