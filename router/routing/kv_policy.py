@@ -1,9 +1,9 @@
 """``kv_aware``: pick the instance by what its KV cache holds (vLLM's KV events).
 
-Who calls it: :class:`router.routing.pools.Pool` through :func:`router.routing.policies.make_policy`
-(the policy ``kv_aware``), with the usable candidates and the request, whose ``kv``
-(:class:`router.routing.kv_routing.KvRequest`) answers how many prompt tokens each candidate
-holds. Cheap and non-blocking: the block keys are computed once per request and each candidate
+Who calls it: :func:`router.routing.policies.make_policy` builds it for a pool whose policy is
+``kv_aware``; the pool calls ``choose`` with the usable candidates and the request, whose ``kv``
+(a ``KvRequest`` of router.routing.kv_routing) answers how many prompt tokens each candidate
+holds; cheap and non-blocking: the block keys are computed once per request and each candidate
 costs one set lookup per matched block.
 
 - P: the lowest cost = prompt tokens left to prefill there (prompt minus its cached prefix) plus

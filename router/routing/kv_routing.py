@@ -1,9 +1,9 @@
 """KV-aware routing state of the served models: tokenizers, KV indexes, event streams.
 
-Who calls it: the app's lifespan runs :meth:`KvRouting.run` as one background task (started and
-cancelled with the app; :func:`run_kv_routing`); the orchestrator asks
-:meth:`KvRouting.request` once per request for a :class:`KvRequest`, which the ``kv_aware``
-policy (:mod:`router.routing.kv_policy`) and the cached D-only rule read.
+Who calls it: :mod:`router.http.app`'s lifespan runs :func:`run_kv_routing` as one supervised
+background task; :mod:`router.runtime` holds the one :class:`KvRouting` (``Runtime.kv``), which
+the orchestrator asks once per request for a :class:`KvRequest` (``request``), read by the
+``kv_aware`` policy and the cached D-only rule.
 
 :meth:`KvRouting.run` reconciles every ``RECONCILE_INTERVAL`` seconds with the routing table in
 force, so it follows discovery (instances that join get a stream, those that leave lose theirs
