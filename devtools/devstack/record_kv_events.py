@@ -7,12 +7,14 @@ loopback), sends a short scripted conversation (a completion, the same completio
 and its follow-up turn), and writes every published frame (topic, sequence number, msgpack payload
 as hex) with the requests, their prompt token ids (vLLM's ``/tokenize``), the cached tokens vLLM
 reported and how many frames had arrived before each was sent. Then it asks the replay socket for
-everything from sequence 0 and records those frames too. It waits for the event stream to go
-quiet between requests (a dev tool, not a test). It never touches the network beyond loopback.
+everything from sequence 0 and records each answer's sequence number and payload digest. It
+waits for the event stream to go quiet between requests (a dev tool, not a test). It never
+touches the network beyond loopback.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import tempfile
@@ -50,6 +52,7 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
 """A repeated prompt, a chat and its follow-up, then fillers that evict (the cache holds 32 blocks
 of 128 tokens, twice ``max_model_len``; the prompts are 1000 to 1500 tokens), then the first
 prompt again; ``/reset_prefix_cache`` at the end clears everything."""
+AFTER_RESET: tuple[str, dict[str, Any]] = ("/v1/completions", {"prompt": "After the reset."})
 QUIET_S = 1.0
 
 
@@ -66,7 +69,8 @@ def _replay(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> list[list[str
     out: list[list[str]] = []
     while sock.poll(5000):
         parts = sock.recv_multipart()
-        out.append([p.hex() for p in parts])
+        # (sequence, sha256 of the payload): enough to compare with the live frames
+        out.append([parts[2].hex(), hashlib.sha256(parts[3]).hexdigest()])
         if parts[2] == (-1).to_bytes(8, "big", signed=True):
             break
     sock.close(linger=0)
@@ -96,6 +100,8 @@ def _script(client: httpx.Client, url: str, frames: list[list[str]]) -> list[dic
         before = _settle(frames)
         sent.append({"frames_before": before, **_send(client, url, path, body)})
     client.post(url + "/reset_prefix_cache").raise_for_status()
+    # The clear is published with the engine's next step: one more (sub-block) request.
+    sent.append({"frames_before": _settle(frames), **_send(client, url, *AFTER_RESET)})
     _settle(frames)
     return sent
 
