@@ -22,7 +22,7 @@ from devstack.stack import Stack, StackOptions
 from router.routing.block_keys import PromptTokenizer, load_tokenizer, request_keys
 from router.routing.kv_events import decode_batch
 from router.routing.kv_index import KvIndex
-from tests.e2e.e2e_support import RunningRouter, module_stack, running_router
+from tests.e2e.e2e_support import RunningRouter, module_stack, running_router, wait_idle
 from tests.support.wait import wait_until
 
 pytestmark = [
@@ -161,19 +161,21 @@ def test_router_keys_match_the_events_and_predictions_match_vllm(
         timeout=30.0,
         what="P's events to store the first request's blocks",
     )
-    # The router's index has them too; then the follow-up's predicted hit is what P reports.
+    # Once P is idle it publishes nothing more: the router's index then holds what the events
+    # hold (P may store a block or two beyond the keys, in later batches).
+    wait_idle(router.stack.prefill[0], 60.0, "P idle after the first request")
     wait_until(
-        lambda: _kv_blocks(router, "p0") >= len(keys),
+        lambda: _kv_blocks(router, "p0") == subscriber.index().blocks("p0"),
         timeout=30.0,
         what="the router's index to hold P's blocks",
     )
+    follow = request_keys(tokenizer, follow_up, chat, 128)
+    assert follow is not None
+    from_events = 128 * subscriber.index().matched_blocks("p0", follow[1])
     before_router, before_p = _predicted(router, "prefill"), _p_hits(router.stack)
     _send(router, chat, follow_up)
     predicted = _predicted(router, "prefill") - before_router
     reported = _p_hits(router.stack) - before_p
-    follow = request_keys(tokenizer, follow_up, chat, 128)
-    assert follow is not None
-    from_events = 128 * subscriber.index().matched_blocks("p0", follow[1])
     assert predicted == reported == from_events > 0
 
 
@@ -214,6 +216,7 @@ def test_a_follow_up_whose_prefix_decode_holds_is_served_by_decode_alone(
     _send(router, True, turn_1)
     found = request_keys(tokenizer, turn_1, True, 128)
     assert found is not None
+    wait_idle(router.stack.decode[0], 60.0, "D idle after the first turn")
     wait_until(
         lambda: _kv_blocks(router, "d0") >= len(found[1]),
         timeout=30.0,
