@@ -106,6 +106,18 @@ def _script(client: httpx.Client, url: str, frames: list[list[str]]) -> list[dic
     return sent
 
 
+def _one_item_a_line(record: dict[str, Any]) -> str:
+    """JSON with each list item (a frame, a request) compact on its own line: small, diffable."""
+    lines = []
+    for key, value in record.items():
+        if isinstance(value, list):
+            items = ",\n".join("  " + json.dumps(v, separators=(",", ":")) for v in value)
+            lines.append(f" {json.dumps(key)}: [\n{items}\n ]")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value, separators=(',', ':'))}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 def record(out: Path, work: Path) -> None:
     http, pub, replay = free_ports(3)
     events: dict[str, Any] = {
@@ -149,7 +161,7 @@ def record(out: Path, work: Path) -> None:
     sub.close(linger=0)
     ctx.term()
     record = {"kv_events_config": events, "requests": sent, "frames": frames, "replay": replayed}
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    out.write_text(_one_item_a_line(record))
 
 
 if __name__ == "__main__":
