@@ -261,7 +261,8 @@ def _stack_options(kind: str, plan: KvBenchPlan) -> Any:
         kv_events=True,
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},
         extra_args=args,
-        max_model_len=min(8192, plan.cache_tokens),
+        # vLLM wants the cache to hold more than one max-length sequence
+        max_model_len=min(8192, plan.cache_tokens // 2),
     )
 
 
