@@ -37,29 +37,46 @@ SYSTEM = "You are the tiny model's assistant; you answer in one short sentence. 
 
 
 class Subscriber:
-    """The test's own subscription to one instance's events: every batch, in a thread."""
+    """The test's own subscription to one instance's events, joined like the router's (a replay
+    from sequence 0, then the live stream), every batch kept by sequence number, in a thread."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.batches: list[list[dict[str, Any]]] = []
+    def __init__(self, endpoint: str, replay_endpoint: str) -> None:
+        self.batches: dict[int, list[dict[str, Any]]] = {}
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoint)
+        self._replay(replay_endpoint)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
+    def _keep(self, seq: bytes, payload: bytes) -> None:
+        decoded = decode_batch(payload)
+        if decoded is not None:
+            self.batches[int.from_bytes(seq, "big", signed=True)] = decoded[1]
+
+    def _replay(self, endpoint: str) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.connect(endpoint)
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        while sock.poll(10_000):
+            _, _, seq, payload = sock.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            self._keep(seq, payload)
+        sock.close(linger=0)
+
     def _read(self) -> None:
         while not self._stop.is_set():
             if self._sub.poll(100):
-                decoded = decode_batch(self._sub.recv_multipart()[-1])
-                if decoded is not None:
-                    self.batches.append(decoded[1])
+                _, seq, payload = self._sub.recv_multipart()
+                self._keep(seq, payload)
 
     def index(self) -> KvIndex:
         index = KvIndex(max_blocks=100_000)
-        for batch in list(self.batches):
-            index.apply("p0", batch)
+        for seq in sorted(dict(self.batches)):
+            index.apply("p0", self.batches[seq])
         return index
 
     def close(self) -> None:
@@ -83,7 +100,8 @@ def stack(e2e_dir: Path) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def subscriber(stack: Stack) -> Iterator[Subscriber]:
-    sub = Subscriber(stack.prefill[0].kv_endpoints["kv_events_endpoint"])
+    endpoints = stack.prefill[0].kv_endpoints
+    sub = Subscriber(endpoints["kv_events_endpoint"], endpoints["kv_replay_endpoint"])
     yield sub
     sub.close()
 
