@@ -102,8 +102,7 @@ def vllm_router(
     argv = [
         exe,
         "--vllm-pd-disaggregation",
-        "--prefill",
-        *prefills,
+        *[arg for url in prefills for arg in ("--prefill", url)],  # one flag per P
         "--decode",
         decode_url,
         "--host",

@@ -45,7 +45,7 @@ from bench.client import Target
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.routers import our_router
-from bench.routing_kv import STACKS, KvBenchPlan, KvWorkload, run_kv
+from bench.routing_kv import DEFAULT_STACKS, STACKS, KvBenchPlan, KvWorkload, run_kv
 from devstack.fake_vllm import (
     FakeBehavior,
     FakeVllmServer,
@@ -84,7 +84,7 @@ class RoutingBenchSpec:
     output_len: int = 16
     seed: int = 0
     # ---- kv (bench.routing_kv): chats + groups sharing system prompts, 5 stacks ----
-    kv_stacks: str = ",".join(STACKS)
+    kv_stacks: str = ",".join(DEFAULT_STACKS)
     kv_repetitions: int = 2
     kv_chats: int = 8
     kv_turns: int = 4

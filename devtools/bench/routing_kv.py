@@ -9,7 +9,8 @@ KV cache holds ``kv_cache_tokens`` (less than the working set, more than half of
 instance's prefix cache is reset (``/reset_prefix_cache``) before each run.
 
 Stacks, ``kv_repetitions`` times each: on a 2P1D push stack with our connector, our router with
-``round_robin``, ``prefix_affinity`` and ``kv_aware`` (KV events, ``decode_only_fraction``); on a
+``round_robin``, ``prefix_affinity`` and ``kv_aware`` for P and D (KV events; optionally
+``kv_aware_decode_only``: the same with ``decode_only_fraction``); on a
 2P1D pull stack of the same shape (vLLM's NixlConnector), ``vllm-router`` with ``kv_aware``
 (``--pd-kv-events``) and with ``cache_aware`` for P. Per run: mean/p99 TTFT, P's prefix-cache hit
 rate (hit tokens / queried tokens on the P instances), the router's CPU seconds per request; the
@@ -38,9 +39,12 @@ from devstack.ports import free_port
 from devstack.process import ChildProcess, group_cpu_seconds
 from devstack.vllm_server import read_metrics_text
 
-OURS = ("round_robin", "prefix_affinity", "kv_aware")
+OURS = ("round_robin", "prefix_affinity", "kv_aware", "kv_aware_decode_only")
 VLLM_ROUTER = ("vllm_router_kv_aware", "vllm_router_cache_aware")
 STACKS = OURS + VLLM_ROUTER
+DEFAULT_STACKS = ("round_robin", "prefix_affinity", "kv_aware", *VLLM_ROUTER)
+"""``kv_aware_decode_only`` (``kv_aware`` with ``decode_only_fraction``) serves follow-ups by D
+alone, so P's hit rate no longer measures its routing: it is a separate, optional stack."""
 
 
 @dataclass(frozen=True)
@@ -134,11 +138,13 @@ def measured_run(
 
 def our_config(stack: Any, stack_name: str, decode_only_fraction: float) -> dict[str, Any]:
     """Our router's config for one of :data:`OURS` on the push stack."""
-    kv = stack_name == "kv_aware"
+    kv = stack_name.startswith("kv_aware")
     config: dict[str, Any] = stack.router_config(
-        prefill_policy=stack_name, decode_policy="kv_aware" if kv else "round_robin", kv_events=kv
+        prefill_policy="kv_aware" if kv else stack_name,
+        decode_policy="kv_aware" if kv else "round_robin",
+        kv_events=kv,
     )
-    if kv:
+    if stack_name == "kv_aware_decode_only":
         config["kv_events"]["decode_only_fraction"] = decode_only_fraction
     config["timeouts"] = {"health": 60.0, "first_token": 120.0, "prefill": 120.0}
     return config
@@ -165,7 +171,7 @@ def our_stack_router(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with our_router(our_config(stack, name, decode_only_fraction), port, logs, 180.0) as router:
-        if name == "kv_aware":
+        if name.startswith("kv_aware"):
             kv_ready(url)
         yield url, router
 
@@ -292,7 +298,9 @@ def _runs_on(
                         run = partial(load_run, url, stack.model_name, requests)
                         result = measured_run(router, p_urls, run)
                 except (RuntimeError, OSError, httpx.HTTPError) as exc:
-                    result = {"error": f"{type(exc).__name__}: {exc}"}
+                    lines = [line for line in str(exc).splitlines() if line.strip()]
+                    last = lines[-2] if len(lines) > 1 else "".join(lines)  # the log's last error
+                    result = {"error": f"{type(exc).__name__}: {last}"}
                 runs[name].append(result)
     return runs
 
