@@ -120,7 +120,7 @@ def test_prefill_follows_the_cache_and_a_silent_stream_falls_back(
                 "enabled": True,
                 "tokenizer": str(tokenizer_dir),
                 "probe_interval": 0.3,
-                "probe_timeout": 0.5,
+                "probe_timeout": 5.0,  # a loaded machine must not look like a dead publisher
             },
             "health": {"interval": 3600},
         }
@@ -144,13 +144,15 @@ def test_prefill_follows_the_cache_and_a_silent_stream_falls_back(
         }
         assert got["p0"].count(prompts["p0"]) == 1 and got["p1"].count(prompts["p1"]) == 2
         assert prompts["p1"] not in got["p0"] and prompts["p0"] not in got["p1"]
-        metrics = httpx.get(f"{router.url}/metrics").text
-        assert (
-            'disagg_router_kv_predicted_cached_tokens_total{model="tiny",role="prefill"} 288.0'
-            in (metrics.replace(MODEL, "tiny"))
+        metrics = httpx.get(f"{router.url}/metrics").text.splitlines()
+        predicted = (
+            f'disagg_router_kv_predicted_cached_tokens_total{{model="{MODEL}",role="prefill"}}'
         )
+        assert f"{predicted} {3 * 6 * BLOCK:.1f}" in metrics  # decided by the index, not affinity
         pubs["p1"].replay_answers = False  # p1's publisher stops answering
-        wait_until(lambda: _states(router.url).get("p1") == "degraded", what="p1 degraded")
+        wait_until(
+            lambda: _states(router.url).get("p1") == "degraded", timeout=60.0, what="p1 degraded"
+        )
         body = {"model": MODEL, "prompt": prompts["p1"], "max_tokens": 2}
         assert httpx.post(f"{router.url}/v1/completions", json=body).status_code == 200
         assert "disagg_router_kv_stream_degraded" in httpx.get(f"{router.url}/metrics").text

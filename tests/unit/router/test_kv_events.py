@@ -20,7 +20,7 @@ from router.routing.kv_index import KvIndex
 from tests.support.wait import wait_until
 
 RECORDING = Path(__file__).parent / "recorded" / "vllm_kv_events.json"
-TIMING = StreamTiming(probe_interval=0.2, probe_timeout=0.5)
+TIMING = StreamTiming(probe_interval=0.2, probe_timeout=2.0)
 
 
 def _stores() -> list[bytes]:
@@ -53,7 +53,7 @@ class Running:
 
 async def _until(condition: object) -> None:
     assert callable(condition)
-    await asyncio.to_thread(wait_until, condition, 10.0)
+    await asyncio.to_thread(wait_until, condition, 30.0)
 
 
 @pytest.fixture
