@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -33,7 +33,12 @@ from pydantic import (
 from router.errors import ConfigError
 
 PolicyName = Literal[
-    "round_robin", "least_in_flight", "power_of_two", "prefix_affinity", "session_affinity"
+    "round_robin",
+    "least_in_flight",
+    "power_of_two",
+    "prefix_affinity",
+    "session_affinity",
+    "kv_aware",
 ]
 Mode = Literal["push", "pull"]
 
@@ -59,6 +64,16 @@ class InstanceConfig(_Frozen):
     name: str | None = None
     identity: PushIdentity | None = None
     api_key: str | None = Field(default=None, description="sent as Bearer token to this instance")
+    kv_events_endpoint: str | None = Field(
+        default=None,
+        description="ZMQ endpoint of this instance's KV event publisher (kv_events); default "
+        "tcp://<url host>:<kv_events.events_port>",
+    )
+    kv_replay_endpoint: str | None = Field(
+        default=None,
+        description="ZMQ endpoint of this instance's KV event replay socket (kv_events); "
+        "default tcp://<url host>:<kv_events.replay_port>",
+    )
 
     @field_validator("url")
     @classmethod
@@ -424,12 +439,63 @@ class DisaggregationConfig(_Frozen):
     when_no_prefill: Literal["decode_only", "fail"] = "decode_only"
 
 
+class KvEventsConfig(_Frozen):
+    """KV-aware routing of one model: the router subscribes to every P and D instance's vLLM KV
+    events (``--kv-events-config``) and computes each request's block keys with the model's
+    tokenizer; the ``kv_aware`` policy and the cached D-only rule use them (docs/router.md,
+    "KV-aware routing")."""
+
+    enabled: bool = Field(default=False, description="subscribe to the instances' KV events")
+    tokenizer: str | None = Field(
+        default=None,
+        description="local directory of the model's tokenizer and chat template (never "
+        "downloaded); required when enabled",
+    )
+    events_port: int = Field(
+        default=5557, ge=1, le=65535, description="publisher port on each instance's host"
+    )
+    replay_port: int = Field(
+        default=5558, ge=1, le=65535, description="replay port on each instance's host"
+    )
+    topic: str = Field(default="", description="the publisher's topic")
+    max_blocks_per_instance: int = Field(
+        default=131072, ge=1, description="index bound per instance (oldest blocks forgotten)"
+    )
+    probe_interval: float = Field(
+        default=5.0, gt=0, description="seconds of silence before the replay socket is probed"
+    )
+    probe_timeout: float = Field(
+        default=2.0, gt=0, description="seconds a probe or replay may take before degraded"
+    )
+    decode_only_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="serve by D alone when a usable D holds at least this fraction of the "
+        "prompt's tokens (0: never)",
+    )
+    tokenize_cache_entries: int = Field(
+        default=4096, ge=0, description="rendered prompts whose token ids are kept (LRU)"
+    )
+    max_prompt_chars: int = Field(
+        default=262144, ge=1024, description="prompt text tokenized for routing at most"
+    )
+
+    @model_validator(mode="after")
+    def _tokenizer_given(self) -> KvEventsConfig:
+        if self.enabled and not self.tokenizer:
+            raise ValueError("tokenizer: required when kv_events is enabled")
+        return self
+
+
 class ModelConfig(_Frozen):
-    """One served model: its own P and D pools; ``disaggregation`` defaults to the top-level one."""
+    """One served model: its own P and D pools; ``disaggregation`` and ``kv_events`` default to
+    the top-level ones."""
 
     prefill: PoolConfig
     decode: PoolConfig
     disaggregation: DisaggregationConfig | None = None
+    kv_events: KvEventsConfig | None = None
 
 
 class LoadSignalsConfig(_Frozen):
@@ -463,6 +529,7 @@ class ModelRoute:
     prefill: PoolConfig
     decode: PoolConfig
     disaggregation: DisaggregationConfig
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
 
 
 def _models_shape(value: Any) -> str:
@@ -485,6 +552,7 @@ class RouterSettings(_Frozen):
     prefill: PoolConfig | None = None
     decode: PoolConfig | None = None
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    kv_events: KvEventsConfig = KvEventsConfig()
     load_signals: LoadSignalsConfig = LoadSignalsConfig()
     reload: ReloadConfig = ReloadConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
@@ -530,11 +598,17 @@ class RouterSettings(_Frozen):
         if isinstance(self.models, list):
             assert self.prefill is not None and self.decode is not None
             return {
-                m: ModelRoute(m, self.prefill, self.decode, self.disaggregation)
+                m: ModelRoute(m, self.prefill, self.decode, self.disaggregation, self.kv_events)
                 for m in self.models
             }
         return {
-            m: ModelRoute(m, c.prefill, c.decode, c.disaggregation or self.disaggregation)
+            m: ModelRoute(
+                m,
+                c.prefill,
+                c.decode,
+                c.disaggregation or self.disaggregation,
+                c.kv_events or self.kv_events,
+            )
             for m, c in self.models.items()
         }
 

@@ -21,6 +21,7 @@ from router.lifecycle import Lifecycle
 from router.observability.metrics import RouterMetrics
 from router.observability.tracing import NoTracer, Tracer, make_tracer
 from router.routing.backends import BackendState
+from router.routing.kv_routing import KvRouting
 from router.routing.pools import Pool
 from router.routing.registry import BackendHooks
 from router.routing.table import LiveRouting, ModelPools
@@ -37,6 +38,8 @@ class Runtime:
     routing: LiveRouting
     tracer: Tracer = field(default_factory=NoTracer)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    kv: KvRouting = field(default_factory=KvRouting)
+    """KV-aware routing state (tokenizers, KV indexes, event streams); run by the lifespan."""
 
     @property
     def settings(self) -> RouterSettings:

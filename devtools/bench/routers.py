@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,21 +87,22 @@ def floor_router(
 
 
 def vllm_router(
-    prefill_url: str,
+    prefill_url: str | Sequence[str],
     decode_url: str,
     port: int,
     logs: Path,
     ready_timeout_s: float = 60.0,
     cpus: str | None = None,
+    extra_args: Sequence[str] = (),
 ) -> ChildProcess:
-    """``vllm-router`` in vLLM P/D mode (NIXL pull protocol) over one P and one D; pinned to
-    ``cpus`` when given."""
+    """``vllm-router`` in vLLM P/D mode (NIXL pull protocol) over one or more P and one D;
+    pinned to ``cpus`` when given; ``extra_args`` last (e.g. ``--prefill-policy kv_aware``)."""
     exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    prefills = [prefill_url] if isinstance(prefill_url, str) else list(prefill_url)
     argv = [
         exe,
         "--vllm-pd-disaggregation",
-        "--prefill",
-        prefill_url,
+        *[arg for url in prefills for arg in ("--prefill", url)],  # one flag per P
         "--decode",
         decode_url,
         "--host",
@@ -119,6 +121,7 @@ def vllm_router(
         "4096",
         "--log-level",
         "warning",
+        *extra_args,
     ]
     ready = f"http://127.0.0.1:{port}/health"
     log = logs / f"vllm-router-{port}.log"

@@ -14,13 +14,19 @@ Three parts (each selectable):
   ``round_robin`` for P, each on fresh prompts:
   mean and p99 TTFT and P's prefix-cache hit rate (vLLM's ``prefix_cache_hits/queries``). Key:
   ``ttft_prefix_affinity_over_round_robin`` (mean TTFT).
+- ``kv`` (real vLLM CPU, :mod:`bench.routing_kv`): growing chats and groups sharing long system
+  prompts on 2P1D stacks with KV events; ``round_robin``, ``prefix_affinity`` and ``kv_aware``
+  behind our router (push), ``vllm-router``'s ``kv_aware`` and ``cache_aware`` (pull), each
+  ``kv_repetitions`` times on the same prompts and arrivals. Keys:
+  ``ttft_kv_aware_over_round_robin``, ``ttft_kv_aware_over_vllm_router_kv_aware``,
+  ``p_hit_rate_kv_aware_over_vllm_router_kv_aware``, ``router_cpu_kv_aware_over_round_robin``.
 - ``light`` (real vLLM CPU, same stack plus one aggregated instance on one core): short prompts
   at a light rate; our router with conditional disaggregation (every prompt under the threshold,
   so D serves alone on its one core) vs the aggregated instance directly. Key:
   ``ttft_conditional_over_aggregated_light`` (mean TTFT).
 
 Who calls it: :mod:`bench.routing_cmd`. Results: ``routing.json`` (every number), a short
-``routing.md`` and the three keys merged into ``summary.json``.
+``routing.md`` and the keys merged into ``summary.json``.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from bench.client import Target
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.routers import our_router
+from bench.routing_kv import DEFAULT_STACKS, STACKS, KvBenchPlan, KvWorkload, run_kv
 from devstack.fake_vllm import (
     FakeBehavior,
     FakeVllmServer,
@@ -50,7 +57,7 @@ from devstack.ports import free_port
 from devstack.vllm_server import read_metrics_text
 
 FAKE_MODEL = "fake-model"
-PARTS = ("uneven", "prefix", "light")
+PARTS = ("uneven", "prefix", "light", "kv")
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,21 @@ class RoutingBenchSpec:
     light_requests: int = 16
     output_len: int = 16
     seed: int = 0
+    # ---- kv (bench.routing_kv): chats + groups sharing system prompts, 5 stacks ----
+    kv_stacks: str = ",".join(DEFAULT_STACKS)
+    kv_repetitions: int = 2
+    kv_chats: int = 8
+    kv_turns: int = 4
+    kv_chat_system_len: int = 1024
+    kv_turn_len: int = 128
+    kv_groups: int = 4
+    kv_group_size: int = 8
+    kv_group_prefix_len: int = 2048
+    kv_question_len: int = 64
+    kv_rate: float = 0.5
+    #: each instance's KV cache (tokens): under the working set, above half of it
+    kv_cache_tokens: int = 16384
+    kv_decode_only_fraction: float = 0.8
 
 
 def _load(rate: float, seed: int, warmups: int = 1) -> LoadSpec:
@@ -263,6 +285,34 @@ def run_real(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
     return out
 
 
+def kv_plan(spec: RoutingBenchSpec) -> KvBenchPlan:
+    """The ``kv`` part's plan from the spec's ``kv_*`` knobs."""
+    workload = KvWorkload(
+        chats=spec.kv_chats,
+        turns=spec.kv_turns,
+        chat_system_len=spec.kv_chat_system_len,
+        turn_len=spec.kv_turn_len,
+        groups=spec.kv_groups,
+        group_size=spec.kv_group_size,
+        group_prefix_len=spec.kv_group_prefix_len,
+        question_len=spec.kv_question_len,
+        output_len=spec.output_len,
+        seed=spec.seed + 300,
+    )
+    stacks = tuple(s for s in spec.kv_stacks.split(",") if s)
+    unknown = set(stacks) - set(STACKS)
+    if unknown:
+        raise ValueError(f"--kv-stacks: unknown {sorted(unknown)}; choose from {STACKS}")
+    return KvBenchPlan(
+        workload,
+        stacks,
+        spec.kv_repetitions,
+        spec.kv_cache_tokens,
+        spec.block_size,
+        spec.kv_decode_only_fraction,
+    )
+
+
 def run_routing(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
     """Run the selected parts; the result holds the spec, every run and the ratios."""
     out: dict[str, Any] = {"spec": asdict(spec)}
@@ -270,6 +320,11 @@ def run_routing(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
         out["uneven"] = run_uneven(spec, logs)
     if {"prefix", "light"} & set(spec.parts):
         out.update(run_real(spec, logs))
+    if "kv" in spec.parts:
+        load = _load(spec.kv_rate, spec.seed, 0)
+        out["kv"] = run_kv(
+            kv_plan(spec), logs, lambda url, model, requests: _run(url, model, requests, load)
+        )
     return out
 
 
@@ -277,6 +332,10 @@ SUMMARY_KEYS = {
     "ttft_prefix_affinity_over_round_robin": "prefix",
     "ttft_conditional_over_aggregated_light": "light",
     "p99_ttft_p2c_over_round_robin_uneven": "uneven",
+    "ttft_kv_aware_over_round_robin": "kv",
+    "ttft_kv_aware_over_vllm_router_kv_aware": "kv",
+    "p_hit_rate_kv_aware_over_vllm_router_kv_aware": "kv",
+    "router_cpu_kv_aware_over_round_robin": "kv",
 }
 
 

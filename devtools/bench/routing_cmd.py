@@ -52,8 +52,39 @@ def render_markdown(result: dict[str, Any], command: str) -> str:
     goals = {"ttft_prefix_affinity_over_round_robin": "<= 0.6"}
     goals |= {"ttft_conditional_over_aggregated_light": "<= 1.10"}
     goals |= {"p99_ttft_p2c_over_round_robin_uneven": "<= 0.8"}
+    goals |= {"ttft_kv_aware_over_round_robin": "<= 0.5"}
+    goals |= {"ttft_kv_aware_over_vllm_router_kv_aware": "<= 0.8"}
+    goals |= {"p_hit_rate_kv_aware_over_vllm_router_kv_aware": ">= 1.0"}
+    goals |= {"router_cpu_kv_aware_over_round_robin": "-"}
     for key, value in routing_summary(result).items():
         lines.append(f"| `{key}` | {_fmt(value, 3)} | {goals[key]} |")
+    return "\n".join(lines) + "\n" + _kv_markdown(result.get("kv"))
+
+
+def _kv_markdown(kv: dict[str, Any] | None) -> str:
+    """The kv part's table: per stack, mean over repetitions [min, max]."""
+    if not kv:
+        return ""
+    lines = ["", "## kv: KV-aware routing (mean over repetitions [min, max])", ""]
+    lines += ["| stack | TTFT ms mean | TTFT ms p99 | P hit rate | router CPU ms/request |"]
+    lines += ["|---|---|---|---|---|"]
+    for name, row in kv["stacks"].items():
+        cells = []
+        for key, digits in (
+            ("mean_ttft_ms", 1),
+            ("p99_ttft_ms", 1),
+            ("p_hit_rate", 2),
+            ("router_cpu_ms_per_request", 2),
+        ):
+            lo_hi = row.get(key + "_spread") or [None, None]
+            cells.append(
+                f"{_fmt(row.get(key), digits)} [{_fmt(lo_hi[0], digits)}, {_fmt(lo_hi[1], digits)}]"
+            )
+        errors = [r["error"] for r in row["repetitions"] if "error" in r]
+        note = f" (error: {errors[0]})" if errors else ""
+        lines.append(f"| {name}{note} | " + " | ".join(cells) + " |")
+    lines += ["", "Best achievable P hit rate (one cache holding everything): "]
+    lines[-1] += _fmt(kv["p_hit_rate_best"], 2)
     return "\n".join(lines) + "\n"
 
 

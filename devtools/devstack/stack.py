@@ -12,6 +12,7 @@ core 1; an aggregated instance on ``aggregated_core`` (default 0).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -50,6 +51,21 @@ class StackInstance:
     server: VllmServer
     engine_id: str | None
     side_channel_port: int | None
+    kv_events_ports: tuple[int, int] | None = None
+    """Its KV event publisher (``tcp://*:port``) and replay ports when the stack has
+    ``kv_events``."""
+
+    @property
+    def kv_endpoints(self) -> dict[str, str]:
+        """The router's per-instance ``kv_events_endpoint`` and ``kv_replay_endpoint``."""
+        if self.kv_events_ports is None:
+            return {}
+        host = self.server.spec.host
+        pub, replay = self.kv_events_ports
+        return {
+            "kv_events_endpoint": f"tcp://{host}:{pub}",
+            "kv_replay_endpoint": f"tcp://{host}:{replay}",
+        }
 
     @property
     def name(self) -> str:
@@ -78,6 +94,8 @@ class StackOptions:
     pin_processes: bool = False
     """Confine each instance's whole process to its core (:attr:`VllmServerSpec.pin_process`)."""
     extra_args: Sequence[str] = ()
+    kv_events: bool = False
+    """Every instance publishes its KV events (vLLM's ZMQ publisher, with a replay socket)."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -122,6 +140,7 @@ class Stack:
         health_interval_s: float = 30.0,
         identity_interval_s: float | None = None,
         prefill_names: Sequence[str] | None = None,
+        kv_events: bool = False,
     ) -> dict[str, Any]:
         """The router config mapping (validate with ``router.config.settings_from_mapping``).
 
@@ -130,6 +149,8 @@ class Stack:
         the prefill pool to those instances (e.g. a 1P1D router on a 2P1D stack).
         ``identity_interval_s`` sets how often the router re-probes a healthy P's identity; each
         probe keeps a block on P (and P's engine loop busy) for P's KV lease.
+        ``kv_events`` (a stack started with ``kv_events``): the router follows every instance's
+        KV events, with the model directory's tokenizer (for the ``kv_aware`` policy).
         """
         prefill = [i for i in self.prefill if prefill_names is None or i.name in prefill_names]
         if not prefill or not self.decode:
@@ -137,6 +158,8 @@ class Stack:
         prefill_instances: list[dict[str, Any]] = []
         for inst in prefill:
             entry: dict[str, Any] = {"url": inst.url, "name": inst.name}
+            if kv_events:
+                entry.update(inst.kv_endpoints)
             if with_identity:
                 entry["identity"] = {
                     "engine_id": inst.engine_id,
@@ -151,11 +174,16 @@ class Stack:
             "mode": self.mode,
             "prefill": {"instances": prefill_instances, "policy": prefill_policy},
             "decode": {
-                "instances": [{"url": i.url, "name": i.name} for i in self.decode],
+                "instances": [
+                    {"url": i.url, "name": i.name, **(i.kv_endpoints if kv_events else {})}
+                    for i in self.decode
+                ],
                 "policy": decode_policy,
             },
             "health": {"interval": health_interval_s},
         }
+        if kv_events:
+            config["kv_events"] = {"enabled": True, "tokenizer": str(self.model_dir)}
         if identity_interval_s is not None:
             config["health"]["identity_interval"] = identity_interval_s
         if timeouts:
@@ -233,11 +261,12 @@ def build_specs(
 ) -> list[tuple[InstanceRole, str | None, VllmServerSpec]]:
     """The server specs of a stack (ports chosen now), with each instance's role and engine id."""
     plan = _plan(options)
-    ports = free_ports(2 * len(plan))
+    per = 4 if options.kv_events else 2
+    ports = free_ports(per * len(plan))
     result: list[tuple[InstanceRole, str | None, VllmServerSpec]] = []
     run_id = uuid.uuid4().hex[:8]
     for index, (role, name, core) in enumerate(plan):
-        http_port, nixl_port = ports[2 * index], ports[2 * index + 1]
+        http_port, nixl_port = ports[per * index], ports[per * index + 1]
         engine_id: str | None = None
         kv_config: dict[str, Any] | None = None
         if role != "aggregated":
@@ -259,10 +288,35 @@ def build_specs(
             in_process_worker=options.in_process_worker,
             pin_process=options.pin_processes,
             extra_env=options.extra_env,
-            extra_args=options.extra_args,
+            extra_args=(*options.extra_args, *_kv_events_args(options, ports, per * index)),
         )
         result.append((role, engine_id, spec))
     return result
+
+
+def _kv_events_args(options: StackOptions, ports: Sequence[int], first: int) -> tuple[str, ...]:
+    """``--kv-events-config`` for one instance: PUB on ``ports[first + 2]`` (vLLM binds a
+    wildcard endpoint and connects to a host one, so the PUB listens on every interface, as with
+    vLLM's default), replay on loopback ``ports[first + 3]``."""
+    if not options.kv_events:
+        return ()
+    pub, replay = ports[first + 2], ports[first + 3]
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+    }
+    return ("--kv-events-config", json.dumps(config))
+
+
+def _kv_events_ports(spec: VllmServerSpec) -> tuple[int, int] | None:
+    args = list(spec.extra_args)
+    if "--kv-events-config" not in args:
+        return None
+    config = json.loads(args[args.index("--kv-events-config") + 1])
+    pub, replay = (int(config[k].rsplit(":", 1)[1]) for k in ("endpoint", "replay_endpoint"))
+    return pub, replay
 
 
 def start_stack(options: StackOptions, work_dir: Path) -> Stack:
@@ -280,6 +334,7 @@ def start_stack(options: StackOptions, work_dir: Path) -> Stack:
             server=server,
             engine_id=engine_id,
             side_channel_port=spec.nixl_side_channel_port,
+            kv_events_ports=_kv_events_ports(spec),
         )
         for (role, engine_id, spec), server in zip(planned, servers, strict=True)
     ]

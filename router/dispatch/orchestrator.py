@@ -34,14 +34,18 @@ log = logging.getLogger(__name__)
 DISAGGREGATED = "disaggregated"
 SHORT_PROMPT = "decode_only_short_prompt"
 NO_PREFILL = "decode_only_no_prefill"
+CACHED_ON_DECODE = "decode_only_cached"
 
 
 def decide(found: ModelPools, routed: RoutingInput) -> str:
-    """How to serve a request: with a P leg, or by D alone (short prompt; no usable P)."""
+    """How to serve a request: with a P leg, or by D alone (short prompt; a D holds most of
+    the prompt in its KV cache, ``kv_events.decode_only_fraction``; no usable P)."""
     rule = found.route.disaggregation
     short = estimated_tokens(routed.prompt, rule.chars_per_token) < rule.min_prompt_tokens
     if rule.min_prompt_tokens and short:
         return SHORT_PROMPT
+    if routed.kv is not None and routed.kv.decode_holds(found.decode.usable()):
+        return CACHED_ON_DECODE
     if rule.when_no_prefill == "decode_only" and not found.prefill.usable():
         return NO_PREFILL
     return DISAGGREGATED
@@ -57,7 +61,8 @@ async def open_dispatch(
     """
     ctx = ctx or RequestContext()
     found = runtime.model(request.model)
-    routed = RoutingInput(request.body, request.chat, request.headers)
+    kv = runtime.kv.request(request.model, request.body, request.chat)
+    routed = RoutingInput(request.body, request.chat, request.headers, kv)
     decision = decide(found, routed)
     runtime.metrics.child(runtime.metrics.routing_decisions, request.model, decision).inc()
     attempts = 2 if runtime.settings.retry_on_fresh_pair else 1

@@ -58,6 +58,7 @@ from router.http.validation import parse_client_request
 from router.reload import ConfigReloader
 from router.request import ClientRequest
 from router.routing.backends import BackendState
+from router.routing.kv_routing import run_kv_routing
 from router.runtime import Runtime, open_runtime
 from router.supervisor import Supervisor
 
@@ -129,6 +130,7 @@ def _lifespan(
                     settings.timeouts.health,
                 ),
             )
+            supervisor.start("kv_routing", lambda: run_kv_routing(runtime))  # kv_routing
             reloader = None
             sighup = False
             if config_path is not None:
@@ -201,7 +203,8 @@ def _readiness(runtime: Runtime, discovery: DiscoveryManager | None) -> JSONResp
     found = discovery.status() if discovery is not None else {}
     tasks = discovery.supervisor.status() if discovery is not None else {}
     now = readiness(runtime, found, tasks)
-    return JSONResponse(now.body, status_code=200 if now.ready else 503)
+    body = {**now.body, "kv_events": kv} if (kv := runtime.kv.status()) else now.body
+    return JSONResponse(body, status_code=200 if now.ready else 503)
 
 
 def _routes() -> APIRouter:

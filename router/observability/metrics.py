@@ -8,7 +8,7 @@ tests can run several apps in one process); the dispatch and health monitor reco
 from __future__ import annotations
 
 import contextlib
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -146,6 +146,7 @@ class RouterMetrics:
         self.routing_decisions = Counter(
             "disagg_router_routing_decisions",
             "Requests by model and route: disaggregated, or decode_only_short_prompt / "
+            "decode_only_cached / "
             "decode_only_no_prefill (served by D alone)",
             ["model", "decision"],
             registry=registry,
@@ -192,6 +193,7 @@ class RouterMetrics:
             ["role", "backend", "outcome"],
             registry=registry,
         )
+        self.kv = KvMetrics(registry)
 
         self.background_crashes = Counter(
             "disagg_router_background_crashes",
@@ -258,3 +260,128 @@ def _label_sets(metric: MetricWrapperBase, names: tuple[str, ...]) -> set[tuple[
             if all(n in sample.labels for n in names):
                 out.add(tuple(sample.labels[n] for n in names))
     return out
+
+
+class KvTarget(Protocol):
+    """What a KV metric is labelled with: the model and the instance's label."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
+
+
+class KvApplied(Protocol):
+    """What one applied event batch did (:class:`router.routing.kv_index.ApplyResult`)."""
+
+    @property
+    def stored(self) -> int: ...
+
+    @property
+    def removed(self) -> int: ...
+
+    @property
+    def skipped(self) -> int: ...
+
+
+class KvMetrics:
+    """The KV-aware routing metrics (``disagg_router_kv_*``): the index's size and freshness per
+    instance, resyncs and stream failures, and per routing decision the cached tokens the index
+    predicted on the chosen instance beside the prompt's tokens (compare with vLLM's
+    ``vllm:prompt_tokens_by_source_total``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        instance = ["model", "instance"]
+        self.index_blocks = Gauge(
+            "disagg_router_kv_index_blocks",
+            "Blocks the router's KV index holds for the instance",
+            instance,
+            registry=registry,
+        )
+        self.event_lag = Histogram(
+            "disagg_router_kv_event_lag_seconds",
+            "Time from vLLM publishing a KV event batch to the router applying it",
+            ["model"],
+            buckets=_STAGE_BUCKETS,
+            registry=registry,
+        )
+        self.events = Counter(
+            "disagg_router_kv_blocks_events",
+            "Blocks in applied KV events by kind: stored, removed, skipped (not indexable)",
+            ["model", "instance", "kind"],
+            registry=registry,
+        )
+        self.bad_batches = Counter(
+            "disagg_router_kv_bad_batches",
+            "KV event messages that could not be decoded (skipped)",
+            instance,
+            registry=registry,
+        )
+        self.resyncs = Counter(
+            "disagg_router_kv_resyncs",
+            "Index resyncs of an instance by reason: join, gap, gap_unfilled, restart, "
+            "replay_incomplete",
+            ["model", "instance", "reason"],
+            registry=registry,
+        )
+        self.degraded = Gauge(
+            "disagg_router_kv_stream_degraded",
+            "1 while the instance's KV event stream does not answer (approximate routing)",
+            instance,
+            registry=registry,
+        )
+        self.stream_failures = Counter(
+            "disagg_router_kv_stream_failures",
+            "KV event subscriber tasks that failed and were restarted",
+            instance,
+            registry=registry,
+        )
+        self.predicted_tokens = Counter(
+            "disagg_router_kv_predicted_cached_tokens",
+            "Prompt tokens the index predicted cached on the chosen instance, per decision",
+            ["model", "role"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "disagg_router_kv_prompt_tokens",
+            "Prompt tokens of the requests the kv_aware policy routed by the index",
+            ["model", "role"],
+            registry=registry,
+        )
+        self.tokenize_seconds = Histogram(
+            "disagg_router_kv_tokenize_seconds",
+            "Time to compute one request's block keys (chat template, tokenizer, hashing)",
+            ["model"],
+            buckets=_STAGE_BUCKETS,
+            registry=registry,
+        )
+
+    def observe_lag(self, target: KvTarget, seconds: float) -> None:
+        self.event_lag.labels(target.model).observe(seconds)
+
+    def record_apply(self, target: KvTarget, result: KvApplied, blocks: int) -> None:
+        """Count one applied batch and set the instance's index size."""
+        for kind, count in (
+            ("stored", result.stored),
+            ("removed", result.removed),
+            ("skipped", result.skipped),
+        ):
+            if count:
+                self.events.labels(target.model, target.label, kind).inc(count)
+        self.index_blocks.labels(target.model, target.label).set(blocks)
+
+    def count_bad(self, target: KvTarget) -> None:
+        self.bad_batches.labels(target.model, target.label).inc()
+
+    def count_resync(self, target: KvTarget, reason: str) -> None:
+        self.resyncs.labels(target.model, target.label, reason).inc()
+
+    def set_degraded(self, target: KvTarget, degraded: bool) -> None:
+        self.degraded.labels(target.model, target.label).set(1 if degraded else 0)
+
+    def forget(self, target: KvTarget) -> None:
+        """Drop the per-instance gauges of an instance no longer followed."""
+        for gauge in (self.index_blocks, self.degraded):
+            with contextlib.suppress(KeyError):
+                gauge.remove(target.model, target.label)

@@ -17,6 +17,8 @@ must not mutate the backends it is given.
   (a leg counts from the moment its pool chose it, so a burst of choices sees each other).
 - ``session_affinity``: the same bounded rendezvous hashing over a session key (a header, or
   the request's ``user``); pins a conversation without relying on its text.
+- ``kv_aware``: by the prompt tokens each instance's KV cache holds, from vLLM's KV events
+  (:mod:`router.routing.kv_policy`); ``prefix_affinity`` when the index cannot answer.
 """
 
 from __future__ import annotations
@@ -28,21 +30,26 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from router.config import LoadSignalsConfig, PoolConfig
 from router.health.load_signals import backend_load
 from router.routing.backends import BackendState
 from router.routing.prompt_keys import prefix_key, prompt_of, session_key
 
+if TYPE_CHECKING:
+    from router.routing.kv_routing import KvRequest
+
 
 @dataclass(frozen=True)
 class RoutingInput:
-    """What a policy may read of the request: its body, kind and (lower-cased) headers."""
+    """What a policy may read of the request: its body, kind and (lower-cased) headers, and
+    (``kv``) its view of the model's KV index when the model has ``kv_events``."""
 
     body: Mapping[str, Any] = field(default_factory=dict)
     chat: bool = False
     headers: Mapping[str, str] = field(default_factory=dict)
+    kv: KvRequest | None = field(default=None, compare=False)
 
     @cached_property
     def prompt(self) -> str | list[int]:
@@ -190,4 +197,8 @@ def make_policy(config: PoolConfig, signals: LoadSignalsConfig | None = None) ->
         return PrefixAffinity(config.prefix_chars, config.load_factor)
     if name == "session_affinity":
         return SessionAffinity(config.session_header, config.load_factor)
+    if name == "kv_aware":
+        from router.routing.kv_policy import KvAware  # it builds on this module's policies
+
+        return KvAware(config.prefix_chars, config.load_factor)
     return RoundRobin()
