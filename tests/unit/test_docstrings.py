@@ -12,31 +12,13 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-ROOTS = {
-    "router": REPO,
-    "connector": REPO,
-    "devstack": REPO / "devtools",
-    "bench": REPO / "devtools",
-}
+from tests.support.imports import ROOTS, imported_modules, module_file
+
 WHO_CALLS = re.compile(r"Who calls it:(.+?)(?:\.\s|\.$|\n\s*\n)", re.DOTALL)
 REFERENCE = re.compile(r":(?:mod|func|class|meth):`~?([\w.]+)`")
-
-
-def _module_file(name: str) -> Path | None:
-    parts = name.split(".")
-    root = ROOTS.get(parts[0])
-    if root is None:
-        return None
-    base = root.joinpath(*parts)
-    for path in (base.with_suffix(".py"), base / "__init__.py"):
-        if path.is_file():
-            return path
-    return None
 
 
 def _module_of(reference: str) -> str | None:
@@ -44,7 +26,7 @@ def _module_of(reference: str) -> str | None:
     parts = reference.split(".")
     for end in range(len(parts), 0, -1):
         name = ".".join(parts[:end])
-        if _module_file(name) is not None:
+        if module_file(name) is not None:
             return name
     return None
 
@@ -59,27 +41,14 @@ def _modules() -> list[str]:
 
 
 def _imports(name: str) -> set[str]:
-    """Every module ``name`` imports (``from a import b`` counts as ``a`` and ``a.b``)."""
-    path = _module_file(name)
+    path = module_file(name)
     assert path is not None
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-    return found
+    return imported_modules(name, path)
 
 
 def _who_calls(name: str) -> str | None:
     """The sentence after ``Who calls it:`` in ``name``'s docstring (None: it has none)."""
-    path = _module_file(name)
+    path = module_file(name)
     assert path is not None
     match = WHO_CALLS.search(ast.get_docstring(ast.parse(path.read_text())) or "")
     return None if match is None else match.group(1)

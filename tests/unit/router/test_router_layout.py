@@ -11,10 +11,11 @@
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from tests.support.imports import imported_modules
 
 REPO = Path(__file__).resolve().parents[3]
 REQUEST_PATH = ("http", "dispatch", "routing", "health", "discovery")
@@ -26,31 +27,6 @@ def _modules(package: str) -> dict[str, Path]:
         parts = path.relative_to(REPO).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
-
-
-def _is_module(name: str) -> bool:
-    base = REPO.joinpath(*name.split("."))
-    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
-
-
-def _imports(name: str, path: Path) -> set[str]:
-    """Every module ``name`` imports (``from a import b``: ``a``, and ``a.b`` if a module)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                anchor = parts[: len(parts) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found.update(
-                f"{base}.{alias.name}" for alias in node.names if _is_module(f"{base}.{alias.name}")
-            )
-    return found
 
 
 def _within(module: str, package: str) -> bool:
@@ -66,7 +42,7 @@ def _violations(
         (name, imported)
         for name, path in _modules(sources).items()
         if not any(_within(name, a) for a in allowed)
-        for imported in _imports(name, path)
+        for imported in imported_modules(name, path)
         if any(_within(imported, f) for f in forbidden)
     )
 
@@ -79,11 +55,11 @@ def _top_level(name: str) -> bool:
     )
 
 
-def test_the_rules_see_imports() -> None:
+def test_the_rules_seeimported_modules() -> None:
     """The reader finds what it must (else every rule below would pass vacuously)."""
-    imports = _imports("router.http.generate", REPO / "router" / "http" / "generate.py")
+    imports = imported_modules("router.http.generate", REPO / "router" / "http" / "generate.py")
     assert {"router.dispatch.orchestrator", "router.runtime"} <= imports
-    assert "router.http.app" in _imports("router.server", REPO / "router" / "server.py")
+    assert "router.http.app" in imported_modules("router.server", REPO / "router" / "server.py")
 
 
 def test_only_the_top_level_imports_router_http() -> None:
