@@ -59,18 +59,25 @@ class RouterMetrics:
         self.registry = registry
         ProcessCollector(registry=registry)
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
+        self._request_metrics()
+        self._backend_metrics()
+        self._router_metrics()
+        self.kv = KvMetrics(registry)
+
+    def _request_metrics(self) -> None:
+        """Per client request: outcomes, TTFT and its stages, retries, routes, stalls."""
         self.requests = Counter(
             "disagg_router_requests",
             "Client generation requests by mode, endpoint and outcome",
             ["mode", "endpoint", "outcome"],
-            registry=registry,
+            registry=self.registry,
         )
         self.ttft = Histogram(
             "disagg_router_ttft_seconds",
             "Router-observed time to first token: request accepted to first byte sent",
             ["mode"],
             buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            registry=self.registry,
         )
         self.ttft_stage = Histogram(
             "disagg_router_ttft_stage_seconds",
@@ -78,128 +85,132 @@ class RouterMetrics:
             + ", ".join(STAGES),
             ["stage"],
             buckets=_STAGE_BUCKETS,
-            registry=registry,
-        )
-        self.prefill_duration = Histogram(
-            "disagg_router_prefill_leg_seconds",
-            "Duration of the prefill leg by backend and outcome",
-            ["backend", "outcome"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.decode_first_token = Histogram(
-            "disagg_router_decode_first_token_seconds",
-            "Time from dispatch of the decode leg to its first token (or whole answer)",
-            ["backend"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.in_flight = Gauge(
-            "disagg_router_backend_in_flight",
-            "Legs currently in flight per backend",
-            ["role", "backend"],
-            registry=registry,
-        )
-        self.healthy = Gauge(
-            "disagg_router_backend_healthy",
-            "1 if the backend passed its last health check",
-            ["role", "backend"],
-            registry=registry,
+            registry=self.registry,
         )
         self.retries = Counter(
             "disagg_router_retries",
             "Dispatches retried on a fresh P/D pair",
-            registry=registry,
+            registry=self.registry,
         )
-        self.identity_changes = Counter(
-            "disagg_router_identity_changes",
-            "Prefill identities learned or changed (identity probes and P legs)",
-            ["backend"],
-            registry=registry,
-        )
-        pool_source = ["pool", "source"]
-        self.discovery_instances = Gauge(
-            "disagg_router_discovery_instances",
-            "Instances in the last known discovered set of a pool",
-            pool_source,
-            registry=registry,
-        )
-        self.discovery_ok = Gauge(
-            "disagg_router_discovery_ok",
-            "1 if the pool's last discovery attempt gave a usable set, 0 if it kept the last one",
-            pool_source,
-            registry=registry,
-        )
-        self.discovery_failures = Counter(
-            "disagg_router_discovery_failures",
-            "Discovery attempts that failed or found nothing (the last known set was kept)",
-            pool_source,
-            registry=registry,
-        )
-        self.discovery_changes = Counter(
-            "disagg_router_discovery_changes",
-            "Times a pool's discovered set changed (instances joined or left)",
-            pool_source,
-            registry=registry,
-        )
-
         self.routing_decisions = Counter(
             "disagg_router_routing_decisions",
             "Requests by model and route: disaggregated, or decode_only_short_prompt / "
             "decode_only_cached / "
             "decode_only_no_prefill (served by D alone)",
             ["model", "decision"],
-            registry=registry,
+            registry=self.registry,
         )
-        self.config_reloads = Counter(
-            "disagg_router_config_reloads",
-            "Config reloads by result: applied, or rejected (the previous config keeps serving)",
-            ["result"],
-            registry=registry,
+        self.stream_stalls = Counter(
+            "disagg_router_stream_stalls",
+            "Streams ended because D sent nothing for timeouts.inter_token after the first token",
+            registry=self.registry,
+        )
+
+    def _backend_metrics(self) -> None:
+        """Per instance (``backend`` label; :meth:`per_backend` lists them): legs, health,
+        identity, breaker, admission."""
+        self.prefill_duration = Histogram(
+            "disagg_router_prefill_leg_seconds",
+            "Duration of the prefill leg by backend and outcome",
+            ["backend", "outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.decode_first_token = Histogram(
+            "disagg_router_decode_first_token_seconds",
+            "Time from dispatch of the decode leg to its first token (or whole answer)",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "disagg_router_backend_in_flight",
+            "Legs currently in flight per backend",
+            ["role", "backend"],
+            registry=self.registry,
+        )
+        self.healthy = Gauge(
+            "disagg_router_backend_healthy",
+            "1 if the backend passed its last health check",
+            ["role", "backend"],
+            registry=self.registry,
+        )
+        self.identity_changes = Counter(
+            "disagg_router_identity_changes",
+            "Prefill identities learned or changed (identity probes and P legs)",
+            ["backend"],
+            registry=self.registry,
         )
         self.breaker_open = Gauge(
             "disagg_router_backend_breaker_open",
             "1 while the backend's circuit breaker keeps it out of rotation",
             ["role", "backend"],
-            registry=registry,
+            registry=self.registry,
         )
         self.admission_queue = Gauge(
             "disagg_router_admission_queue_length",
             "Legs waiting for an admission slot on the backend",
             ["role", "backend"],
-            registry=registry,
+            registry=self.registry,
         )
         self.admission_wait = Histogram(
             "disagg_router_admission_wait_seconds",
             "Time a leg waited for an admission slot",
             ["role"],
             buckets=_LATENCY_BUCKETS,
-            registry=registry,
+            registry=self.registry,
         )
         self.admission_rejected = Counter(
             "disagg_router_admission_rejected",
             "Legs refused admission (queue full or wait too long)",
             ["role", "backend"],
-            registry=registry,
-        )
-        self.stream_stalls = Counter(
-            "disagg_router_stream_stalls",
-            "Streams ended because D sent nothing for timeouts.inter_token after the first token",
-            registry=registry,
+            registry=self.registry,
         )
         self.breaker_probes = Counter(
             "disagg_router_breaker_probes",
             "Half-open probes of an open breaker by outcome",
             ["role", "backend", "outcome"],
-            registry=registry,
+            registry=self.registry,
         )
-        self.kv = KvMetrics(registry)
 
+    def _router_metrics(self) -> None:
+        """The router's own state: discovery, config reloads, background tasks."""
+        pool_source = ["pool", "source"]
+        self.discovery_instances = Gauge(
+            "disagg_router_discovery_instances",
+            "Instances in the last known discovered set of a pool",
+            pool_source,
+            registry=self.registry,
+        )
+        self.discovery_ok = Gauge(
+            "disagg_router_discovery_ok",
+            "1 if the pool's last discovery attempt gave a usable set, 0 if it kept the last one",
+            pool_source,
+            registry=self.registry,
+        )
+        self.discovery_failures = Counter(
+            "disagg_router_discovery_failures",
+            "Discovery attempts that failed or found nothing (the last known set was kept)",
+            pool_source,
+            registry=self.registry,
+        )
+        self.discovery_changes = Counter(
+            "disagg_router_discovery_changes",
+            "Times a pool's discovered set changed (instances joined or left)",
+            pool_source,
+            registry=self.registry,
+        )
+        self.config_reloads = Counter(
+            "disagg_router_config_reloads",
+            "Config reloads by result: applied, or rejected (the previous config keeps serving)",
+            ["result"],
+            registry=self.registry,
+        )
         self.background_crashes = Counter(
             "disagg_router_background_crashes",
             "Crashes of a supervised background task (each is logged and restarted)",
             ["task"],
-            registry=registry,
+            registry=self.registry,
         )
 
     def child(self, metric: M, *labels: str) -> M:
