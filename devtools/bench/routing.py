@@ -39,13 +39,18 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.client import Target
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.routers import our_router
-from bench.routing_kv import DEFAULT_STACKS, STACKS, KvBenchPlan, KvWorkload, run_kv
+from bench.routing_kv import (
+    DEFAULT_STACKS,
+    STACKS,
+    KvBenchPlan,
+    KvWorkload,
+    p_cache_counters,
+    run_kv,
+)
 from devstack.fake_vllm import (
     FakeBehavior,
     FakeVllmServer,
@@ -54,7 +59,6 @@ from devstack.fake_vllm import (
     PushIdentity,
 )
 from devstack.ports import free_port
-from devstack.vllm_server import read_metrics_text
 
 FAKE_MODEL = "fake-model"
 PARTS = ("uneven", "prefix", "light", "kv")
@@ -203,15 +207,6 @@ def conversation_requests(spec: RoutingBenchSpec, seed: int) -> list[BenchReques
     return out
 
 
-def _cache_counters(urls: Sequence[str]) -> tuple[float, float]:
-    hits = queries = 0.0
-    for url in urls:
-        values = read_metrics_text(httpx.get(url + "/metrics", timeout=10.0).text)
-        hits += values.get("vllm:prefix_cache_hits_total", 0.0)
-        queries += values.get("vllm:prefix_cache_queries_total", 0.0)
-    return hits, queries
-
-
 @contextmanager
 def _router_for(stack: Any, logs: Path, **overrides: dict[str, Any]) -> Iterator[str]:
     config = stack.router_config()
@@ -230,9 +225,9 @@ def run_prefix(spec: RoutingBenchSpec, stack: Any, logs: Path) -> dict[str, Any]
     for i, policy in enumerate(("round_robin", "prefix_affinity")):
         requests = conversation_requests(spec, seed=spec.seed + 100 + i)
         with _router_for(stack, logs, prefill={"policy": policy}) as url:
-            hits0, queries0 = _cache_counters(p_urls)
+            hits0, queries0 = p_cache_counters(p_urls)
             run = _run(url, stack.model_name, requests, _load(spec.prefix_rate, spec.seed, 0))
-            hits1, queries1 = _cache_counters(p_urls)
+            hits1, queries1 = p_cache_counters(p_urls)
         run["prefill_prefix_cache_hit_rate"] = (hits1 - hits0) / max(queries1 - queries0, 1.0)
         runs[policy] = run
     return {
