@@ -88,6 +88,21 @@ def _kv_markdown(kv: dict[str, Any] | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_parts(previous: Path, fresh: dict[str, Any], parts: tuple[str, ...]) -> dict[str, Any]:
+    """``fresh`` plus the parts of an earlier ``routing.json`` that this run did not repeat.
+
+    A run of some parts (``--parts kv``) must not erase the committed results of the others; each
+    part keeps the command that made it.
+    """
+    if not previous.exists():
+        return fresh
+    earlier = json.loads(previous.read_text())
+    kept = {p: earlier[p] for p in PARTS if p not in parts and p in earlier}
+    for value in kept.values():
+        value.setdefault("command", earlier.get("command"))
+    return {**fresh, **kept}
+
+
 def routing_command(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in fields(RoutingBenchSpec) if f.name != "parts"}
     parts = tuple(p for p in args.parts.split(",") if p)
@@ -98,9 +113,12 @@ def routing_command(args: argparse.Namespace) -> int:
     spec = RoutingBenchSpec(parts=parts, **values)
     work = log_folder(args.work_dir, "bench-routing-")
     command = recorded_command(sys.argv[1:])
-    result = {"command": command, **run_routing(spec, work)}
     out: Path = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
+    fresh = run_routing(spec, work)
+    for part in set(parts) & set(fresh):
+        fresh[part]["command"] = command
+    result = {"command": command, **merge_parts(out / "routing.json", fresh, parts)}
     write_json(out / "routing.json", result)
     (out / "routing.md").write_text(render_markdown(result, command))
     summary_path = out / "summary.json"
