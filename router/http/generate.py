@@ -6,7 +6,8 @@ and hands it the app's admission check (running, key, bounded body, valid input)
 opens a dispatch (:func:`router.dispatch.orchestrator.open_dispatch`), then streams it
 (:class:`router.http.stream.DispatchStream`) or answers in one piece; a
 :class:`~router.errors.RouterError` before the answer becomes OpenAI-style JSON with its status.
-Every request is counted and (with ``logging.requests``) logged once when it ends; a client
+Every request is counted and (with ``logging.requests``) logged once when it ends (an answered
+one also records its TTFT, latency and tokens, once); a client
 that leaves cancels the work where it waits and the dispatch is still closed.
 """
 
@@ -84,10 +85,8 @@ async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
         return error_response(exc)
     # TTFT: D's first token in hand (not streamed: D's whole answer, headers and body at once).
     times = accepted, time.monotonic() - accepted
-    m = rt.metrics
-    m.child(m.ttft, rt.settings.mode, req.model, "true" if req.stream else "false").observe(
-        times[1]
-    )
+    m, flag = rt.metrics, "true" if req.stream else "false"
+    m.child(m.ttft, rt.settings.mode, req.model, flag).observe(times[1])
     if req.stream:
         return DispatchStream(
             dispatch, watch, lambda d: _finish(request, endpoint, d.outcome, 200, req, d, times)
