@@ -7,8 +7,8 @@ opens a dispatch (:func:`router.dispatch.orchestrator.open_dispatch`), then stre
 (:class:`router.http.stream.DispatchStream`) or answers in one piece; a
 :class:`~router.errors.RouterError` before the answer becomes OpenAI-style JSON with its status.
 Every request is counted and (with ``logging.requests``) logged once when it ends (an answered
-one also records its TTFT, latency and tokens, once); a client
-that leaves cancels the work where it waits and the dispatch is still closed.
+one also records its TTFT, latency and tokens, once); a client that leaves cancels the work
+where it waits and the dispatch is still closed.
 """
 
 from __future__ import annotations
