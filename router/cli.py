@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         help="router processes sharing the port (default 1); each keeps its own in-flight "
-        "counts, health, breaker and policy state (docs/router.md, 'Several workers')",
+        "counts, health, breaker and policy state; /metrics shows all workers summed "
+        "(docs/router.md, 'Several workers')",
     )
 
     check = sub.add_parser("check-config", help="validate a config file")

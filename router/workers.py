@@ -12,6 +12,12 @@ to every worker (a second one stops them at once); SIGHUP is passed on to every 
 reloads the file as ``serve`` does. A worker that dies is replaced, unless it failed at start
 (exit status 3, uvicorn's start-up failure, or the config file invalid by then), which stops them
 all (each draining) and exits with status 1. A worker whose supervisor dies drains and stops.
+
+Metrics: the supervisor creates a temporary directory, names it in ``PROMETHEUS_MULTIPROC_DIR``
+before the first worker starts (so every worker's metrics are prometheus_client's shared-file
+kind, and ``/metrics`` from any worker shows the sum over all of them), marks each exited
+worker's files dead (its live gauges stop counting; its counters keep their totals) and removes
+the directory when it exits.
 """
 
 from __future__ import annotations
@@ -19,18 +25,22 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from prometheus_client.multiprocess import mark_process_dead
 from uvicorn.config import STARTUP_FAILURE
 
 from router.config import RouterSettings
 from router.errors import ConfigError
+from router.observability.metrics import MULTIPROC_ENV
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +78,19 @@ def worker_main(
 class Supervisor:
     """Starts, replaces and stops the workers (see the module doc); runs on the main thread."""
 
-    def __init__(self, sock: socket.socket, config_path: Path, host: str, port: int, level: str):
+    def __init__(
+        self,
+        sock: socket.socket,
+        config_path: Path,
+        host: str,
+        port: int,
+        level: str,
+        metrics_dir: str,
+    ):
+        """``metrics_dir``: the workers' shared metrics directory, already in the environment."""
         self._sock = sock
         self._args = (str(config_path), host, port, level)
+        self._metrics_dir = metrics_dir
         self._workers: dict[int, tuple[BaseProcess, Connection]] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._signals: list[int] = []
@@ -132,6 +152,7 @@ class Supervisor:
         process, writer = self._workers.pop(sentinel)
         process.join()
         writer.close()
+        mark_process_dead(process.pid, self._metrics_dir)  # type: ignore[no-untyped-call]
         if process.exitcode == STARTUP_FAILURE:
             log.error("worker %s failed to start; stopping", process.pid)
             return True
@@ -148,4 +169,11 @@ def run_workers(
     from router.server import uvicorn_config
 
     sock = uvicorn_config("router.cli:main", settings, host, port, level).bind_socket()
-    return Supervisor(sock, config_path.resolve(), host, port, level).run(workers)
+    metrics_dir = tempfile.mkdtemp(prefix="disagg-router-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir  # before any worker (and its metrics) exists
+    try:
+        supervisor = Supervisor(sock, config_path.resolve(), host, port, level, metrics_dir)
+        return supervisor.run(workers)
+    finally:
+        del os.environ[MULTIPROC_ENV]
+        shutil.rmtree(metrics_dir, ignore_errors=True)

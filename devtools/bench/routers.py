@@ -58,13 +58,16 @@ def our_router(
     logs: Path,
     ready_timeout_s: float = 60.0,
     cpus: str | None = None,
+    workers: int = 1,
 ) -> ChildProcess:
-    """Our router as a process (``disagg-router serve``), ready once both pools are usable;
-    pinned to ``cpus`` when given."""
+    """Our router as a process (``disagg-router serve``, ``--workers`` when more than one),
+    ready once both pools are usable; pinned to ``cpus`` when given."""
     path = logs / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     argv = [_python(), "-m", "router.cli", "serve", "--config", str(path)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    if workers > 1:
+        argv += ["--workers", str(workers)]
     argv = pinned(argv, cpus)
     ready = f"http://127.0.0.1:{port}/ready"
     log = logs / f"router-{port}.log"

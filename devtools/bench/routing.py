@@ -1,6 +1,6 @@
 """``disagg-bench routing``: what the routing policies buy, each against its baseline, same run.
 
-Three parts (each selectable):
+The parts (each selectable):
 
 - ``uneven`` (fake vLLM instances in this process, no inference; D waits for its P's KV as in
   push mode): two prefill fakes whose prefill is compute bound (one slot each, so requests queue,
@@ -20,6 +20,9 @@ Three parts (each selectable):
   ``kv_repetitions`` times on the same prompts and arrivals. Keys:
   ``ttft_kv_aware_over_round_robin``, ``ttft_kv_aware_over_vllm_router_kv_aware``,
   ``p_hit_rate_kv_aware_over_vllm_router_kv_aware``, ``router_cpu_kv_aware_over_round_robin``.
+- ``workers`` (fakes, as ``uneven``): ``least_in_flight`` for P with ``serve --workers``
+  ``workers`` (2) vs one worker at the same load; in-flight counts are per worker, so each
+  worker sees part of the legs. Key: ``p99_ttft_least_in_flight_workers_over_one``.
 - ``light`` (real vLLM CPU, same stack plus one aggregated instance on one core): short prompts
   at a light rate; our router with conditional disaggregation (every prompt under the threshold,
   so D serves alone on its one core) vs the aggregated instance directly. Key:
@@ -61,17 +64,18 @@ from devstack.fake_vllm import (
 from devstack.ports import free_port
 
 FAKE_MODEL = "fake-model"
-PARTS = ("uneven", "prefix", "light", "kv")
+PARTS = ("uneven", "prefix", "light", "kv", "workers")
 
 
 @dataclass(frozen=True)
 class RoutingBenchSpec:
-    """Every knob of the three parts (defaults: a few minutes in all on a 2-core machine)."""
+    """Every knob of the parts (defaults: a few minutes in all on a 2-core machine)."""
 
     parts: tuple[str, ...] = PARTS
     uneven_prefill_s: float = 0.1  # the fast P's prefill; the slow one takes twice as long
     uneven_rate: float = 8.0
     uneven_requests: int = 240
+    workers: int = 2  # the workers part: serve --workers this many vs one
     conversations: int = 6
     turns: int = 3
     system_len: int = 3072
@@ -159,27 +163,57 @@ def _uneven_config(p_urls: Sequence[str], d_url: str, policy: str) -> dict[str, 
     }
 
 
-def run_uneven(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
-    """power_of_two vs round_robin over a fast and a twice-as-slow prefill fake."""
-    requests = make_token_prompts(
-        SyntheticSpec(spec.uneven_requests, input_len=64, output_len=4, seed=spec.seed)
-    )
-    runs: dict[str, Any] = {}
+@contextmanager
+def _uneven_fakes(spec: RoutingBenchSpec) -> Iterator[tuple[list[str], str]]:
+    """The prefill URLs (a fast and a twice-as-slow fake) and the decode URL, while they run."""
     fabric = KvFabric()
     with ExitStack() as stack:
         fast = stack.enter_context(_fake("p-fast", fabric, spec.uneven_prefill_s, 1))
         slow = stack.enter_context(_fake("p-slow", fabric, 2 * spec.uneven_prefill_s, 1))
         decode = stack.enter_context(_fake("d", fabric, 0.0, None))
+        yield [fast.url, slow.url], decode.url
+
+
+def _uneven_requests(spec: RoutingBenchSpec) -> list[BenchRequest]:
+    return make_token_prompts(
+        SyntheticSpec(spec.uneven_requests, input_len=64, output_len=4, seed=spec.seed)
+    )
+
+
+def run_uneven(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
+    """power_of_two vs round_robin over a fast and a twice-as-slow prefill fake."""
+    requests = _uneven_requests(spec)
+    runs: dict[str, Any] = {}
+    with _uneven_fakes(spec) as (p_urls, d_url):
         for policy in ("round_robin", "power_of_two"):
             port = free_port()
-            config = _uneven_config([fast.url, slow.url], decode.url, policy)
-            with our_router(config, port, logs):
+            with our_router(_uneven_config(p_urls, d_url, policy), port, logs):
                 load = _load(spec.uneven_rate, spec.seed)
                 runs[policy] = _run(f"http://127.0.0.1:{port}", FAKE_MODEL, requests, load)
     return {
         "runs": runs,
         "p99_ttft_p2c_over_round_robin_uneven": _ratio(
             runs["power_of_two"], runs["round_robin"], "p99_ttft_ms"
+        ),
+    }
+
+
+def run_workers(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
+    """least_in_flight for P over the uneven fakes: ``spec.workers`` router workers vs one."""
+    requests = _uneven_requests(spec)
+    runs: dict[str, Any] = {}
+    with _uneven_fakes(spec) as (p_urls, d_url):
+        for workers in (1, spec.workers):
+            port = free_port()
+            config = _uneven_config(p_urls, d_url, "least_in_flight")
+            with our_router(config, port, logs, workers=workers):
+                load = _load(spec.uneven_rate, spec.seed)
+                url = f"http://127.0.0.1:{port}"
+                runs[f"workers_{workers}"] = _run(url, FAKE_MODEL, requests, load)
+    return {
+        "runs": runs,
+        "p99_ttft_least_in_flight_workers_over_one": _ratio(
+            runs[f"workers_{spec.workers}"], runs["workers_1"], "p99_ttft_ms"
         ),
     }
 
@@ -313,6 +347,8 @@ def run_routing(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"spec": asdict(spec)}
     if "uneven" in spec.parts:
         out["uneven"] = run_uneven(spec, logs)
+    if "workers" in spec.parts:
+        out["workers"] = run_workers(spec, logs)
     if {"prefix", "light"} & set(spec.parts):
         out.update(run_real(spec, logs))
     if "kv" in spec.parts:
@@ -331,6 +367,7 @@ SUMMARY_KEYS = {
     "ttft_kv_aware_over_vllm_router_kv_aware": "kv",
     "p_hit_rate_kv_aware_over_vllm_router_kv_aware": "kv",
     "router_cpu_kv_aware_over_round_robin": "kv",
+    "p99_ttft_least_in_flight_workers_over_one": "workers",
 }
 
 

@@ -56,6 +56,7 @@ def render_markdown(result: dict[str, Any], command: str) -> str:
     goals |= {"ttft_kv_aware_over_vllm_router_kv_aware": "<= 0.8"}
     goals |= {"p_hit_rate_kv_aware_over_vllm_router_kv_aware": ">= 1.0"}
     goals |= {"router_cpu_kv_aware_over_round_robin": "-"}
+    goals |= {"p99_ttft_least_in_flight_workers_over_one": "-"}
     for key, value in routing_summary(result).items():
         lines.append(f"| `{key}` | {_fmt(value, 3)} | {goals[key]} |")
     return "\n".join(lines) + "\n" + _kv_markdown(result.get("kv"))

@@ -66,6 +66,18 @@ class Dispatch:
         return self._a.timings
 
     @property
+    def usage(self) -> Any:
+        """The usage object the client got (P's prompt tokens, D's completion tokens); None
+        until the relay sent it, and for a stream that did not ask for it."""
+        return self._a.usage
+
+    @property
+    def answered(self) -> float:
+        """``time.monotonic()`` when the answer's last chunk was ready for the client; 0.0 until
+        the answer is complete."""
+        return self._a.answered
+
+    @property
     def outcome(self) -> str:
         """``in_progress`` until the answer ended: ``ok``, ``decode_failed_midstream``, or what
         the HTTP layer sets (``client_disconnected``)."""

@@ -93,7 +93,8 @@ class Relay:
             except ValueError:
                 chunk = None
             if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
-                chunk["usage"] = merge_usage(chunk["usage"], await self._prefill_usage())
+                usage = merge_usage(chunk["usage"], await self._prefill_usage())
+                chunk["usage"] = self._a.usage = usage
                 return b"data: " + codec.dumps(chunk) + b"\n\n"
         return b"data: " + payload.encode() + b"\n\n"
 
@@ -101,6 +102,7 @@ class Relay:
         """The stream's last event if ``item`` ends it (sets ``outcome``); None otherwise."""
         if isinstance(item, End):
             self._a.outcome = "ok"
+            self._a.answered = time.monotonic()
             return b"data: [DONE]\n\n"
         if isinstance(item, RouterError):
             self._a.outcome = "decode_failed_midstream"
@@ -143,6 +145,7 @@ class Relay:
             raise UpstreamProtocolError("decode", a.decode.label, "unexpected streamed answer")
         a.outcome = "ok"
         answer = client_response(a.first, await self._prefill_usage())
+        a.usage, a.answered = answer.get("usage"), time.monotonic()
         self._observe_ttft_stages()
         return answer
 

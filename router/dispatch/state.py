@@ -67,6 +67,8 @@ class Attempt:
         self.last_token = 0.0  # time.monotonic() of D's last streamed payload
         self.timings: dict[str, float] = {}  # stage -> seconds since ``started``
         self.stamps: dict[str, float] = {}  # more moments for the TTFT stages, same clock
+        self.usage: Any = None  # the usage the client got (merged), once the relay sent it
+        self.answered = 0.0  # time.monotonic() when the answer's last chunk was ready; 0: not
 
     def mark(self, stage: str) -> None:
         """Note when ``stage`` was reached (once; reported in the request log)."""

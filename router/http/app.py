@@ -238,7 +238,9 @@ def _routes() -> APIRouter:
 
     @api.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
-        return Response(_runtime(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        runtime = _runtime(request)
+        text = runtime.metrics.render(runtime.backends())
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return api
 

@@ -6,8 +6,9 @@ and hands it the app's admission check (running, key, bounded body, valid input)
 opens a dispatch (:func:`router.dispatch.orchestrator.open_dispatch`), then streams it
 (:class:`router.http.stream.DispatchStream`) or answers in one piece; a
 :class:`~router.errors.RouterError` before the answer becomes OpenAI-style JSON with its status.
-Every request is counted and (with ``logging.requests``) logged once when it ends; a client
-that leaves cancels the work where it waits and the dispatch is still closed.
+Every request is counted and (with ``logging.requests``) logged once when it ends (an answered
+one also records its TTFT, latency and tokens, once); a client that leaves cancels the work
+where it waits and the dispatch is still closed.
 """
 
 from __future__ import annotations
@@ -82,17 +83,24 @@ async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
             raise
         _finish(request, endpoint, outcome_label(exc), exc.status, req)
         return error_response(exc)
+    # TTFT: D's first token in hand (not streamed: D's whole answer, headers and body at once).
+    times = accepted, time.monotonic() - accepted
+    m, flag = rt.metrics, "true" if req.stream else "false"
+    m.child(m.ttft, rt.settings.mode, req.model, flag).observe(times[1])
     if req.stream:
-        m = rt.metrics
-        m.child(m.ttft, rt.settings.mode).observe(time.monotonic() - accepted)
         return DispatchStream(
-            dispatch, watch, lambda d: _finish(request, endpoint, d.outcome, 200, req, d)
+            dispatch, watch, lambda d: _finish(request, endpoint, d.outcome, 200, req, d, times)
         )
-    return await _answer(request, endpoint, req, dispatch, watch)
+    return await _answer(request, endpoint, req, dispatch, watch, times)
 
 
 async def _answer(
-    request: Request, endpoint: str, req: ClientRequest, dispatch: Dispatch, watch: ClientWatch
+    request: Request,
+    endpoint: str,
+    req: ClientRequest,
+    dispatch: Dispatch,
+    watch: ClientWatch,
+    times: tuple[float, float],
 ) -> JSONResponse:
     """The non-streamed answer of an opened dispatch, which is closed here."""
     try:
@@ -103,7 +111,7 @@ async def _answer(
     finally:
         watch.stop()  # before close() awaits (router.http.disconnect)
         await dispatch.close()
-    _finish(request, endpoint, "ok", 200, req, dispatch)
+    _finish(request, endpoint, "ok", 200, req, dispatch, times)
     return JSONResponse(answer, headers={"X-Request-Id": dispatch.request_id})
 
 
@@ -125,13 +133,20 @@ def _finish(
     status: int,
     req: ClientRequest | None = None,
     dispatch: Dispatch | None = None,
+    times: tuple[float, float] | None = None,
 ) -> None:
-    """Count and log the end of one generation request."""
+    """Count and log the end of one generation request; one answered in full (``ok``, with
+    ``times``: accepted and its TTFT) also records its latency, tokens and time per token.
+    The ``model`` label is "" for a request refused before its model was validated."""
     runtime: Runtime | None = getattr(request.app.state, "runtime", None)
     if runtime is None:
         return
     m = runtime.metrics
-    m.child(m.requests, runtime.settings.mode, endpoint, outcome).inc()
+    model = req.model if req is not None else ""
+    m.child(m.requests, runtime.settings.mode, endpoint, model, outcome).inc()
+    if outcome == "ok" and times is not None and dispatch is not None and req is not None:
+        e2e = (dispatch.answered or time.monotonic()) - times[0]
+        m.answers.observe(model, req.stream, times[1], e2e, dispatch.usage)
     if not runtime.settings.logging.requests:
         return
     log_request(

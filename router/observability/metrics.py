@@ -2,13 +2,17 @@
 
 Who calls it: :class:`router.runtime.Runtime` builds one :class:`RouterMetrics` per app run (so
 tests can run several apps in one process); the dispatch and health monitor record into it;
-``/metrics`` renders the registry. Nothing here is module-global.
+``/metrics`` renders the registry. :mod:`router.workers` names the shared directory of
+``serve --workers N`` (:data:`MULTIPROC_ENV`). Nothing here is module-global.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol, TypeVar
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,6 +23,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from router.observability.timeline import STAGES
 
@@ -44,7 +50,47 @@ _LATENCY_BUCKETS = (
 _STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *_LATENCY_BUCKETS)
 
 
+# A whole answer: up to ``timeouts.total`` (default 600 s).
+_REQUEST_BUCKETS = (*_LATENCY_BUCKETS, 300.0, 600.0)
+
+# Time per output token: from sub-millisecond (tiny models) to a slow, overloaded decode.
+_TPOT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""Where the workers of ``serve --workers N`` share their metric values (prometheus_client's
+multiprocess mode, chosen by this variable when prometheus_client is imported): set by the
+supervisor (:mod:`router.workers`) before any worker starts, unset for a single process."""
+
 M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class Instance(Protocol):
+    """What :meth:`RouterMetrics.render` needs of a current instance (a ``BackendState``)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
 
 
 class RouterMetrics:
@@ -53,29 +99,36 @@ class RouterMetrics:
 
     Record through :meth:`child` on the request path: it keeps each labelled series once found
     (``labels()`` validates and locks on every call, a few per cent of a loaded router's CPU).
+
+    Several workers (:data:`MULTIPROC_ENV` set): values live in shared files and :meth:`render`
+    sums them as each gauge's ``multiprocess_mode`` says (docs/router.md, "Several workers").
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        ProcessCollector(registry=registry)
+        self.shared_dir = os.environ.get(MULTIPROC_ENV) or None
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         self._request_metrics()
         self._backend_metrics()
         self._router_metrics()
-        self.kv = KvMetrics(registry)
+        self.answers = AnswerMetrics(registry)
+        self.kv = KvMetrics(registry, shared=self.shared_dir is not None)
+        self.shared_names = {family.name for family in registry.collect()}  # not process_*
+        ProcessCollector(registry=registry)
 
     def _request_metrics(self) -> None:
         """Per client request: outcomes, TTFT and its stages, retries, routes, stalls."""
         self.requests = Counter(
             "disagg_router_requests",
-            "Client generation requests by mode, endpoint and outcome",
-            ["mode", "endpoint", "outcome"],
+            "Client generation requests by mode, endpoint, model and outcome",
+            ["mode", "endpoint", "model", "outcome"],
             registry=self.registry,
         )
         self.ttft = Histogram(
             "disagg_router_ttft_seconds",
-            "Router-observed time to first token: request accepted to first byte sent",
-            ["mode"],
+            "Router-observed time to first token: request accepted to D's first token in hand "
+            "(stream=false: D's whole answer, which vLLM sends with its headers)",
+            ["mode", "model", "stream"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -127,12 +180,14 @@ class RouterMetrics:
             "disagg_router_backend_in_flight",
             "Legs currently in flight per backend",
             ["role", "backend"],
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.healthy = Gauge(
             "disagg_router_backend_healthy",
             "1 if the backend passed its last health check",
             ["role", "backend"],
+            multiprocess_mode="livemostrecent",
             registry=self.registry,
         )
         self.identity_changes = Counter(
@@ -145,12 +200,14 @@ class RouterMetrics:
             "disagg_router_backend_breaker_open",
             "1 while the backend's circuit breaker keeps it out of rotation",
             ["role", "backend"],
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.admission_queue = Gauge(
             "disagg_router_admission_queue_length",
             "Legs waiting for an admission slot on the backend",
             ["role", "backend"],
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.admission_wait = Histogram(
@@ -180,12 +237,14 @@ class RouterMetrics:
             "disagg_router_discovery_instances",
             "Instances in the last known discovered set of a pool",
             pool_source,
+            multiprocess_mode="livemostrecent",
             registry=self.registry,
         )
         self.discovery_ok = Gauge(
             "disagg_router_discovery_ok",
             "1 if the pool's last discovery attempt gave a usable set, 0 if it kept the last one",
             pool_source,
+            multiprocess_mode="livemin",
             registry=self.registry,
         )
         self.discovery_failures = Counter(
@@ -247,7 +306,11 @@ class RouterMetrics:
         """Drop every series of an instance that left (every pool, its last leg ended).
 
         Families without a ``role`` label are keyed by ``label`` alone: kept when
-        ``label_in_use`` (an instance of the other role has the same label)."""
+        ``label_in_use`` (an instance of the other role has the same label). Several workers:
+        shared values cannot be removed; :meth:`render` leaves out instances no longer current.
+        """
+        if self.shared_dir is not None:
+            return
         for metric, names in self.per_backend():
             if "role" not in names and label_in_use:
                 continue
@@ -259,8 +322,87 @@ class RouterMetrics:
                     metric.remove(*values)
                 self._children.pop((id(metric), values), None)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, current: Iterable[Instance] = ()) -> bytes:
+        """The text exposition of ``/metrics``. Several workers: every worker's series summed
+        (per gauge as its ``multiprocess_mode`` says), without the series of instances not in
+        ``current`` (the answering worker's instances); beside them the answering worker's own
+        collectors (``process_*``, the readiness gauges)."""
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        return generate_latest(_WorkersView(self, self.shared_dir, current))
+
+
+class AnswerMetrics:
+    """Per answered request (outcome ``ok``), recorded once at its end by :meth:`observe`:
+    end-to-end latency, time per output token, prompt and completion tokens, by model."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.request_duration = Histogram(
+            "disagg_router_request_duration_seconds",
+            "End-to-end latency of answered requests: accepted to the answer's last chunk ready "
+            "for the client",
+            ["model", "stream"],
+            buckets=_REQUEST_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "disagg_router_time_per_output_token_seconds",
+            "Streamed answers: (end-to-end - TTFT) / (completion_tokens - 1), from the usage "
+            "the client gets (stream_options.include_usage)",
+            ["model"],
+            buckets=_TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "disagg_router_prompt_tokens",
+            "Prompt tokens of answered requests, from the usage the client gets",
+            ["model"],
+            registry=registry,
+        )
+        self.completion_tokens = Counter(
+            "disagg_router_completion_tokens",
+            "Completion tokens of answered requests, from the usage the client gets",
+            ["model"],
+            registry=registry,
+        )
+        self._series: dict[tuple[str, bool], _AnswerSeries] = {}
+
+    def observe(self, model: str, stream: bool, ttft: float, e2e: float, usage: Any) -> None:
+        """Record one answered request at its end (the HTTP layer, once per request; never per
+        token). ``ttft``, ``e2e``: seconds since accepted; ``usage``: the client's usage object
+        (None when a stream did not ask for it: then no tokens and no TPOT)."""
+        series = self._series.get((model, stream)) or self._new_series(model, stream)
+        series.duration.observe(e2e)
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int) and prompt > 0:
+            series.prompt.inc(prompt)
+        if not isinstance(completion, int) or completion <= 0:
+            return
+        series.completion.inc(completion)
+        if stream and completion > 1:
+            series.tpot.observe(max(e2e - ttft, 0.0) / (completion - 1))
+
+    def _new_series(self, model: str, stream: bool) -> _AnswerSeries:
+        """The series of ``model`` (a configured model: bounded), kept for the next request."""
+        series = self._series[(model, stream)] = _AnswerSeries(
+            self.request_duration.labels(model, "true" if stream else "false"),
+            self.tpot.labels(model),
+            self.prompt_tokens.labels(model),
+            self.completion_tokens.labels(model),
+        )
+        return series
+
+
+@dataclass(frozen=True)
+class _AnswerSeries:
+    """The labelled series one (model, stream) records into."""
+
+    duration: Histogram
+    tpot: Histogram
+    prompt: Counter
+    completion: Counter
 
 
 def _label_sets(metric: MetricWrapperBase, names: tuple[str, ...]) -> set[tuple[str, ...]]:
@@ -271,6 +413,34 @@ def _label_sets(metric: MetricWrapperBase, names: tuple[str, ...]) -> set[tuple[
             if all(n in sample.labels for n in names):
                 out.add(tuple(sample.labels[n] for n in names))
     return out
+
+
+class _WorkersView:
+    """What ``/metrics`` shows with several workers: every worker's values of the shared
+    families (prometheus_client's :class:`MultiProcessCollector`) less the series of instances
+    not in ``current``, then the answering worker's own families (``process_*``, readiness)."""
+
+    def __init__(self, metrics: RouterMetrics, path: str, current: Iterable[Instance]) -> None:
+        self._metrics = metrics
+        self._path = path
+        self._keep = {(b.role, b.label) for b in current}
+        self._labels = {label for _, label in self._keep}
+        per_instance = metrics.per_backend()
+        self._by_instance = {f.name for m, _ in per_instance for f in m.describe()}
+
+    def _kept(self, labels: dict[str, str]) -> bool:
+        if "role" in labels:
+            return (labels["role"], labels.get("backend", "")) in self._keep
+        return labels.get("backend") in self._labels
+
+    def collect(self) -> Iterator[Metric]:
+        workers = MultiProcessCollector(None, self._path)  # type: ignore[no-untyped-call]
+        for family in workers.collect():  # type: ignore[no-untyped-call]
+            if family.name in self._by_instance:
+                family.samples = [s for s in family.samples if self._kept(s.labels)]
+            yield family
+        shared = self._metrics.shared_names
+        yield from (f for f in self._metrics.registry.collect() if f.name not in shared)
 
 
 class KvTarget(Protocol):
@@ -302,12 +472,14 @@ class KvMetrics:
     predicted on the chosen instance beside the prompt's tokens (compare with vLLM's
     ``vllm:prompt_tokens_by_source_total``)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, shared: bool = False) -> None:
+        self._shared = shared
         instance = ["model", "instance"]
         self.index_blocks = Gauge(
             "disagg_router_kv_index_blocks",
             "Blocks the router's KV index holds for the instance",
             instance,
+            multiprocess_mode="livemostrecent",
             registry=registry,
         )
         self.event_lag = Histogram(
@@ -340,6 +512,7 @@ class KvMetrics:
             "disagg_router_kv_stream_degraded",
             "1 while the instance's KV event stream does not answer (approximate routing)",
             instance,
+            multiprocess_mode="livemax",
             registry=registry,
         )
         self.stream_failures = Counter(
@@ -392,7 +565,11 @@ class KvMetrics:
         self.degraded.labels(target.model, target.label).set(1 if degraded else 0)
 
     def forget(self, target: KvTarget) -> None:
-        """Drop the per-instance gauges of an instance no longer followed."""
+        """Drop the per-instance gauges of an instance no longer followed (several workers:
+        set them to 0, shared values cannot be removed)."""
         for gauge in (self.index_blocks, self.degraded):
+            if self._shared:
+                gauge.labels(target.model, target.label).set(0)
+                continue
             with contextlib.suppress(KeyError):
                 gauge.remove(target.model, target.label)

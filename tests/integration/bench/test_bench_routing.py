@@ -10,6 +10,7 @@ from bench.routing import (
     conversation_requests,
     routing_summary,
     run_uneven,
+    run_workers,
 )
 from bench.routing_cmd import render_markdown
 
@@ -30,6 +31,22 @@ def test_uneven_part_runs_both_policies_on_the_same_requests(tmp_path: Path) -> 
     assert summary["ttft_prefix_affinity_over_round_robin"] is None
     table = render_markdown({"uneven": result}, "disagg-bench routing --parts uneven")
     assert "| uneven | power_of_two | 16/16 | " in table
+
+
+def test_workers_part_runs_one_and_two_workers_on_the_same_requests(tmp_path: Path) -> None:
+    spec = RoutingBenchSpec(
+        parts=("workers",), uneven_prefill_s=0.02, uneven_rate=20.0, uneven_requests=16
+    )
+    result = run_workers(spec, tmp_path)
+    runs = result["runs"]
+    assert set(runs) == {"workers_1", "workers_2"}
+    assert all(r["completed"] == 16 and r["failed"] == 0 for r in runs.values())
+    key = "p99_ttft_least_in_flight_workers_over_one"
+    assert result[key] == runs["workers_2"]["p99_ttft_ms"] / runs["workers_1"]["p99_ttft_ms"]
+    assert routing_summary({"workers": result})[key] == result[key]
+    table = render_markdown({"workers": result}, "disagg-bench routing --parts workers")
+    assert "| workers | workers_2 | 16/16 | " in table
+    assert f"| `{key}` |" in table
 
 
 def test_conversations_grow_turn_by_turn_on_their_own_system_prompt() -> None:

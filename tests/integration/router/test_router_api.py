@@ -128,11 +128,12 @@ def test_metrics_count_requests_and_latencies(fake: dict[str, FakeVllmServer]) -
         bad = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL})
         assert bad.status_code == 400
         text = httpx.get(f"{router.url}/metrics").text
-    assert (
-        'disagg_router_requests_total{endpoint="completions",mode="push",outcome="ok"} 1.0' in text
-    )
+    ok = f'endpoint="completions",mode="push",model="{MODEL}",outcome="ok"'
+    assert f"disagg_router_requests_total{{{ok}}} 1.0" in text
     assert 'outcome="invalid_request"} 1.0' in text
-    assert 'disagg_router_ttft_seconds_count{mode="push"} 1.0' in text
+    assert (
+        f'disagg_router_ttft_seconds_count{{mode="push",model="{MODEL}",stream="true"}} 1.0' in text
+    )
     assert "disagg_router_prefill_leg_seconds_count" in text
     assert "disagg_router_decode_first_token_seconds_count" in text
     assert 'disagg_router_backend_in_flight{backend="' in text

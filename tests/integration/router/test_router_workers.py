@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 from devstack.ports import free_port
@@ -33,6 +35,63 @@ def _status(url: str) -> int | None:
         return httpx.get(f"{url}/ready", timeout=5).status_code
     except httpx.TransportError:
         return None
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples ``name`` with ``labels`` one scrape of ``url/metrics`` shows."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
+
+
+def _worker_pids(log: str) -> list[int]:
+    return [int(p) for p in re.findall(r"Started server process \[(\d+)\]", log)]
+
+
+def test_metrics_of_two_workers_are_one_router(
+    fake: dict[str, FakeVllmServer], tmp_path: Path
+) -> None:
+    """Every scrape, whichever worker answers it, shows the requests of both workers; workers
+    that die leave their counts but not their gauges (a replaced worker's stream in flight is no
+    longer in flight)."""
+    fake["d0"].state.behavior = FakeBehavior(token_delay_s=0.05)
+    config = {
+        "models": [MODEL],
+        "prefill": {"instances": [{"url": fake["p0"].url}]},
+        "decode": {"instances": [{"url": fake["d0"].url}]},
+    }
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
+    argv += ["--port", str(port), "--workers", "2"]
+    requests = 12
+    with ChildProcess(ProcessSpec("router", tuple(argv), tmp_path / "router.log")) as proc:
+        wait_until(lambda: _ready(url), timeout=60, what="a worker to be ready")
+        wait_until(lambda: len(_worker_pids(proc.log_tail(200))) == 2, 60, "both workers")
+        for _ in range(requests):  # a connection each: the kernel spreads them over the workers
+            assert httpx.post(f"{url}/v1/completions", json=STREAM, timeout=10).is_success
+        ok = {"model": MODEL, "outcome": "ok"}
+        counts = [_metric(url, "disagg_router_requests_total", **ok) for _ in range(8)]
+        assert counts == [requests] * 8
+        in_flight = "disagg_router_backend_in_flight"
+        with contextlib.suppress(httpx.HTTPError):
+            body = {**STREAM, "max_tokens": 400}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as resp:
+                lines = resp.iter_lines()  # kept: a dropped iterator closes the stream
+                next(lines)
+                assert _metric(url, in_flight, role="decode") == 1
+                for pid in _worker_pids(proc.log_tail(200)):
+                    os.kill(pid, signal.SIGKILL)
+                wait_until(lambda: len(_worker_pids(proc.log_tail(400))) == 4, 60, "2 more")
+        wait_until(lambda: _ready(url), timeout=60, what="a new worker to be ready")
+        assert _metric(url, in_flight, role="decode") == 0
+        assert _metric(url, "disagg_router_requests_total", **ok) == requests
 
 
 def test_two_workers_serve_streams_from_the_config_file(
