@@ -63,6 +63,7 @@ class RouterMetrics:
         self._backend_metrics()
         self._router_metrics()
         self.kv = KvMetrics(registry)
+        self.passthrough = PassthroughMetrics(registry)
 
     def _request_metrics(self) -> None:
         """Per client request: outcomes, TTFT and its stages, retries, routes, stalls."""
@@ -396,3 +397,23 @@ class KvMetrics:
         for gauge in (self.index_blocks, self.degraded):
             with contextlib.suppress(KeyError):
                 gauge.remove(target.model, target.label)
+
+
+class PassthroughMetrics:
+    """The routes beside generation (``/tokenize``, ``/v1/embeddings``, ``/v1/responses``,
+    ...; :mod:`router.http.passthrough`): requests by route and outcome, and their duration."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "disagg_router_passthrough_requests",
+            "Requests to the routes forwarded to one instance, by route and outcome",
+            ["route", "outcome"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "disagg_router_passthrough_seconds",
+            "Duration of a forwarded request, accepted to the end of its answer, by route",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
