@@ -2,18 +2,21 @@
 and the instance's breaker fed once.
 
 Who calls it: the pass-through routes (:mod:`router.http.passthrough`), which choose the instance
-with its pool's policy (the count in flight taken by :meth:`router.routing.pools.Pool.choose`)
-and hand it over here. :meth:`Exchange.open` takes an admission slot
-(:class:`router.dispatch.holds.Holds`, as a dispatch's legs do), sends the request through the
-router's one upstream client and reads the answer's status: a 4xx (and vLLM's 501, "the model
-does not support this API") is the client's and goes back as it is, without touching the
-breaker; a 5xx, a transport error or a timeout is the instance's fault
-(:func:`router.dispatch.legs.leg_failed`) and raises. The answer's body is then read whole
-(:meth:`Exchange.body`) or relayed as it comes (:class:`ProxiedStream`, for an event stream);
-a body read to its end is the instance's success (:func:`router.dispatch.legs.leg_ok`).
-Every wait is bounded: the whole exchange by the request's deadline (``timeouts.total``), each
-chunk of a stream also by ``timeouts.inter_token``. :meth:`Exchange.close` gives the count and
-the slot back and closes the answer; it is idempotent and must run however the request ends.
+with its pool's policy (the pool's ``choose`` counts it in flight) and hand it over here.
+:meth:`Exchange.open` takes an admission slot (:class:`router.dispatch.holds.Holds`, as a
+dispatch's legs do), sends the request through the router's one upstream client and reads the
+answer's status: a 4xx (and vLLM's 501, "the model does not support this API") is the client's
+and goes back as it is, without touching the breaker; a 5xx, a transport error or a timeout is
+the instance's fault (:func:`router.dispatch.legs.leg_failed`) and raises. The answer's body is
+then read whole (:meth:`Exchange.body`) or relayed as it comes (:class:`ProxiedStream`, for an
+event stream); a body read to its end is the instance's success
+(:func:`router.dispatch.legs.leg_ok`). Every wait is bounded: the whole exchange by the
+request's deadline (``timeouts.total``), each chunk of a stream also by
+``timeouts.inter_token``. :meth:`Exchange.close` gives the count and the slot back and closes the
+answer; it is idempotent and must run however the request ends. A drain that runs out of time
+aborts the request through its :class:`DrainHandle` (registered with the runtime's lifecycle):
+the wait in progress is cancelled and the client gets a 503 (or, mid-stream, a final SSE error
+event); :func:`watched` turns either cancellation (drain, or a client that left) into an error.
 """
 
 from __future__ import annotations
@@ -184,12 +187,12 @@ class ProxiedStream:
         self,
         exchange: Exchange,
         watch: ClientWatch,
-        owner: Owner,
+        handle: DrainHandle,
         on_close: Callable[[str], None],
     ) -> None:
         self.exchange = exchange
         self.watch = watch
-        self.owner = owner
+        self.handle = handle
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -207,8 +210,8 @@ class ProxiedStream:
         except asyncio.CancelledError:
             if self.watch.left():
                 pass
-            elif self.owner.took_back():
-                outcome = await self._end(send, RouterNotReady(self.owner.reason or "stopping"))
+            elif self.handle.took_back():
+                outcome = await self._end(send, RouterNotReady(self.handle.reason or "stopping"))
             else:
                 raise
         finally:
@@ -241,13 +244,13 @@ def answer_ok(exchange: Exchange) -> bool:
     return exchange.answer.status_code < 400
 
 
-class Owner:
+class DrainHandle:
     """The task serving one forwarded request, as a drain sees it
     (:class:`router.lifecycle.Abortable`)."""
 
     def __init__(self) -> None:
         task = asyncio.current_task()
-        assert task is not None, "Owner must be created inside a task"
+        assert task is not None, "DrainHandle must be created inside a task"
         self._task = task
         self.reason: str | None = None
         self._pending = False
@@ -268,7 +271,7 @@ class Owner:
         return True
 
 
-async def watched(watch: ClientWatch, owner: Owner, work: Awaitable[T]) -> T:
+async def watched(watch: ClientWatch, handle: DrainHandle, work: Awaitable[T]) -> T:
     """Await ``work`` in this task; :class:`ClientDisconnected` if the client left meanwhile,
     :class:`RouterNotReady` if a drain aborted the request (``work`` was cancelled where it
     waited and has cleaned up)."""
@@ -277,6 +280,6 @@ async def watched(watch: ClientWatch, owner: Owner, work: Awaitable[T]) -> T:
     except asyncio.CancelledError:
         if watch.left():
             raise ClientDisconnected("client disconnected") from None
-        if owner.took_back():
-            raise RouterNotReady(owner.reason or "the router is shutting down") from None
+        if handle.took_back():
+            raise RouterNotReady(handle.reason or "the router is shutting down") from None
         raise

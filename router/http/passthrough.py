@@ -31,7 +31,7 @@ from router.dispatch.ids import new_request_id
 from router.dispatch.rewrite import strip_client_fields
 from router.errors import NoBackendAvailable, RouterError, UpstreamError, outcome_label
 from router.http.disconnect import ClientWatch
-from router.http.exchange import Exchange, Owner, ProxiedStream, answer_ok, watched
+from router.http.exchange import DrainHandle, Exchange, ProxiedStream, answer_ok, watched
 from router.http.generate import error_response, request_context
 from router.http.validation import parse_passthrough
 from router.observability.reqlog import log_request
@@ -82,18 +82,18 @@ class PassthroughEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
-        owner = Owner()
+        handle = DrainHandle()
         runtime: Runtime | None = getattr(request.app.state, "runtime", None)
         if runtime is not None:
-            runtime.lifecycle.enter(owner)
+            runtime.lifecycle.enter(handle)
         try:
-            response = await self._forward(request, owner)
+            response = await self._forward(request, handle)
             await response(scope, receive, send)
         finally:
             if runtime is not None:
-                runtime.lifecycle.leave(owner)
+                runtime.lifecycle.leave(handle)
 
-    async def _forward(self, request: Request, owner: Owner) -> ASGIApp:
+    async def _forward(self, request: Request, handle: DrainHandle) -> ASGIApp:
         """Admit, parse, open the exchange; then the answer, streamed or whole."""
         started = time.monotonic()
         ctx = request_context(request)
@@ -107,7 +107,7 @@ class PassthroughEndpoint:
             headers = {k.lower(): v for k, v in request.headers.items()}
             call = Forward(self.path, model, strip_client_fields(body), role, headers)
             watch = ClientWatch(request.receive)  # the body is read: receive() is the watch's
-            exchange = await watched(watch, owner, open_exchange(runtime, call, ctx.request_id))
+            exchange = await watched(watch, handle, open_exchange(runtime, call, ctx.request_id))
         except BaseException as exc:
             if watch is not None:
                 watch.stop()
@@ -120,20 +120,20 @@ class PassthroughEndpoint:
             self._finish(request, call, outcome, exchange.answer.status_code, started, exchange)
 
         if exchange.streams:
-            return ProxiedStream(exchange, watch, owner, done)
-        return await self._whole(request, exchange, watch, owner, done)
+            return ProxiedStream(exchange, watch, handle, done)
+        return await self._whole(request, exchange, watch, handle, done)
 
     async def _whole(
         self,
         request: Request,
         exchange: Exchange,
         watch: ClientWatch,
-        owner: Owner,
+        handle: DrainHandle,
         done: Callable[[str], None],
     ) -> Response:
         """The instance's answer read whole and given back as it is; the exchange is closed."""
         try:
-            content = await watched(watch, owner, exchange.body())
+            content = await watched(watch, handle, exchange.body())
         except RouterError as exc:
             done(outcome_label(exc))
             return error_response(exc, {"X-Request-Id": exchange.request_id})

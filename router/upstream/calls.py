@@ -1,13 +1,13 @@
 """HTTP calls to one upstream vLLM instance, with httpx errors translated into ours.
 
 Who calls it: the dispatch (:mod:`router.dispatch.legs`, P and D legs), the pass-through routes
-(:mod:`router.http.passthrough`: :func:`send_raw` and its helpers), the health monitor
-(:mod:`router.health.monitor`) and the load-signal scraper (:mod:`router.health.load_signals`). Uses
-the app's one shared ``httpx.AsyncClient``; streams are always closed (context manager, or
-:func:`close_quietly` for :func:`send_raw`'s answers). Translating
-an error has no side effect: what a failure means for the instance's health is decided by the caller
-(the error's ``unreachable`` / ``instance_fault`` say what happened). Raises only
-:class:`router.errors.UpstreamError` subclasses.
+(:mod:`router.http.exchange`: :func:`send_raw` and its helpers), the health monitor
+(:mod:`router.health.monitor`, :mod:`router.health.model_info`) and the load-signal scraper
+(:mod:`router.health.load_signals`). Uses the app's one shared ``httpx.AsyncClient``; streams are
+always closed (context manager, or :func:`close_quietly` for :func:`send_raw`'s answers).
+Translating an error has no side effect: what a failure means for the instance's health is
+decided by the caller (the error's ``unreachable`` / ``instance_fault`` say what happened). Raises
+only :class:`router.errors.UpstreamError` subclasses.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Who uses it: :func:`devstack.fakes.vllm_app.create_fake_app` adds them with
 :func:`add_passthrough_routes`. Each route checks the fields vLLM requires (a 400 naming the
 field when one is missing) and the ``model`` (vLLM's 404 for another name; none: the served
 one), then follows the behaviour's ``fail_status`` / ``hang`` / ``fail_times`` like generation
-does, and records the request. Tokens are the prompt's words (``tok<i>``); vectors and scores are
+does (a streamed Responses answer also ``drop_after_tokens``, counted in events), and records
+the request. Tokens are the prompt's words (``tok<i>``); vectors and scores are
 fixed numbers: the router never looks inside them.
 """
 
@@ -208,8 +209,13 @@ def _responses_answer(state: FakeVllmState, body: dict[str, Any]) -> dict[str, A
     }
 
 
-async def _responses_events(answer: dict[str, Any]) -> AsyncIterator[bytes]:
-    """vLLM's event stream: ``event: <type>`` lines, no ``[DONE]`` at the end."""
+class _Dropped(Exception):
+    """Raised inside an event stream to make uvicorn abort the connection there."""
+
+
+async def _responses_events(answer: dict[str, Any], drop_at: int | None) -> AsyncIterator[bytes]:
+    """vLLM's event stream: ``event: <type>`` lines, no ``[DONE]`` at the end; ``drop_at``: the
+    connection breaks before that event."""
     text = answer["output"][0]["content"][0]["text"]
     events: list[dict[str, Any]] = [
         {"type": "response.created", "response": {**answer, "status": "in_progress"}}
@@ -220,6 +226,8 @@ async def _responses_events(answer: dict[str, Any]) -> AsyncIterator[bytes]:
     ]
     events.append({"type": "response.completed", "response": answer})
     for n, event in enumerate(events):
+        if drop_at is not None and n >= drop_at:
+            raise _Dropped
         data = json.dumps({**event, "sequence_number": n})
         yield f"event: {event['type']}\ndata: {data}\n\n".encode()
 
@@ -249,7 +257,11 @@ def _endpoint(
             return JSONResponse(build(state, body))
         answer = _responses_answer(state, body)
         if body.get("stream"):
-            return StreamingResponse(_responses_events(answer), media_type="text/event-stream")
+            drop_at = state.behavior.drop_after_tokens
+            if drop_at is not None and not state._take_failure():
+                drop_at = None
+            events = _responses_events(answer, drop_at)
+            return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse(answer)
 
     return handle

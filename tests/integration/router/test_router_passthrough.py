@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,6 +17,8 @@ import pytest
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer, FakeVllmState, UvicornThread
 from router.http.passthrough import PASSTHROUGH_PATHS
 from tests.integration.router.router_fixtures import MODEL, make_settings, running_router
+from tests.integration.router.test_router_lifecycle import _config, _router_process
+from tests.support.wait import wait_until
 
 BODIES: dict[str, dict[str, Any]] = {
     "/tokenize": {"prompt": "hello there world"},
@@ -269,6 +275,22 @@ def test_responses_streamed_as_vllm_sends_it(
     assert completed["response"]["status"] == "completed"
 
 
+def test_responses_stream_that_breaks_ends_with_one_sse_error_event(
+    router: UvicornThread, fake: dict[str, FakeVllmServer]
+) -> None:
+    fake["d0"].state.behavior = FakeBehavior(drop_after_tokens=2)
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/responses", json=body, timeout=15) as resp:
+        text = resp.read().decode()
+    assert resp.status_code == 200
+    events = [block for block in text.split("\n\n") if block]
+    assert events[0].startswith("event: response.created")
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert error["type"] == "service_unavailable"
+    assert "decode instance" in error["message"]
+    assert "response.completed" not in text
+
+
 def test_models_carry_max_model_len_and_pool_status(
     router: UvicornThread, fake: dict[str, FakeVllmServer]
 ) -> None:
@@ -304,3 +326,25 @@ def test_passthrough_requests_are_counted(fake: dict[str, FakeVllmServer]) -> No
     assert prefix + 'upstream_rejected",route="/detokenize"} 1.0' in text
     assert prefix + 'invalid_request",route="/detokenize"} 1.0' in text
     assert 'disagg_router_passthrough_seconds_count{route="/detokenize"} 3.0' in text
+
+
+def test_drain_time_over_aborts_a_passthrough_with_a_503(
+    fake: dict[str, FakeVllmServer], tmp_path: Path
+) -> None:
+    """SIGTERM while a forwarded request waits on its instance: the drain waits for it, then
+    aborts it; the client gets a 503 in OpenAI form and the instance's request is closed."""
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(hang=True)
+    with _router_process(tmp_path, _config(p, d, drain=0.5)) as (proc, url):
+        assert proc.pid is not None
+        with ThreadPoolExecutor(1) as pool:
+            body = {"model": MODEL, "prompt": "x"}
+            sent = pool.submit(httpx.post, f"{url}/tokenize", json=body, timeout=30)
+            assert d.state.wait_for(lambda s: "/tokenize" in [r.path for r in s.requests])
+            os.kill(proc.pid, signal.SIGTERM)
+            resp = sent.result()
+        wait_until(lambda: proc.poll() is not None, 20, "the router to exit after the drain")
+    assert resp.status_code == 503
+    assert resp.json()["error"]["type"] == "service_unavailable"
+    assert "shutting down" in resp.json()["error"]["message"]
+    assert d.state.wait_for(lambda s: s.requests[0].outcome == "error")
