@@ -348,3 +348,17 @@ def test_drain_time_over_aborts_a_passthrough_with_a_503(
     assert resp.json()["error"]["type"] == "service_unavailable"
     assert "shutting down" in resp.json()["error"]["message"]
     assert d.state.wait_for(lambda s: s.requests[0].outcome == "error")
+
+
+def test_passthrough_routes_need_the_api_key(fake: dict[str, FakeVllmServer]) -> None:
+    settings = make_settings([fake["p0"].url], [fake["d0"].url], api_keys=["sk-k"])
+    with running_router(settings) as router:
+        body = {"model": MODEL, "prompt": "x"}
+        missing = httpx.post(f"{router.url}/tokenize", json=body, timeout=15)
+        ok = httpx.post(
+            f"{router.url}/tokenize", json=body, headers={"Authorization": "Bearer sk-k"}
+        )
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert ok.status_code == 200
+    assert _paths(fake, "d0") == ["/tokenize"]
