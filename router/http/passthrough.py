@@ -18,6 +18,7 @@ over; a client that leaves cancels the work where it waits.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from router.observability.reqlog import log_request
 from router.routing.backends import Role
 from router.routing.policies import RoutingInput
 from router.runtime import Runtime
+
+log = logging.getLogger(__name__)
 
 PASSTHROUGH_PATHS = (
     "/tokenize",
@@ -184,7 +187,8 @@ async def open_exchange(runtime: Runtime, call: Forward, request_id: str) -> Exc
     The instance comes from the model's ``call.role`` pool; a retryable failure is retried once
     (``retry_on_fresh_pair``) on another instance with a fresh id; raises the last failure (the
     first one when no other instance is usable)."""
-    pool = getattr(runtime.model(call.model), call.role)
+    found = runtime.model(call.model)
+    pool = found.prefill if call.role == "prefill" else found.decode
     routed = RoutingInput(call.body, "messages" in call.body, call.headers)
     attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
     deadline = time.monotonic() + runtime.settings.timeouts.total
@@ -197,6 +201,7 @@ async def open_exchange(runtime: Runtime, call: Forward, request_id: str) -> Exc
                 raise failure from None
             raise
         if failure is not None:
+            log.warning("%s failed (%s); retrying on another instance", call.path, failure.message)
             runtime.metrics.retries.inc()
         rid = request_id if attempt == 1 else new_request_id()
         exchange = Exchange(runtime, backend, rid, deadline)
