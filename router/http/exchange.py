@@ -25,6 +25,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import TypeVar
 
 import httpx
@@ -96,9 +97,9 @@ class Exchange:
         """Slot, request, status (see the module docstring); raises the failure after closing."""
         b = self.backend
         try:
+            await self.holds.admit()  # bounded by admission.max_wait; a full queue is no fault
             try:
                 async with asyncio.timeout(self._left()):
-                    await self.holds.admit()
                     self.response = await send_raw(
                         self.runtime.client, b, b.role, path, body, self.request_id
                     )
@@ -137,19 +138,19 @@ class Exchange:
         passes."""
         b = self.backend
         silence = self.runtime.settings.timeouts.inter_token
-        source = aiter(raw_chunks(self.answer, b.role, b))
         try:
-            while True:
-                try:
-                    async with asyncio.timeout(min(silence, self._left())):
-                        chunk = await anext(source, None)
-                except TimeoutError as exc:
-                    raise UpstreamTimeout(
-                        b.role, b.label, f"nothing sent for {silence:g}s or past the deadline"
-                    ) from exc
-                if chunk is None:
-                    break
-                yield chunk
+            async with aclosing(raw_chunks(self.answer, b.role, b)) as source:
+                while True:
+                    try:
+                        async with asyncio.timeout(min(silence, self._left())):
+                            chunk = await anext(source, None)
+                    except TimeoutError as exc:
+                        raise UpstreamTimeout(
+                            b.role, b.label, f"nothing sent for {silence:g}s or past the deadline"
+                        ) from exc
+                    if chunk is None:
+                        break
+                    yield chunk
         except UpstreamError as exc:
             await self.fail(exc)
             raise
@@ -223,8 +224,9 @@ class ProxiedStream:
         """Write the stream; the outcome label of how it ended."""
         outcome = "ok" if answer_ok(self.exchange) else "upstream_rejected"
         try:
-            async for chunk in self.exchange.chunks():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            async with aclosing(self.exchange.chunks()) as chunks:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except RouterError as exc:
             return await self._end(send, exc)
         self.watch.stop()
