@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -132,7 +132,7 @@ class Exchange:
         self._done()
         return data
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The answer's body as it arrives; an :class:`UpstreamError` (after :meth:`fail`) when
         it breaks, when the instance is silent for ``timeouts.inter_token`` or the deadline
         passes."""

@@ -12,7 +12,7 @@ only :class:`router.errors.UpstreamError` subclasses.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -221,7 +221,9 @@ async def read_raw(resp: httpx.Response, leg: str, backend: Instance) -> bytes:
         raise _translate(exc, leg, backend) from exc
 
 
-async def raw_chunks(resp: httpx.Response, leg: str, backend: Instance) -> AsyncIterator[bytes]:
+async def raw_chunks(
+    resp: httpx.Response, leg: str, backend: Instance
+) -> AsyncGenerator[bytes, None]:
     """The body of a :func:`send_raw` answer as it arrives; transport errors raise ours."""
     try:
         async for chunk in resp.aiter_raw():
