@@ -41,6 +41,7 @@ PolicyName = Literal[
     "kv_aware",
 ]
 Mode = Literal["push", "pull"]
+PassthroughPool = Literal["prefill", "decode"]
 
 
 class _Frozen(BaseModel):
@@ -496,6 +497,11 @@ class ModelConfig(_Frozen):
     decode: PoolConfig
     disaggregation: DisaggregationConfig | None = None
     kv_events: KvEventsConfig | None = None
+    passthrough_pool: PassthroughPool | None = Field(
+        default=None,
+        description="the pool serving this model's non-generation routes; null: the top-level "
+        "passthrough_pool",
+    )
 
 
 class LoadSignalsConfig(_Frozen):
@@ -530,6 +536,7 @@ class ModelRoute:
     decode: PoolConfig
     disaggregation: DisaggregationConfig
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    passthrough_pool: PassthroughPool = "decode"
 
 
 def _models_shape(value: Any) -> str:
@@ -553,6 +560,12 @@ class RouterSettings(_Frozen):
     decode: PoolConfig | None = None
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
+    passthrough_pool: PassthroughPool = Field(
+        default="decode",
+        description="the pool (prefill or decode) whose instances serve the non-generation "
+        "routes (/tokenize, /detokenize, /v1/embeddings, pooling, scoring, rerank); a model may "
+        "name its own",
+    )
     load_signals: LoadSignalsConfig = LoadSignalsConfig()
     reload: ReloadConfig = ReloadConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
@@ -598,7 +611,14 @@ class RouterSettings(_Frozen):
         if isinstance(self.models, list):
             assert self.prefill is not None and self.decode is not None
             return {
-                m: ModelRoute(m, self.prefill, self.decode, self.disaggregation, self.kv_events)
+                m: ModelRoute(
+                    m,
+                    self.prefill,
+                    self.decode,
+                    self.disaggregation,
+                    self.kv_events,
+                    self.passthrough_pool,
+                )
                 for m in self.models
             }
         return {
@@ -608,6 +628,7 @@ class RouterSettings(_Frozen):
                 c.decode,
                 c.disaggregation or self.disaggregation,
                 c.kv_events or self.kv_events,
+                c.passthrough_pool or self.passthrough_pool,
             )
             for m, c in self.models.items()
         }

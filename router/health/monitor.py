@@ -7,7 +7,8 @@ every backend whose breaker is open and whose backoff has passed. It runs under 
 supervisor, which restarts it if it crashes.
 ``/health`` is bounded by ``timeouts.health``, an identity probe (a real 1-token prefill, slow on
 a fresh or busy instance) and a breaker probe by ``timeouts.identity_probe``; failed checks take the
-backend out of rotation, a passing one puts it back.
+backend out of rotation, a passing one puts it back. A passed check of an instance whose
+``max_model_len`` is unknown, or that rejoins, also reads it (:mod:`router.health.model_info`).
 
 Identity probes (push mode, prefill instances without a configured identity): a 1-token prefill
 with ``do_remote_decode: true`` makes vLLM answer with ``kv_transfer_params`` carrying its engine
@@ -34,6 +35,7 @@ from router.config import PushIdentity, RouterSettings
 from router.dispatch.ids import new_request_id
 from router.dispatch.rewrite import identity_from_kv, prefill_body
 from router.errors import UpstreamError, UpstreamTimeout
+from router.health.model_info import learn_max_model_len
 from router.routing.backends import BackendState
 from router.runtime import Runtime
 from router.upstream.calls import leg_headers, post_json
@@ -135,6 +137,8 @@ class HealthMonitor:
         )
         if resp.status_code != 200:
             raise ValueError(f"/health answered {resp.status_code}")
+        if backend.max_model_len is None or not backend.healthy:
+            await learn_max_model_len(self.client, backend, t.health)
         if (
             self.settings.mode == "push"
             and backend.needs_identity_probe

@@ -8,12 +8,15 @@ and the load-signal scraper in the background, so ``/health`` answers at once wh
 instances are still being checked (``/ready`` says what is missing). Built with the config
 file's path (``disagg-router serve``), it also reloads that file on SIGHUP and, with
 ``reload.watch``, whenever the file changes (:mod:`router.reload`). The generation endpoints
-are :mod:`router.http.generate`'s, given this app's admission check. Every response carries
-``X-Request-Id``. Every :class:`RouterError` that reaches a client is OpenAI-style JSON built
-by :func:`router.errors.error_payload`: in :mod:`router.http.generate` for responses (also this
-app's exception handlers), in :mod:`router.http.guard` for a header bound (431, before the app
-runs), and in the dispatch's relay (:mod:`router.dispatch.relay`) as the final SSE error event
-of a stream that already started.
+are :mod:`router.http.generate`'s, given this app's admission check; the routes beside them
+(``/tokenize``, ``/v1/embeddings``, pooling, scoring, ``/v1/responses``, ...) are
+:mod:`router.http.passthrough`'s, and ``/v1/models`` lists :mod:`router.http.models`' cards.
+Every response carries ``X-Request-Id``. Every :class:`RouterError` that reaches a client is
+OpenAI-style JSON built by :func:`router.errors.error_payload`: in :mod:`router.http.generate`
+for responses (also this app's exception handlers and the pass-through routes), in
+:mod:`router.http.guard` for a header bound (431, before the app runs), and in the dispatch's
+relay (:mod:`router.dispatch.relay`) as the final SSE error event of a stream that already
+started.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import asyncio
 import hmac
 import logging
 import signal
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -54,6 +56,8 @@ from router.health.readiness import (
 from router.http.bounds import read_body
 from router.http.generate import GenerationEndpoint, error_response, request_context
 from router.http.guard import RequestGuard
+from router.http.models import model_list
+from router.http.passthrough import PASSTHROUGH_PATHS, RESPONSES_PATH, PassthroughEndpoint
 from router.http.validation import parse_client_request
 from router.reload import ConfigReloader
 from router.request import ClientRequest
@@ -179,8 +183,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(err, {"X-Request-Id": request_context(request).request_id})
 
 
-async def _admitted_request(request: Request, chat: bool) -> tuple[Runtime, ClientRequest]:
-    """Checks before any upstream traffic: running and not draining, key, bounded body, input."""
+async def _admitted_body(request: Request) -> tuple[Runtime, bytes]:
+    """Checks before any upstream traffic: running and not draining, key, bounded body."""
     runtime = _runtime(request)
     settings = runtime.settings
     if runtime.lifecycle.draining:
@@ -188,11 +192,25 @@ async def _admitted_request(request: Request, chat: bool) -> tuple[Runtime, Clie
             "the router is shutting down", retry_after=settings.admission.retry_after
         )
     _authorize(request, settings.api_keys)
-    raw = await read_body(request, settings.limits)
+    return runtime, await read_body(request, settings.limits)
+
+
+async def _admitted_request(request: Request, chat: bool) -> tuple[Runtime, ClientRequest]:
+    """Checks before any upstream traffic: running and not draining, key, bounded body, input."""
+    runtime, raw = await _admitted_body(request)
+    settings = runtime.settings
     headers = {k.lower(): v for k, v in request.headers.items()}
     req = parse_client_request(raw, chat, settings.model_names, headers, settings.limits)
     await await_first_check(runtime, getattr(request.app.state, "supervisor", None))
     return runtime, req
+
+
+async def _admitted_passthrough(request: Request) -> tuple[Runtime, bytes]:
+    """A pass-through request's checks: those of :func:`_admitted_body`, then the wait for the
+    first health checks (its body is judged by :mod:`router.http.passthrough`)."""
+    runtime, raw = await _admitted_body(request)
+    await await_first_check(runtime, getattr(request.app.state, "supervisor", None))
+    return runtime, raw
 
 
 def _readiness(runtime: Runtime, discovery: DiscoveryManager | None) -> JSONResponse:
@@ -217,16 +235,18 @@ def _routes() -> APIRouter:
         endpoint = GenerationEndpoint(chat, _admitted_request)
         api.routes.append(Route(path, endpoint, methods=["POST"]))
 
+    for path in PASSTHROUGH_PATHS:
+        api.routes.append(
+            Route(path, PassthroughEndpoint(path, _admitted_passthrough), methods=["POST"])
+        )
+    responses = PassthroughEndpoint(RESPONSES_PATH, _admitted_passthrough, role="decode")
+    api.routes.append(Route(RESPONSES_PATH, responses, methods=["POST"]))
+
     @api.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         settings = _settings(request)
         _authorize(request, settings.api_keys)
-        created = int(time.time())
-        data = [
-            {"id": m, "object": "model", "created": created, "owned_by": "disagg-router"}
-            for m in settings.model_names
-        ]
-        return {"object": "list", "data": data}
+        return model_list(settings, getattr(request.app.state, "runtime", None))
 
     @api.get("/health")
     async def health() -> dict[str, str]:

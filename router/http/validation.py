@@ -1,7 +1,8 @@
 """Validation of client requests before any upstream traffic.
 
 Who calls it: the app (:mod:`router.http.app`), on the raw body of ``/v1/completions`` and
-``/v1/chat/completions``.
+``/v1/chat/completions``, and the pass-through routes (:mod:`router.http.passthrough`), whose
+bodies get the same JSON bounds and a ``model`` check only (:func:`parse_passthrough`).
 It checks what the router itself relies on (JSON object, model, prompt/messages, stream, token
 limits, ``n``) and what must never reach an instance: a body that is not UTF-8, nested deeper than
 ``limits.max_json_depth``, non-finite numbers (``NaN``, ``Infinity``, ``1e999``), wrongly typed
@@ -217,3 +218,28 @@ def parse_client_request(
     return ClientRequest(
         body=body, chat=chat, stream=stream, model=model, headers=dict(headers or {})
     )
+
+
+def parse_passthrough(
+    raw: bytes, models: Collection[str], limits: LimitsConfig
+) -> tuple[str, dict[str, Any], bool]:
+    """``(model, body, stream)`` of a request to a pass-through route: a JSON object within the
+    body bounds, whose ``model`` is served. Without a ``model`` vLLM uses its own, so the router
+    does too when it serves one model; with several that is a 400 naming ``model``. The rest is
+    vLLM's to judge."""
+    body = _load(raw, limits.max_json_depth)
+    if not isinstance(body, dict):
+        raise ClientRequestError("request body must be a JSON object", None)
+    model = body.get("model")
+    if model is None and len(models) == 1:
+        model = next(iter(models))
+    if not isinstance(model, str) or not model:
+        raise ClientRequestError(
+            "model is required (a string) when the router serves several models", "model"
+        )
+    if model not in models:
+        raise ModelNotFound(model, models)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ClientRequestError("stream must be a boolean", "stream")
+    return model, body, bool(stream)

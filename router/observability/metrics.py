@@ -113,6 +113,7 @@ class RouterMetrics:
         self._router_metrics()
         self.answers = AnswerMetrics(registry)
         self.kv = KvMetrics(registry, shared=self.shared_dir is not None)
+        self.passthrough = PassthroughMetrics(registry)
         self.shared_names = {family.name for family in registry.collect()}  # not process_*
         ProcessCollector(registry=registry)
 
@@ -573,3 +574,23 @@ class KvMetrics:
                 continue
             with contextlib.suppress(KeyError):
                 gauge.remove(target.model, target.label)
+
+
+class PassthroughMetrics:
+    """The routes beside generation (``/tokenize``, ``/v1/embeddings``, ``/v1/responses``,
+    ...; :mod:`router.http.passthrough`): requests by route and outcome, and their duration."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "disagg_router_passthrough_requests",
+            "Requests to the routes forwarded to one instance, by route and outcome",
+            ["route", "outcome"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "disagg_router_passthrough_seconds",
+            "Duration of a forwarded request, accepted to the end of its answer, by route",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )

@@ -2,7 +2,7 @@
 
 Who mutates it: the load-signal scraper (``signals``), the dispatch (``in_flight`` and an
 admission slot around each leg, the leg's outcome into the ``breaker``) and the health monitor
-(``healthy``, ``checked``, breaker probes; the learned identity goes through
+(``healthy``, ``checked``, ``max_model_len``, breaker probes; the learned identity goes through
 :func:`router.health.monitor.learn_identity`). All mutation happens on the router's event
 loop, so no locking is needed. Policies only read it.
 """
@@ -47,6 +47,7 @@ class BackendState:
     model: str = ""  # the served model name of the pool this backend belongs to
     signals: LoadSignals | None = None  # last scraped vLLM load signals (power_of_two)
     checked: bool = False  # a health check has completed (passed or failed) at least once
+    max_model_len: int | None = None  # from the instance's /v1/models (router.health.model_info)
     gate: Gate = field(default_factory=lambda: Gate(AdmissionConfig()))
     breaker: Breaker = field(default_factory=lambda: Breaker(BreakerConfig()))
     _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False, compare=False)

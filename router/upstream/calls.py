@@ -1,16 +1,18 @@
 """HTTP calls to one upstream vLLM instance, with httpx errors translated into ours.
 
-Who calls it: the dispatch (:mod:`router.dispatch.legs`, P and D legs), the health monitor
-(:mod:`router.health.monitor`) and the load-signal scraper (:mod:`router.health.load_signals`). Uses
-the app's one shared ``httpx.AsyncClient``; streams are always closed (context manager). Translating
-an error has no side effect: what a failure means for the instance's health is decided by the caller
-(the error's ``unreachable`` / ``instance_fault`` say what happened). Raises only
-:class:`router.errors.UpstreamError` subclasses.
+Who calls it: the dispatch (:mod:`router.dispatch.legs`, P and D legs), the pass-through routes
+(:mod:`router.http.exchange`: :func:`send_raw` and its helpers), the health monitor
+(:mod:`router.health.monitor`, :mod:`router.health.model_info`) and the load-signal scraper
+(:mod:`router.health.load_signals`). Uses the app's one shared ``httpx.AsyncClient``; streams are
+always closed (context manager, or :func:`close_quietly` for :func:`send_raw`'s answers).
+Translating an error has no side effect: what a failure means for the instance's health is
+decided by the caller (the error's ``unreachable`` / ``instance_fault`` say what happened). Raises
+only :class:`router.errors.UpstreamError` subclasses.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -191,3 +193,53 @@ async def _sse_payloads(resp: httpx.Response, leg: str, backend: Instance) -> As
         raise UpstreamUnavailable(leg, backend.label, "stream ended before [DONE]") from exc
     except SSEError as exc:
         raise UpstreamProtocolError(leg, backend.label, "answer is not an event stream") from exc
+
+
+async def send_raw(
+    client: httpx.AsyncClient,
+    backend: Instance,
+    leg: str,
+    path: str,
+    body: dict[str, Any],
+    request_id: str,
+) -> httpx.Response:
+    """POST ``body`` and return the answer, whatever its status, with its body not read yet
+    (a pass-through reads or relays it as it is); the caller must :func:`close_quietly` it.
+    Transport errors raise our :class:`UpstreamError`."""
+    request = _leg_request(client, backend, path, body, request_id, None)
+    try:
+        return await send_leg(client, request, stream=True)
+    except httpx.HTTPError as exc:
+        raise _translate(exc, leg, backend) from exc
+
+
+async def read_raw(resp: httpx.Response, leg: str, backend: Instance) -> bytes:
+    """The whole body of a :func:`send_raw` answer; transport errors raise ours."""
+    try:
+        return await resp.aread()
+    except httpx.HTTPError as exc:
+        raise _translate(exc, leg, backend) from exc
+
+
+async def raw_chunks(
+    resp: httpx.Response, leg: str, backend: Instance
+) -> AsyncGenerator[bytes, None]:
+    """The body of a :func:`send_raw` answer as it arrives; transport errors raise ours."""
+    try:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        raise _translate(exc, leg, backend) from exc
+
+
+def http_error(resp: httpx.Response, leg: str, backend: Instance) -> UpstreamHTTPError:
+    """Our error for a :func:`send_raw` answer with an HTTP error status (its body read)."""
+    return UpstreamHTTPError(leg, backend.label, resp.status_code, _detail(resp))
+
+
+async def close_quietly(resp: httpx.Response) -> None:
+    """Close a :func:`send_raw` answer; a connection that breaks while closing is no error."""
+    try:
+        await resp.aclose()
+    except httpx.HTTPError:
+        return

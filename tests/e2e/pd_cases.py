@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.e2e.e2e_support import (
@@ -138,6 +139,35 @@ class PDRouterCases:
         wait_idle(decode, DISCONNECT_IDLE_TIMEOUT_S, "D idle after the client disconnected")
         for prefill in router.stack.prefill:
             wait_idle(prefill, DISCONNECT_IDLE_TIMEOUT_S, f"{prefill.name} idle after it")
+
+    def test_passthrough_routes_and_models_answer_as_vllm_does(self, router: RunningRouter) -> None:
+        """/tokenize, /detokenize, a route the model does not serve and /v1/responses give what
+        D gives when asked directly; /v1/models carries the instances' max_model_len."""
+        model, d0 = router.stack.model_name, router.stack.decode[0].url
+        tokenize = {"model": model, "prompt": self._prompt("tokenize")}
+        tokens = _both(router, d0, "/tokenize", tokenize)["tokens"]
+        _both(router, d0, "/detokenize", {"model": model, "tokens": tokens})
+        _both(router, d0, "/v1/embeddings", {"model": model, "input": "x"})  # vLLM's 404
+        responses = {"model": model, "input": "Say hi.", "max_output_tokens": 4, "temperature": 0}
+        _both(router, d0, "/v1/responses", responses, compare=False)
+        card = httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"][0]
+        direct = httpx.get(f"{d0}/v1/models", timeout=30).json()["data"][0]
+        assert card["max_model_len"] == direct["max_model_len"] > 0
+        listed = len(router.settings.routes()[model].decode.instances)
+        assert card["pools"]["decode"] == {"instances": listed, "usable": listed}
+
+
+def _both(
+    router: RunningRouter, d0: str, path: str, body: dict[str, Any], compare: bool = True
+) -> Any:
+    """POST ``body`` to ``path`` through the router and to D directly: the same status (and,
+    with ``compare``, the same JSON); the router's JSON."""
+    via = httpx.post(router.url + path, json=body, timeout=120)
+    direct = httpx.post(d0 + path, json=body, timeout=120)
+    assert via.status_code == direct.status_code, (path, via.text, direct.text)
+    if compare:
+        assert via.json() == direct.json(), path
+    return via.json()
 
 
 def _tokenize(router: RunningRouter, prompt: str) -> int:

@@ -136,8 +136,10 @@ class FakeVllmState:
         fabric: KvFabric | None = None,
         kv_connector: bool = True,
         prompt_tokens_details: bool = True,
+        max_model_len: int = 4096,
     ) -> None:
         self.model = model
+        self.max_model_len = max_model_len  # reported by /v1/models and /tokenize
         self.fabric = fabric
         self.kv_connector = kv_connector  # False: like vLLM started without --kv-transfer-config
         # False: like vLLM started without --enable-prompt-tokens-details

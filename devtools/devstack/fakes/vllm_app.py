@@ -7,7 +7,9 @@ answered like a prefill instance (one token plus vLLM's ``kv_transfer_params``);
 :class:`KvFabric` when one is set; counts the prompt as cached). Token timings follow the
 behaviour's delays or its :class:`~devstack.fakes.state.TokenScript` s (known timings for the bench
 client's tests); zero delays mean no sleeping or polling at all, so the bench can measure router
-overhead against it. A body vLLM would reject gets an OpenAI-style 400 naming the field.
+overhead against it. A body vLLM would reject gets an OpenAI-style 400 naming the field. The
+routes beside generation (``/tokenize``, pooling, scoring, ``/v1/responses``) are
+:mod:`devstack.fakes.routes`'; ``/v1/models`` reports ``max_model_len`` as vLLM does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from connector.contract import (
     with_engine_suffix,
 )
 from connector.errors import ContractError
+from devstack.fakes.routes import add_passthrough_routes
 from devstack.fakes.state import FakeVllmState, RecordedRequest
 from router.upstream.sse import DONE, encode_data
 
@@ -231,7 +234,15 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{"id": state.model, "object": "model", "owned_by": "vllm", "root": "fake"}],
+            "data": [
+                {
+                    "id": state.model,
+                    "object": "model",
+                    "owned_by": "vllm",
+                    "root": "fake",
+                    "max_model_len": state.max_model_len,
+                }
+            ],
         }
 
     @app.get("/metrics")
@@ -283,6 +294,7 @@ def create_fake_app(state: FakeVllmState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
 
+    add_passthrough_routes(app, state, _record)
     return app
 
 

@@ -1,0 +1,215 @@
+"""The routes beside generation, each forwarded to one instance of one of the model's pools.
+
+Who calls it: the app (:mod:`router.http.app`) mounts one :class:`PassthroughEndpoint` per path
+of :data:`PASSTHROUGH_PATHS` (served by the model's ``passthrough_pool``, the decode pool unless
+configured) and one for :data:`RESPONSES_PATH` (always by D alone: docs/router.md, "Endpoints"),
+and hands each its admission check (running, key, bounded body). The body gets the JSON bounds
+and the ``model`` check of :func:`router.http.validation.parse_passthrough` and goes to the
+instance unchanged except for ``kv_transfer_params``, which only the router may set. The instance
+is chosen by its pool's policy among the usable ones (health, breaker, admission) and the
+exchange runs in :mod:`router.http.exchange`; a retryable failure before any byte went to the
+client is retried once on another instance when ``retry_on_fresh_pair`` is on, within the same
+``timeouts.total``. The instance's answer goes back as it is (status, body, ``Content-Type``),
+event streams as they come; the router's own errors are OpenAI-style JSON. Each request is
+counted (``disagg_router_passthrough_*``), logged once when it ends (``logging.requests``) and
+waited for by a drain, which aborts it with a 503 (or a final SSE error event) when its time is
+over; a client that leaves cancels the work where it waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.dispatch.ids import new_request_id
+from router.dispatch.rewrite import strip_client_fields
+from router.errors import NoBackendAvailable, RouterError, UpstreamError, outcome_label
+from router.http.disconnect import ClientWatch
+from router.http.exchange import DrainHandle, Exchange, ProxiedStream, answer_ok, watched
+from router.http.generate import error_response, request_context
+from router.http.validation import parse_passthrough
+from router.observability.reqlog import log_request
+from router.routing.backends import Role
+from router.routing.policies import RoutingInput
+from router.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+PASSTHROUGH_PATHS = (
+    "/tokenize",
+    "/detokenize",
+    "/v1/embeddings",
+    "/v2/embed",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+)
+"""vLLM 0.32's non-generation POST routes a client calls with a model (each exists on an
+instance only when its model supports it; vLLM's 404 or 501 then goes back as it is)."""
+
+RESPONSES_PATH = "/v1/responses"
+
+AdmitRaw = Callable[[Request], Awaitable[tuple[Runtime, bytes]]]
+"""The app's checks before any upstream traffic: ``request -> (runtime, raw body)``."""
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One validated pass-through request: where it goes and what it carries."""
+
+    path: str
+    model: str
+    body: dict[str, Any]
+    role: Role
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class PassthroughEndpoint:
+    """The ASGI app of one pass-through path; ``role`` None: the model's ``passthrough_pool``."""
+
+    def __init__(self, path: str, admit: AdmitRaw, role: Role | None = None) -> None:
+        self.path = path
+        self.admit = admit
+        self.role = role
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
+        handle = DrainHandle()
+        runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+        if runtime is not None:
+            runtime.lifecycle.enter(handle)
+        try:
+            response = await self._forward(request, handle)
+            await response(scope, receive, send)
+        finally:
+            if runtime is not None:
+                runtime.lifecycle.leave(handle)
+
+    async def _forward(self, request: Request, handle: DrainHandle) -> ASGIApp:
+        """Admit, parse, open the exchange; then the answer, streamed or whole."""
+        started = time.monotonic()
+        ctx = request_context(request)
+        watch: ClientWatch | None = None
+        call: Forward | None = None
+        try:
+            runtime, raw = await self.admit(request)
+            settings = runtime.settings
+            model, body, _ = parse_passthrough(raw, settings.model_names, settings.limits)
+            role = self.role or runtime.model(model).route.passthrough_pool
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            call = Forward(self.path, model, strip_client_fields(body), role, headers)
+            watch = ClientWatch(request.receive)  # the body is read: receive() is the watch's
+            exchange = await watched(watch, handle, open_exchange(runtime, call, ctx.request_id))
+        except BaseException as exc:
+            if watch is not None:
+                watch.stop()
+            if not isinstance(exc, RouterError):
+                raise
+            self._finish(request, call, outcome_label(exc), exc.status, started)
+            return error_response(exc)
+
+        def done(outcome: str) -> None:
+            self._finish(request, call, outcome, exchange.answer.status_code, started, exchange)
+
+        if exchange.streams:
+            return ProxiedStream(exchange, watch, handle, done)
+        return await self._whole(request, exchange, watch, handle, done)
+
+    async def _whole(
+        self,
+        request: Request,
+        exchange: Exchange,
+        watch: ClientWatch,
+        handle: DrainHandle,
+        done: Callable[[str], None],
+    ) -> Response:
+        """The instance's answer read whole and given back as it is; the exchange is closed."""
+        try:
+            content = await watched(watch, handle, exchange.body())
+        except RouterError as exc:
+            done(outcome_label(exc))
+            return error_response(exc, {"X-Request-Id": exchange.request_id})
+        finally:
+            watch.stop()  # before close() awaits (router.http.disconnect)
+            await exchange.close()
+        done("ok" if answer_ok(exchange) else "upstream_rejected")
+        answer = exchange.answer
+        headers = {"X-Request-Id": exchange.request_id}
+        if "content-type" in answer.headers:
+            headers["Content-Type"] = answer.headers["content-type"]
+        return Response(content, status_code=answer.status_code, headers=headers)
+
+    def _finish(
+        self,
+        request: Request,
+        call: Forward | None,
+        outcome: str,
+        status: int,
+        started: float,
+        exchange: Exchange | None = None,
+    ) -> None:
+        """Count and log the end of one pass-through request."""
+        runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+        if runtime is None:
+            return
+        m = runtime.metrics
+        m.child(m.passthrough.requests, self.path, outcome).inc()
+        m.child(m.passthrough.seconds, self.path).observe(time.monotonic() - started)
+        if not runtime.settings.logging.requests:
+            return
+        backend = exchange.backend if exchange is not None else None
+        log_request(
+            request_context(request),
+            endpoint=self.path,
+            model=call.model if call else None,
+            outcome=outcome,
+            status=status,
+            prefill=backend.label if backend and backend.role == "prefill" else None,
+            decode=backend.label if backend and backend.role == "decode" else None,
+            dispatch_id=exchange.request_id if exchange else None,
+        )
+
+
+async def open_exchange(runtime: Runtime, call: Forward, request_id: str) -> Exchange:
+    """An exchange whose answer's status and headers are in hand; the caller must close it.
+
+    The instance comes from the model's ``call.role`` pool; a retryable failure is retried once
+    (``retry_on_fresh_pair``) on another instance with a fresh id; raises the last failure (the
+    first one when no other instance is usable)."""
+    found = runtime.model(call.model)
+    pool = found.prefill if call.role == "prefill" else found.decode
+    routed = RoutingInput(call.body, "messages" in call.body, call.headers)
+    attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
+    deadline = time.monotonic() + runtime.settings.timeouts.total
+    failure: UpstreamError | None = None
+    for attempt in range(1, attempts + 1):
+        try:
+            backend = pool.choose({failure.backend} if failure else (), routed, failure is not None)
+        except NoBackendAvailable:
+            if failure is not None:
+                raise failure from None
+            raise
+        if failure is not None:
+            log.warning("%s failed (%s); retrying on another instance", call.path, failure.message)
+            runtime.metrics.retries.inc()
+        rid = request_id if attempt == 1 else new_request_id()
+        exchange = Exchange(runtime, backend, rid, deadline)
+        try:
+            await exchange.open(call.path, call.body)
+            return exchange
+        except UpstreamError as exc:
+            if attempt == attempts or not exc.retryable:
+                raise
+            failure = exc
+    raise AssertionError("unreachable")  # pragma: no cover
