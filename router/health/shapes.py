@@ -12,6 +12,7 @@ Nothing here awaits; all of it runs on the router's event loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -91,5 +92,6 @@ def count_refused(table: RoutingTable, gauge: Gauge, shown: set[str]) -> set[str
     for model, found in table.models.items():
         gauge.labels(model).set(len(refused_pairs(found.prefill.backends, found.decode.backends)))
     for gone in shown - now:
-        gauge.remove(gone)
+        with contextlib.suppress(KeyError):  # already removed
+            gauge.remove(gone)
     return now
