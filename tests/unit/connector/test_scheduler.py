@@ -250,3 +250,16 @@ def test_scheduler_and_router_speak_the_same_contract() -> None:
     assert d.build_connector_meta().registrations == [
         RecvSpec("cmpl-tid-0-fedcba98", "t:tid", "p0", "127.0.0.1", 18250, (5, 6), 0)
     ]
+
+
+def test_engine_shape_reads_vllms_config() -> None:
+    from types import SimpleNamespace
+
+    from connector.scheduler import engine_shape
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 8),
+    )
+    assert engine_shape(config) == EngineShape(2, 1, 16, num_kv_heads=8)
