@@ -78,12 +78,7 @@ def choose_pair(
     decodes = decode.usable()
     p = prefill.choose(avoid, request, strict, refuse=lambda b: _first_refusal(b, decodes))
     try:
-        d = decode.choose(
-            avoid,
-            request,
-            strict,
-            refuse=lambda b: _refused_as(p, b),
-        )
+        d = decode.choose(avoid, request, strict, refuse=lambda b: _refused_as(p, b))
     except NoBackendAvailable:
         p.in_flight -= 1
         raise
