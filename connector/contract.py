@@ -70,10 +70,6 @@ P_PIPELINE_PARALLEL_SERVED = False
 BLOCK_SIZES_TRANSFERABLE = False
 """Whether KV moves between a P and a D whose ``block_size`` differ."""
 
-REPLICATED_KV_HEADS_TRANSFERABLE = False
-"""Whether KV moves between different TP sizes when the larger one replicates KV heads
-(``tp_size`` > ``num_kv_heads``)."""
-
 _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 
 
@@ -331,19 +327,11 @@ def pairing_refusal(p: EngineShape, d: EngineShape) -> str | None:
 
 
 def _heads_refusal(p: EngineShape, d: EngineShape) -> str | None:
-    """The KV-head part of :func:`pairing_refusal` (only when both report their heads)."""
-    if p.num_kv_heads is None or d.num_kv_heads is None:
+    """The KV-head part of :func:`pairing_refusal`: both serve the same model's heads (checked
+    only when both report them; TP ranks that replicate heads are served)."""
+    if p.num_kv_heads is None or d.num_kv_heads is None or p.num_kv_heads == d.num_kv_heads:
         return None
-    if p.num_kv_heads != d.num_kv_heads:
-        return f"P num_kv_heads={p.num_kv_heads} and D num_kv_heads={d.num_kv_heads} differ"
-    large = max(p.tp_size, d.tp_size)
-    replicated = p.tp_size != d.tp_size and large > p.num_kv_heads
-    if replicated and not REPLICATED_KV_HEADS_TRANSFERABLE:
-        return (
-            f"P tp_size={p.tp_size} and D tp_size={d.tp_size} with num_kv_heads="
-            f"{p.num_kv_heads}: tp_size {large} replicates KV heads"
-        )
-    return None
+    return f"P num_kv_heads={p.num_kv_heads} and D num_kv_heads={d.num_kv_heads} differ"
 
 
 def is_prefill_leg(params: Mapping[str, Any] | None) -> bool:
