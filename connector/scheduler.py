@@ -77,11 +77,11 @@ class PushScheduler:
         self.host = host
         self.port = port
         self.block_size = block_size
-        self.shape = shape or EngineShape(tp_size=1, pp_size=1, block_size=block_size)
         self._handled: set[str] = set()  # D requests already answered (never register twice)
         self._waiting: set[str] = set()  # D requests registered, not yet reported by the worker
         self._sending: set[str] = set()  # P requests whose blocks the worker still holds
         self._meta = PushConnectorMetadata()
+        self.shape = shape or EngineShape(tp_size=1, pp_size=1, block_size=block_size)
 
     # ---- D ---------------------------------------------------------------------------------
     def _remote(self, request: Request) -> DecodeLeg | None:
