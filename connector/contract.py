@@ -11,7 +11,11 @@ A disaggregated request runs as two legs, each a normal OpenAI request whose bod
   ``pp_size``), its engine request id and the blocks it keeps (:func:`prefill_answer_params`,
   :func:`read_prefill_answer`);
 - the D leg (``do_remote_prefill``) carries P's identity and request id in push mode
-  (:func:`decode_leg_params`, :func:`read_decode_leg`), or exactly what P answered in pull mode.
+  (:func:`decode_leg_params`, :func:`read_decode_leg`), or exactly what P answered in pull mode;
+- an engine's shape (``tp_size``, ``pp_size``, ``block_size``, ``num_kv_heads``;
+  :func:`engine_shape_params`, :func:`read_engine_shape`) rides in P's answer and in the answer
+  to a bare identity probe (:func:`identity_probe_params`, which D answers too); the router pairs
+  a P and a D only when :func:`pairing_refusal` has no objection.
 
 One builder and one reader per message: the router, the connector's scheduler and the fake vLLM
 build and read ``kv_transfer_params`` only through them, so none of them can drift from the
@@ -53,10 +57,18 @@ TP_SIZE = "tp_size"
 PP_SIZE = "pp_size"
 TRANSFER_ID = "transfer_id"
 TRANSFER_MODE = "transfer_mode"
+BLOCK_SIZE = "block_size"
+NUM_KV_HEADS = "num_kv_heads"
 
 IDENTITY_PROBE_KEY = "identity_probe"
 """A P-leg key: when true, P answers its identity like any prefill but keeps no blocks for a
 decode (the router's identity probes)."""
+
+P_PIPELINE_PARALLEL_SERVED = False
+"""Whether the connector serves a P with ``pp_size`` > 1 (a D with ``pp_size`` > 1 never is)."""
+
+BLOCK_SIZES_TRANSFERABLE = False
+"""Whether KV moves between a P and a D whose ``block_size`` differ."""
 
 _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 
@@ -101,6 +113,18 @@ class PrefillAnswer:
     num_tokens: int | None
     transfer_mode: str | None
     transfer_id: str | None
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What pairing a P with a D depends on (:func:`pairing_refusal`): the engine's tensor and
+    pipeline parallel sizes, its KV block size in tokens and the model's total number of KV heads
+    (``None`` where the engine does not report it)."""
+
+    tp_size: int
+    pp_size: int
+    block_size: int
+    num_kv_heads: int | None = None
 
 
 def prefill_leg_params(transfer_id: str, *, probe: bool = False) -> dict[str, Any]:
@@ -239,6 +263,75 @@ def read_prefill_answer(params: Mapping[str, Any]) -> PrefillAnswer:
         transfer_mode=_opt_str(params, TRANSFER_MODE),
         transfer_id=_opt_str(params, TRANSFER_ID),
     )
+
+
+def identity_probe_params() -> dict[str, Any]:
+    """``kv_transfer_params`` of a bare identity probe (no leg): an engine whose connector
+    speaks shapes answers its :class:`EngineShape` (D's identity probe)."""
+    return {IDENTITY_PROBE_KEY: True}
+
+
+def is_identity_probe(params: Mapping[str, Any] | None) -> bool:
+    """Whether ``params`` mark an identity probe (of a P leg, or a bare one)."""
+    return bool(params and params.get(IDENTITY_PROBE_KEY))
+
+
+def engine_shape_params(shape: EngineShape) -> dict[str, Any]:
+    """The ``kv_transfer_params`` keys that carry ``shape`` (merged into P's answer; the whole
+    answer to a bare identity probe)."""
+    params: dict[str, Any] = {
+        TP_SIZE: shape.tp_size,
+        PP_SIZE: shape.pp_size,
+        BLOCK_SIZE: shape.block_size,
+    }
+    if shape.num_kv_heads is not None:
+        params[NUM_KV_HEADS] = shape.num_kv_heads
+    return params
+
+
+def _positive(params: Mapping[str, Any], key: str, default: int | None = None) -> int | None:
+    value = _int(params, key, default)
+    if value is not None and value < 1:
+        raise ContractError(f"{KV_TRANSFER_PARAMS}.{key}: must be >= 1: {value!r}")
+    return value
+
+
+def read_engine_shape(params: Mapping[str, Any] | None) -> EngineShape | None:
+    """The shape ``params`` carry; ``None`` when they carry none (no ``block_size``: an engine
+    whose connector does not speak shapes, e.g. vLLM's NIXL connectors, whose answer has
+    ``tp_size`` alone); :class:`ContractError` naming a bad field."""
+    if not params or params.get(BLOCK_SIZE) in (None, ""):
+        return None
+    return EngineShape(
+        tp_size=_positive(params, TP_SIZE, 1) or 1,
+        pp_size=_positive(params, PP_SIZE, 1) or 1,
+        block_size=_positive(params, BLOCK_SIZE) or 1,
+        num_kv_heads=_positive(params, NUM_KV_HEADS),
+    )
+
+
+def pairing_refusal(p: EngineShape, d: EngineShape) -> str | None:
+    """Why the connector cannot move KV from a P of shape ``p`` to a D of shape ``d``, naming
+    both values; ``None`` when it can. The one pairing rule: the router, ``check-config`` and
+    the tests all ask it."""
+    if d.pp_size > 1:
+        return f"D pp_size={d.pp_size} (P pp_size={p.pp_size}): D must have pp_size=1"
+    if p.pp_size > 1 and not P_PIPELINE_PARALLEL_SERVED:
+        return f"P pp_size={p.pp_size} (D pp_size={d.pp_size}): P must have pp_size=1"
+    small, large = sorted((p.tp_size, d.tp_size))
+    if large % small:
+        return f"P tp_size={p.tp_size} and D tp_size={d.tp_size}: neither divides the other"
+    if p.block_size != d.block_size and not BLOCK_SIZES_TRANSFERABLE:
+        return f"P block_size={p.block_size} and D block_size={d.block_size} differ"
+    return _heads_refusal(p, d)
+
+
+def _heads_refusal(p: EngineShape, d: EngineShape) -> str | None:
+    """The KV-head part of :func:`pairing_refusal`: both serve the same model's heads (checked
+    only when both report them; TP ranks that replicate heads are served)."""
+    if p.num_kv_heads is None or d.num_kv_heads is None or p.num_kv_heads == d.num_kv_heads:
+        return None
+    return f"P num_kv_heads={p.num_kv_heads} and D num_kv_heads={d.num_kv_heads} differ"
 
 
 def is_prefill_leg(params: Mapping[str, Any] | None) -> bool:

@@ -78,13 +78,14 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._failed_blocks: set[int] = set()
         self._stats = PushTransferStats()
         if role == KVConnectorRole.SCHEDULER:
-            from connector.scheduler import PushScheduler
+            from connector.scheduler import PushScheduler, engine_shape
 
             self._scheduler = PushScheduler(
                 engine_id,
                 self._config.side_channel_host,
                 self._config.side_channel_port,
                 vllm_config.cache_config.block_size,
+                shape=engine_shape(vllm_config),
             )
         else:
             from connector.worker import PushWorker, WorkerSetup

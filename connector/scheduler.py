@@ -9,10 +9,14 @@ asynchronously, registers the newly allocated blocks once, and on abort while wa
 worker to cancel (vLLM itself holds the blocks until the worker reports the request).
 P (``do_remote_decode``): on a successful finish keeps the blocks (returns ``True``) and hands
 them to the worker's writer; on abort/error tells the worker so D learns at once.
+Identity probes (the router's): P's answer carries the engine's :class:`EngineShape` besides
+its identity; a bare probe (``identity_probe`` without a leg, sent to D) is answered with the
+shape alone, so the router pairs only what the connector serves.
 
 It reads the legs' ``kv_transfer_params`` and builds P's answer only through
 :mod:`connector.contract` (``read_decode_leg``, ``read_prefill_leg``,
-``prefill_answer_params``), the functions the router and the fake vLLM use too.
+``prefill_answer_params``, ``engine_shape_params``), the functions the router and the fake
+vLLM use too.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ from vllm.v1.request import Request, RequestStatus
 
 from connector.contract import (
     DecodeLeg,
+    EngineShape,
     PrefillLeg,
+    engine_shape_params,
     is_decode_leg,
+    is_identity_probe,
     prefill_answer_params,
     read_decode_leg,
     read_prefill_leg,
@@ -43,10 +50,29 @@ from connector.specs import (
 logger = logging.getLogger(__name__)
 
 
+def engine_shape(vllm_config: Any) -> EngineShape:
+    """This engine's shape as vLLM configured it (called once, by the facade)."""
+    parallel = vllm_config.parallel_config
+    return EngineShape(
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+        block_size=int(vllm_config.cache_config.block_size),
+        num_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+    )
+
+
 class PushScheduler:
     """Per-engine scheduler state; see the module docstring."""
 
-    def __init__(self, engine_id: str, host: str, port: int, block_size: int) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        host: str,
+        port: int,
+        block_size: int,
+        shape: EngineShape | None = None,
+    ) -> None:
+        """``shape``: what identity probes are answered (default: TP=PP=1, ``block_size``)."""
         self.engine_id = engine_id
         self.host = host
         self.port = port
@@ -55,6 +81,7 @@ class PushScheduler:
         self._waiting: set[str] = set()  # D requests registered, not yet reported by the worker
         self._sending: set[str] = set()  # P requests whose blocks the worker still holds
         self._meta = PushConnectorMetadata()
+        self.shape = shape or EngineShape(tp_size=1, pp_size=1, block_size=block_size)
 
     # ---- D ---------------------------------------------------------------------------------
     def _remote(self, request: Request) -> DecodeLeg | None:
@@ -132,6 +159,8 @@ class PushScheduler:
         p_leg = read_prefill_leg(request.kv_transfer_params)
         if p_leg is not None:
             return self._p_finished(request, p_leg, block_ids)
+        if is_identity_probe(request.kv_transfer_params):
+            return False, engine_shape_params(self.shape)  # D's identity probe: its shape
         return False, None
 
     def _d_finished(self, request: Request) -> tuple[bool, None]:
@@ -171,6 +200,7 @@ class PushScheduler:
             num_tokens=request.num_computed_tokens,
             transfer_id=leg.transfer_id,
         )
+        out.update(engine_shape_params(self.shape))
         if leg.probe:
             return False, out
         self._sending.add(rid)

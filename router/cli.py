@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from router.config import DisaggregationConfig, PoolConfig, RouterSettings
+from connector.contract import EngineShape, pairing_refusal
+from router.config import DisaggregationConfig, PoolConfig, RouterSettings, ShapeConfig
 from router.errors import ConfigError
 
 
@@ -30,9 +31,33 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"invalid config {args.file}: {exc.message}", file=sys.stderr)
         return 1
+    refused = [line for line in shape_report(settings) if line.startswith("refused")]
+    if refused:
+        print("\n".join(f"invalid config {args.file}: {line}" for line in refused), file=sys.stderr)
+        return 1
     print(f"ok: {args.file}: mode={settings.mode} models={','.join(settings.model_names)}")
     print(effective_table(settings))
+    print("\n".join(shape_report(settings)))
     return 0
+
+
+def _engine_shape(shape: ShapeConfig) -> EngineShape:
+    return EngineShape(shape.tp_size, shape.pp_size, shape.block_size, shape.num_kv_heads)
+
+
+def shape_report(settings: RouterSettings) -> list[str]:
+    """One line a model: its declared P/D shapes served, ``refused: ...`` with the connector's
+    reason, or learned at run time (a pool declares no ``shape``)."""
+    lines = []
+    for name, route in settings.routes().items():
+        p, d = route.prefill.shape, route.decode.shape
+        if p is None or d is None:
+            lines.append(f"shapes of {name}: learned at run time (identity probes)")
+            continue
+        why = pairing_refusal(_engine_shape(p), _engine_shape(d))
+        verdict = "served" if why is None else f"refused by the KV connector: {why}"
+        lines.append(f"{'refused: ' if why else ''}shapes of {name}: declared, {verdict}")
+    return lines
 
 
 def _pool_cell(pool: PoolConfig) -> str:

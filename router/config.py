@@ -171,6 +171,18 @@ DiscoveryConfig = Annotated[
 ]
 
 
+class ShapeConfig(_Frozen):
+    """The engine shape a pool's instances are expected to have; only ``check-config`` reads it
+    (at run time the identity probes learn each instance's own)."""
+
+    tp_size: int = Field(default=1, ge=1, description="tensor parallel size")
+    pp_size: int = Field(default=1, ge=1, description="pipeline parallel size")
+    block_size: int = Field(default=16, ge=1, description="KV block size in tokens")
+    num_kv_heads: int | None = Field(
+        default=None, ge=1, description="the model's KV heads (null: not declared)"
+    )
+
+
 class PoolConfig(_Frozen):
     """One pool (the P or the D instances of one model): its instances, listed (``instances``)
     or discovered, and how a dispatch picks among them.
@@ -188,6 +200,11 @@ class PoolConfig(_Frozen):
     prefix_chars: int = Field(default=2048, ge=16)
     load_factor: float = Field(default=1.25, ge=1.0)
     session_header: str = Field(default="x-session-id", min_length=1)
+    shape: ShapeConfig | None = Field(
+        default=None,
+        description="expected engine shape of the pool's instances; check-config reports a P/D "
+        "combination the KV connector cannot serve (null: learned at run time only)",
+    )
 
     @field_validator("instances")
     @classmethod

@@ -5,7 +5,9 @@ Who calls it: the app's generation endpoints (:mod:`router.http.generate`). The 
 ``model`` picks its pools and its disaggregation rule from the current routing table (read once: a
 reload during the request does not move it). The rule decides whether a P is used at all
 (:func:`decide`); P (if any) and D are both chosen before any leg starts, each counted in flight
-by its pool. A retry happens only when ``retry_on_fresh_pair`` is set (the default), the failure
+by its pool, as a pair the KV connector can serve (:func:`router.routing.pairing.choose_pair`:
+pairs whose learned shapes it refuses are skipped; with none served, a 503 names the reason).
+A retry happens only when ``retry_on_fresh_pair`` is set (the default), the failure
 is retryable (not a 4xx from vLLM) and nothing has been sent to the client yet (we are still
 before the commit point); the retry never re-picks the instance that failed, whatever the policy
 (no other usable instance: the first failure is the answer, and no retry is logged or counted),
@@ -24,6 +26,7 @@ from router.dispatch.state import Attempt
 from router.errors import NoBackendAvailable, UpstreamError
 from router.request import ClientRequest, RequestContext
 from router.routing.backends import BackendState
+from router.routing.pairing import choose_pair
 from router.routing.policies import RoutingInput
 from router.routing.prompt_keys import estimated_tokens
 from router.routing.table import ModelPools
@@ -118,13 +121,9 @@ def _choose_pair(
 ) -> tuple[BackendState | None, BackendState]:
     """P (None: D alone) and D for one attempt, each counted in flight by its pool; when D
     cannot be chosen, P's count is given back before :class:`NoBackendAvailable` propagates."""
-    prefill = found.prefill.choose(avoid, routed, strict) if decision == DISAGGREGATED else None
-    try:
-        return prefill, found.decode.choose(avoid, routed, strict)
-    except NoBackendAvailable:
-        if prefill is not None:
-            prefill.in_flight -= 1
-        raise
+    if decision == DISAGGREGATED:
+        return choose_pair(found.prefill, found.decode, avoid, routed, strict)
+    return None, found.decode.choose(avoid, routed, strict)
 
 
 def _log_attempt(dispatch: Dispatch, request: ClientRequest, decision: str) -> None:

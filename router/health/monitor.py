@@ -20,6 +20,12 @@ keeps the probe's KV block until its lease expires (no D ever fetches it) and ke
 loop stepping meanwhile.
 Between probes the dispatch also learns a changed engine id from any P leg's answer; both go
 through :func:`learn_identity`, the one place an identity is recorded.
+
+Engine shapes (:mod:`router.health.shapes`): P's probe answer carries its shape (TP, PP, block
+size, KV heads) when its connector speaks shapes; then each D of its pools gets an identity probe
+too (a bare 1-token probe, at once when a P's shape changes and then like P's), so the pair
+choice skips the pairs the connector cannot serve. Without a P that reports a shape no D is
+probed (today's behaviour: every pair is assumed served).
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ from router.dispatch.ids import new_request_id
 from router.dispatch.rewrite import identity_from_kv, prefill_body
 from router.errors import UpstreamError, UpstreamTimeout
 from router.health.model_info import learn_max_model_len
+from router.health.shapes import (
+    count_refused,
+    decode_probe_body,
+    learn_shape,
+    speaks_shapes,
+    unprobed_decodes,
+)
 from router.routing.backends import BackendState
 from router.runtime import Runtime
 from router.upstream.calls import leg_headers, post_json
@@ -61,6 +74,7 @@ class HealthMonitor:
         self.runtime = runtime
         self.client = runtime.client
         self.metrics = runtime.metrics
+        self._refused_models: set[str] = set()  # models whose refused-pairs gauge is set
 
     @property
     def settings(self) -> RouterSettings:
@@ -83,7 +97,33 @@ class HealthMonitor:
         kv = answer.get("kv_transfer_params")
         if not isinstance(kv, dict):
             raise ValueError("probe answer has no kv_transfer_params")
-        return identity_from_kv(kv)
+        identity = identity_from_kv(kv)
+        learn_shape(backend, kv)
+        return identity
+
+    async def probe_shape(self, backend: BackendState) -> None:
+        """D's identity probe (a bare 1-token probe): learns its shape, or that it has none;
+        raises ``UpstreamError`` or ``ValueError`` like a leg."""
+        rid = new_request_id()
+        model = backend.model or self.settings.model_names[0]
+        body = decode_probe_body(model, self.settings.health.identity_prompt)
+        answer = await post_json(self.client, backend, "decode", "/v1/completions", body, rid)
+        kv = answer.get("kv_transfer_params")
+        learn_shape(backend, kv if isinstance(kv, dict) else None)
+        backend.identity_learned_at = time.monotonic()
+
+    async def _probe_decodes_of(self, prefill: BackendState) -> None:
+        """Probe at once the never-probed D's paired with ``prefill`` (its shape is new); a
+        failure is logged and left to that D's own checks."""
+        decodes = unprobed_decodes(self.runtime.routing.table, prefill)
+        bound = self.settings.timeouts.identity_probe
+        results = await asyncio.gather(
+            *(asyncio.wait_for(self.probe_shape(d), bound) for d in decodes),
+            return_exceptions=True,
+        )
+        for d, result in zip(decodes, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("decode %s identity probe failed: %r", d.label, result)
 
     async def probe_generation(self, backend: BackendState) -> None:
         """The half-open probe: a real 1-token request (on P an identity probe, which our
@@ -139,13 +179,16 @@ class HealthMonitor:
             raise ValueError(f"/health answered {resp.status_code}")
         if backend.max_model_len is None or not backend.healthy:
             await learn_max_model_len(self.client, backend, t.health)
-        if (
-            self.settings.mode == "push"
-            and backend.needs_identity_probe
-            and self._probe_due(backend)
-        ):
+        if self.settings.mode != "push" or not self._probe_due(backend):
+            return
+        if backend.needs_identity_probe:
+            shape = backend.shape
             identity = await asyncio.wait_for(self.probe_identity(backend), t.identity_probe)
             learn_identity(self.runtime, backend, identity)
+            if backend.shape is not None and backend.shape != shape:
+                await self._probe_decodes_of(backend)
+        elif backend.role == "decode" and speaks_shapes(self.runtime.routing.table, backend):
+            await asyncio.wait_for(self.probe_shape(backend), t.identity_probe)
 
     def _probe_due(self, backend: BackendState) -> bool:
         if not backend.healthy or backend.identity_learned_at is None:
@@ -190,6 +233,14 @@ class HealthMonitor:
     async def check_some(self, backends: Sequence[BackendState]) -> None:
         """Check the given backends concurrently (e.g. instances that just joined a pool)."""
         await asyncio.gather(*(self.check(b) for b in backends))
+        self.count_refused()
+
+    def count_refused(self) -> None:
+        """Update the refused-pairs gauge from the shapes known now."""
+        table = self.runtime.routing.table
+        self._refused_models = count_refused(
+            table, self.metrics.refused_pairs, self._refused_models
+        )
 
     async def run(self) -> None:
         """Check forever (cancel to stop): all backends at once first, then every backend each
@@ -213,3 +264,4 @@ class HealthMonitor:
                 work += [self.check(b) for b in self.runtime.backends() if not b.healthy]
             if work:
                 await asyncio.gather(*work)
+                self.count_refused()

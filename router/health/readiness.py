@@ -7,12 +7,14 @@ changes state.
 
 Per model: ``ready`` with a usable D and a usable P; ``degraded`` with a usable D but no usable
 P when the model's rule (``disaggregation.when_no_prefill: decode_only``) serves its requests by D
-alone; ``unavailable`` otherwise. A backend is usable once checked, healthy, its breaker
-admitting legs and (P in push mode) its identity known. The router is ready (200) when no model
-is unavailable and it is not draining: readiness means "can serve", so a Kubernetes readiness
-probe keeps the replica in rotation exactly when the fallback carries the traffic. ``degraded``
-lists what is wrong while it serves: models served by D alone, failing discovery, background
-tasks that crashed and wait to restart.
+alone; ``unavailable`` otherwise, also when every usable P/D pair is one the KV connector cannot
+serve (:mod:`router.routing.pairing`; ``refused_pairs`` lists each refused pair of members with
+the reason, and each is a ``degraded`` entry). A backend is usable once checked, healthy, its
+breaker admitting legs and (P in push mode) its identity known. The router is ready (200) when no
+model is unavailable and it is not draining: readiness means "can serve", so a Kubernetes
+readiness probe keeps the replica in rotation exactly when the fallback carries the traffic.
+``degraded`` lists what is wrong while it serves: models served by D alone, refused pairs,
+failing discovery, background tasks that crashed and wait to restart.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from router.discovery.watcher import DiscoveryStatus
+from router.routing.pairing import RefusedPair, refused_pairs
 from router.routing.table import ModelPools
 from router.runtime import Runtime
 from router.supervisor import Supervisor, TaskHealth
@@ -45,6 +48,7 @@ class ModelReadiness:
     state: ModelState
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
+    refused: tuple[RefusedPair, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,15 +62,18 @@ class Readiness:
 
 
 def _model(found: ModelPools) -> ModelReadiness:
-    p = tuple(b.label for b in found.prefill.usable() if b.checked)
-    d = tuple(b.label for b in found.decode.usable() if b.checked)
+    usable_p = [b for b in found.prefill.usable() if b.checked]
+    usable_d = [b for b in found.decode.usable() if b.checked]
+    p, d = tuple(b.label for b in usable_p), tuple(b.label for b in usable_d)
     fallback = found.route.disaggregation.when_no_prefill == "decode_only"
+    served = len(refused_pairs(usable_p, usable_d)) < len(p) * len(d)
     state: ModelState = "unavailable"
-    if d and p:
+    if d and p and served:
         state = "ready"
-    elif d and fallback:
+    elif d and not p and fallback:
         state = "degraded"
-    return ModelReadiness(state, p, d)
+    refused = tuple(refused_pairs(found.prefill.backends, found.decode.backends))
+    return ModelReadiness(state, p, d, refused)
 
 
 def _degraded(
@@ -76,6 +83,11 @@ def _degraded(
 ) -> tuple[str, ...]:
     out = [f"model {n}: no usable prefill, served by decode alone" for n, m in models.items()]
     out = [r for r, m in zip(out, models.values(), strict=True) if m.state == "degraded"]
+    out += [
+        f"model {n}: pair prefill {r.prefill} / decode {r.decode} refused: {r.reason}"
+        for n, m in models.items()
+        for r in m.refused
+    ]
     out += [
         f"discovery {model}/{role}: {s.error}"
         for model, roles in discovery.items()
@@ -113,6 +125,11 @@ def readiness(
             for name, m in models.items()
         },
         "draining": draining,
+        "refused_pairs": [
+            {"model": n, "prefill": r.prefill, "decode": r.decode, "reason": r.reason}
+            for n, m in models.items()
+            for r in m.refused
+        ],
         "missing": {
             f"{b.role} {b.label}": why
             for pool in runtime.pools

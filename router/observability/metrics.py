@@ -260,6 +260,13 @@ class RouterMetrics:
             pool_source,
             registry=self.registry,
         )
+        self.refused_pairs = Gauge(
+            "disagg_router_refused_pairs",
+            "P/D pairs of a model whose learned shapes the KV connector cannot serve (skipped; "
+            "/ready says why)",
+            ["model"],
+            registry=self.registry,
+        )
         self.config_reloads = Counter(
             "disagg_router_config_reloads",
             "Config reloads by result: applied, or rejected (the previous config keeps serving)",

@@ -3,7 +3,8 @@
 Who mutates it: the load-signal scraper (``signals``), the dispatch (``in_flight`` and an
 admission slot around each leg, the leg's outcome into the ``breaker``) and the health monitor
 (``healthy``, ``checked``, ``max_model_len``, breaker probes; the learned identity goes through
-:func:`router.health.monitor.learn_identity`). All mutation happens on the router's event
+:func:`router.health.monitor.learn_identity`, the learned engine shape through
+:func:`router.health.shapes.learn_shape`). All mutation happens on the router's event
 loop, so no locking is needed. Policies only read it.
 """
 
@@ -14,6 +15,7 @@ from typing import Literal
 
 import httpx
 
+from connector.contract import EngineShape
 from router.config import AdmissionConfig, BreakerConfig, InstanceConfig, PushIdentity
 from router.health.admission import Gate
 from router.health.breaker import Breaker
@@ -41,7 +43,9 @@ class BackendState:
     healthy: bool = True
     in_flight: int = 0
     learned_identity: PushIdentity | None = None
-    identity_learned_at: float | None = None  # time.monotonic() it was last learned
+    identity_learned_at: float | None = None  # time.monotonic() of the last identity probe
+    shape: EngineShape | None = None  # learned by identity probes; None: unknown (pairs with all)
+    shape_unknown_logged: bool = False  # "answers no shape" was logged once
     failed_checks: int = 0  # consecutive failed health checks
     last_error: str | None = field(default=None)
     model: str = ""  # the served model name of the pool this backend belongs to

@@ -18,7 +18,7 @@ count, learned identity, load signals) and apply at once, between two dispatches
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from router.config import (
@@ -89,6 +89,7 @@ class Pool:
         exclude: Collection[str] = (),
         request: RoutingInput = NO_INPUT,
         strict: bool = False,
+        refuse: Callable[[BackendState], str | None] | None = None,
     ) -> BackendState:
         """Pick a usable backend for ``request`` and count the leg in flight on it, in one step.
 
@@ -97,8 +98,12 @@ class Pool:
         incremented before this returns, so the next choice (even in the same burst, before any
         leg starts) sees it: the caller owns that count and must decrement it when the leg ends
         or is given up. :class:`NoBackendAvailable` when there is no candidate (nothing counted).
+        ``refuse``: why a backend cannot serve this dispatch (``None``: it can); refused ones are
+        skipped, and when every usable one is refused the error names the first reason.
         """
         usable = self.usable()
+        if refuse is not None:
+            usable = self._served(usable, refuse)
         fresh = [b for b in usable if b.label not in exclude]
         candidates = fresh if strict else (fresh or usable)
         if not candidates:
@@ -107,6 +112,20 @@ class Pool:
         chosen = self._policy.choose(roomy or candidates, request)
         chosen.in_flight += 1
         return chosen
+
+    def _served(
+        self, usable: list[BackendState], refuse: Callable[[BackendState], str | None]
+    ) -> list[BackendState]:
+        """The backends of ``usable`` that ``refuse`` lets through; :class:`NoBackendAvailable`
+        naming the first reason when it refuses every one."""
+        reasons = [refuse(b) for b in usable]
+        served = [b for b, why in zip(usable, reasons, strict=True) if why is None]
+        if usable and not served:
+            raise NoBackendAvailable(
+                f"no {self.role} instance can be paired (the KV connector cannot serve the "
+                f"combination): {reasons[0]}"
+            )
+        return served
 
     def set_instances(self, instances: Sequence[InstanceConfig]) -> MembershipChange:
         """Make ``instances`` the pool's members (matched by label); the one membership update.

@@ -32,7 +32,10 @@ from connector.contract import (
     KV_TRANSFER_PARAMS,
     PeerIdentity,
     decode_leg_params,
+    identity_probe_params,
+    pairing_refusal,
     prefill_leg_params,
+    read_engine_shape,
     read_prefill_answer,
 )
 from devstack.stack import Stack, StackInstance, StackOptions
@@ -240,6 +243,25 @@ async def test_output_equals_aggregated(stack: Stack, length: int) -> None:
     check_prefill_answer(stack, p_json[KV_TRANSFER_PARAMS], rid, length)
     # The whole prompt came from P through the connector (D computed none of it itself).
     assert delta(before, metrics(stack.decode[0]), EXTERNAL_HITS) == length
+
+
+def test_identity_probes_answer_each_engines_shape(stack: Stack) -> None:
+    """P's probe answer and D's bare probe answer (the router's) carry the engine's shape, and
+    the 1P1D stack is a pair the connector serves."""
+    if stack.options.kind != "ours":
+        pytest.skip("shapes are our connector's")
+    p, d = stack.prefill[0], stack.decode[0]
+    p_body = _body(tokens("p-probe", 4), 1, prefill_leg_params(uuid.uuid4().hex, probe=True))
+    d_body = _body(tokens("d-probe", 4), 1, identity_probe_params())
+    p_resp = httpx.post(p.url + "/v1/completions", json=p_body, timeout=TIMEOUT)
+    d_resp = httpx.post(d.url + "/v1/completions", json=d_body, timeout=TIMEOUT)
+    assert p_resp.status_code == 200 and d_resp.status_code == 200, (p_resp.text, d_resp.text)
+    p_shape = read_engine_shape(p_resp.json()[KV_TRANSFER_PARAMS])
+    d_shape = read_engine_shape(d_resp.json()[KV_TRANSFER_PARAMS])
+    assert p_shape is not None and d_shape is not None
+    assert (d_shape.tp_size, d_shape.pp_size, d_shape.block_size) == (1, 1, BLOCK)
+    assert d_shape.num_kv_heads is not None and p_shape == d_shape
+    assert pairing_refusal(p_shape, d_shape) is None
 
 
 async def test_prefix_hit_on_d_transfers_only_the_tail(stack: Stack) -> None:

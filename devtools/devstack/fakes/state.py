@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector.contract import EngineShape
+
 
 @dataclass(frozen=True)
 class TokenScript:
@@ -137,9 +139,14 @@ class FakeVllmState:
         kv_connector: bool = True,
         prompt_tokens_details: bool = True,
         max_model_len: int = 4096,
+        shape: EngineShape | None = None,
     ) -> None:
+        """``shape``: the engine shape identity probes are answered, like our connector (P's
+        answer carries it; a bare probe, D's, gets it alone); None: none, like a connector that
+        does not speak shapes."""
         self.model = model
         self.max_model_len = max_model_len  # reported by /v1/models and /tokenize
+        self.shape = self._initial_shape = shape
         self.fabric = fabric
         self.kv_connector = kv_connector  # False: like vLLM started without --kv-transfer-config
         # False: like vLLM started without --enable-prompt-tokens-details
@@ -166,8 +173,9 @@ class FakeVllmState:
 
     def reset(self, behavior: FakeBehavior | None = None) -> None:
         """Forget records and counters; install ``behavior`` (default: a fresh one); restore the
-        constructed transfer mode, connector flag and identity."""
+        constructed transfer mode, connector flag, identity and shape."""
         with self._lock:
+            self.shape = self._initial_shape
             self.transfer_mode, self.kv_connector, self.prompt_tokens_details, identity = (
                 self._initial
             )

@@ -2,12 +2,14 @@
 
 Who uses it: :class:`devstack.fakes.server.FakeVllmServer` (and ``python -m
 devstack.fake_vllm``). A request whose ``kv_transfer_params`` has ``do_remote_decode`` is
-answered like a prefill instance (one token plus vLLM's ``kv_transfer_params``); one with
-``do_remote_prefill`` like a decode instance (waits for its P through a shared
-:class:`KvFabric` when one is set; counts the prompt as cached). Token timings follow the
-behaviour's delays or its :class:`~devstack.fakes.state.TokenScript` s (known timings for the bench
-client's tests); zero delays mean no sleeping or polling at all, so the bench can measure router
-overhead against it. A body vLLM would reject gets an OpenAI-style 400 naming the field. The
+answered like a prefill instance (one token plus vLLM's ``kv_transfer_params``, with the
+state's engine shape when set); a bare identity probe with that shape alone, like our
+connector (D's identity probe); one with ``do_remote_prefill`` like a decode instance (waits for
+its P through a shared :class:`KvFabric` when one is set; counts the prompt as cached). Token
+timings follow the behaviour's delays or its :class:`~devstack.fakes.state.TokenScript` s (known
+timings for the bench client's tests); zero delays mean no sleeping or polling at all, so the
+bench can measure router overhead against it. A body vLLM would reject gets an OpenAI-style 400
+naming the field. The
 routes beside generation (``/tokenize``, pooling, scoring, ``/v1/responses``) are
 :mod:`devstack.fakes.routes`'; ``/v1/models`` reports ``max_model_len`` as vLLM does.
 """
@@ -28,7 +30,9 @@ from connector.contract import (
     IDENTITY_PROBE_KEY,
     KV_TRANSFER_PARAMS,
     REMOTE_PREFILL_CACHED_TOKENS,
+    engine_shape_params,
     is_decode_leg,
+    is_identity_probe,
     prefill_answer_params,
     read_decode_leg,
     read_prefill_leg,
@@ -154,8 +158,12 @@ class _Generation:
         return usage
 
     def kv_out(self) -> dict[str, Any] | None:
-        if self.p_leg is None or not self.state.kv_connector:
+        shape = self.state.shape
+        if not self.state.kv_connector:
             return None
+        if self.p_leg is None:
+            bare_probe = is_identity_probe(self.kv_in) and not self.is_remote_decode
+            return engine_shape_params(shape) if bare_probe and shape is not None else None
         ident = self.state.identity
         params = prefill_answer_params(
             engine_id=ident.engine_id,
@@ -171,6 +179,8 @@ class _Generation:
         )
         params["dcp_size"] = 1
         params[REMOTE_PREFILL_CACHED_TOKENS] = self.cached_tokens()
+        if shape is not None:
+            params.update(engine_shape_params(shape))
         return params
 
     def full_response(self) -> dict[str, Any]:

@@ -9,7 +9,14 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
-from connector.contract import base_request_id
+from connector.contract import (
+    EngineShape,
+    base_request_id,
+    identity_probe_params,
+    prefill_leg_params,
+    read_engine_shape,
+    read_prefill_answer,
+)
 from connector.scheduler import PushScheduler
 from connector.specs import KeyCancel, RecvSpec, SendAbort, SendSpec
 
@@ -155,6 +162,35 @@ def test_identity_probe_answers_identity_and_keeps_no_blocks() -> None:
     assert not s.has_pending_push_work()
 
 
+def test_identity_probe_answer_carries_ps_shape() -> None:
+    shape = EngineShape(tp_size=2, pp_size=1, block_size=16, num_kv_heads=8)
+    s = PushScheduler("p0", "127.0.0.1", 18250, 16, shape=shape)
+    req = make_request("cmpl-i-0-0123abcd", 1, prefill_leg_params("i", probe=True))
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = s.request_finished(req, [7])
+    assert read_engine_shape(params) == shape
+    assert read_prefill_answer(params or {}).peer.tp_size == 2
+    # Without a configured shape: TP=PP=1 and the engine's block size.
+    _, default = PushScheduler("p0", "127.0.0.1", 18250, 128).request_finished(req, [7])
+    assert read_engine_shape(default) == EngineShape(1, 1, 128)
+
+
+def test_d_answers_a_bare_identity_probe_with_its_shape_and_keeps_nothing() -> None:
+    shape = EngineShape(tp_size=1, pp_size=1, block_size=16, num_kv_heads=8)
+    s = PushScheduler("d0", "127.0.0.1", 18251, 16, shape=shape)
+    req = make_request("cmpl-d-0-0123abcd", 4, identity_probe_params())
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # D prefills it locally
+    s.update_state_after_alloc(req, blocks([], [1]), 0)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = s.request_finished(req, [1])
+    assert delay is False and read_engine_shape(params) == shape
+    meta = s.build_connector_meta()
+    assert meta.registrations == [] and meta.key_cancels == [] and meta.failed_prefills == []
+    assert not s.has_pending_push_work()
+    # A request without the probe key still gets no params (nothing else changed).
+    assert s.request_finished(make_request("r-2", 4, None), [1]) == (False, None)
+
+
 def test_probe_key_is_the_one_the_router_sends() -> None:
     from connector.contract import IDENTITY_PROBE_KEY
     from router.dispatch.rewrite import prefill_body
@@ -214,3 +250,16 @@ def test_scheduler_and_router_speak_the_same_contract() -> None:
     assert d.build_connector_meta().registrations == [
         RecvSpec("cmpl-tid-0-fedcba98", "t:tid", "p0", "127.0.0.1", 18250, (5, 6), 0)
     ]
+
+
+def test_engine_shape_reads_vllms_config() -> None:
+    from types import SimpleNamespace
+
+    from connector.scheduler import engine_shape
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 8),
+    )
+    assert engine_shape(config) == EngineShape(2, 1, 16, num_kv_heads=8)

@@ -234,3 +234,43 @@ def test_the_documented_multi_model_file_is_valid() -> None:
     routes = s.routes()
     assert len(routes) == 2
     assert {r.prefill.policy for r in routes.values()} == {"prefix_affinity", "round_robin"}
+
+
+def _with_shapes(p: dict[str, Any] | None, d: dict[str, Any] | None) -> str:
+    data = _base()
+    if p is not None:
+        data["prefill"]["shape"] = p
+    if d is not None:
+        data["decode"]["shape"] = d
+    return yaml.safe_dump(data)
+
+
+def test_check_config_reports_a_refused_declared_pair_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "shapes.yaml"
+    path.write_text(_with_shapes({"tp_size": 2}, {"tp_size": 3}))
+    assert main(["check-config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "shapes of m" in err and "P tp_size=2 and D tp_size=3: neither divides" in err
+    path.write_text(_with_shapes({"tp_size": 2, "block_size": 16}, {"block_size": 16}))
+    assert main(["check-config", str(path)]) == 0
+    assert "shapes of m: declared, served" in capsys.readouterr().out
+
+
+def test_check_config_says_shapes_are_learned_when_not_declared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "shapes.yaml"
+    path.write_text(_with_shapes({"tp_size": 2}, None))
+    assert main(["check-config", str(path)]) == 0
+    assert "shapes of m: learned at run time" in capsys.readouterr().out
+    assert settings_from_mapping(_base()).routes()["m"].prefill.shape is None
+
+
+def test_a_bad_declared_shape_names_its_field() -> None:
+    data = _base()
+    data["decode"]["shape"] = {"tp_size": 0}
+    with pytest.raises(ConfigError) as err:
+        settings_from_mapping(data)
+    assert err.value.field == "decode.shape.tp_size"
