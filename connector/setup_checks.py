@@ -12,25 +12,40 @@ from connector.errors import UnsupportedSetupError
 
 
 def refuse_unsupported(vllm_config: Any, kv_cache_config: Any = None) -> None:
-    """Raise :class:`UnsupportedSetupError` for TP or PP > 1, an MLA model, or more than one
-    KV cache group (hybrid attention); each message names the setting and its value."""
+    """Raise :class:`UnsupportedSetupError` for TP or PP > 1, MLA with TP > 1, or more than
+    one KV cache group; each message names the setting, its value and why.
+
+    Hybrid sliding-window + full attention models (e.g. Gemma-3) pass: this connector does
+    not implement ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off and keeps every
+    layer in one full-attention KV cache group. MLA models pass with TP = 1 (one latent tensor
+    per layer, moved like any other region).
+    """
     parallel = vllm_config.parallel_config
-    for what in ("tensor_parallel_size", "pipeline_parallel_size"):
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    model = getattr(vllm_config, "model_config", None)
+    if tp != 1 and model is not None and bool(getattr(model, "use_mla", False)):
+        raise UnsupportedSetupError(
+            f"the model uses MLA with tensor_parallel_size={tp}: every TP rank holds the whole "
+            "latent KV cache, and DisaggPushConnector moves MLA caches with TP 1 only"
+        )
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if pp != 1:
+        raise UnsupportedSetupError(
+            f"pipeline_parallel_size={pp}: each pipeline stage holds only its own layers, and "
+            "DisaggPushConnector's protocol (v1) matches whole-model layouts with one 'done' "
+            "per transfer; pipeline parallel size must be 1 on P and D"
+        )
+    for what in ("tensor_parallel_size",):
         size = int(getattr(parallel, what, 1) or 1)
         if size != 1:
             raise UnsupportedSetupError(
                 f"{what}={size}: DisaggPushConnector supports one worker per instance "
                 "(tensor and pipeline parallel size 1 on P and D)"
             )
-    model = getattr(vllm_config, "model_config", None)
-    if model is not None and bool(getattr(model, "use_mla", False)):
-        raise UnsupportedSetupError(
-            "the model uses MLA (latent KV cache): DisaggPushConnector moves standard "
-            "attention KV caches only"
-        )
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is not None and len(groups) != 1:
         raise UnsupportedSetupError(
-            f"{len(groups)} KV cache groups (hybrid or sliding-window attention): "
-            "DisaggPushConnector supports models with one KV cache group"
+            f"{len(groups)} KV cache groups: vLLM kept several groups with its hybrid KV cache "
+            "manager off (e.g. an SSM/Mamba hybrid); DisaggPushConnector does not implement "
+            "SupportsHMA and moves models with one KV cache group"
         )

@@ -26,7 +26,7 @@ import yaml
 
 from devstack.connectors import kv_transfer_config, router_mode
 from devstack.ports import free_ports
-from devstack.tiny_model import make_tiny_model
+from devstack.tiny_model import ModelShape, make_tiny_model
 from devstack.vllm_server import (
     DEFAULT_STARTUP_TIMEOUT_S,
     VllmServer,
@@ -97,6 +97,8 @@ class StackOptions:
     kv_events: bool = False
     """Every instance publishes its KV events (vLLM's ZMQ publisher, with a replay socket)."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    model_shape: ModelShape = "llama"
+    """Which tiny model every instance serves (:data:`devstack.tiny_model.SHAPES`)."""
 
 
 class Stack:
@@ -325,7 +327,8 @@ def start_stack(options: StackOptions, work_dir: Path) -> Stack:
     Logs go to ``work_dir/logs``. On failure every instance is stopped and the error (with the
     failing instance's log tail) propagates.
     """
-    model_dir = make_tiny_model(work_dir / "tiny-model")
+    suffix = "" if options.model_shape == "llama" else f"-{options.model_shape}"
+    model_dir = make_tiny_model(work_dir / f"tiny-model{suffix}", options.model_shape)
     planned = build_specs(options, model_dir, work_dir / "logs")
     servers = start_servers([spec for _, _, spec in planned], options.startup_timeout_s)
     instances = [

@@ -1,4 +1,4 @@
-"""A tiny Llama-shaped model directory made on the fly, with no downloads.
+"""A tiny model directory made on the fly, with no downloads: Llama-shaped, or another shape.
 
 Who calls it: the e2e test fixtures, the demo, the benchmarks and the deploy scripts, before they
 start vLLM. The directory holds seeded random weights (``model.safetensors``, ~3 MB), so two
@@ -6,6 +6,20 @@ instances serving it compute identical outputs (verified in the e2e suite). It a
 ``--load-format dummy``, but vLLM's dummy weights (uniform +-1e-3) make the model repeat one token
 whatever the prompt, so a broken KV transfer would go unnoticed; the devstack therefore loads the
 real file by default.
+
+Shapes (:data:`SHAPES`; every one uses the same tokenizer, vocabulary and special tokens):
+
+* ``llama`` (the default): 2-layer Llama with GQA, one standard attention KV cache per layer.
+* ``gemma3``: 2-layer ``Gemma3ForCausalLM`` text model, one sliding-window layer
+  (:data:`SLIDING_WINDOW` tokens) and one full-attention layer (``layer_types``), i.e. a hybrid
+  attention model (two KV cache groups when vLLM's hybrid KV cache manager is on).
+* ``deepseek_v2``: 2-layer ``DeepseekV2ForCausalLM`` with MLA (one latent KV tensor per layer,
+  ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576, the only size vLLM's CPU MLA kernel
+  takes), dense MLPs only (``first_k_dense_replace`` = the layer count, so no MoE layer).
+
+The non-Llama weights are named by ``transformers`` (the model class built from the config,
+which is what vLLM's loaders expect) and filled with seeded random values like the Llama's
+(the norms keep that class's constant initial values).
 
 Contract: :func:`make_tiny_model` is idempotent and deterministic. It writes ``config.json``,
 ``tokenizer.json`` (a byte-level BPE trained with ``tokenizers`` on generated text),
@@ -23,8 +37,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+ModelShape = Literal["llama", "gemma3", "deepseek_v2"]
+SHAPES: tuple[ModelShape, ...] = ("llama", "gemma3", "deepseek_v2")
+SLIDING_WINDOW = 64
+"""Tokens the ``gemma3`` shape's sliding-window layer attends to (well below the prompts the
+e2e suite sends, so a missing or misplaced block changes the output)."""
 VOCAB_SIZE = 4096
 MAX_POSITION_EMBEDDINGS = 32768
 BOS_TOKEN = "<s>"
@@ -39,6 +58,7 @@ MODEL_FILES = (
     "model.safetensors",
 )
 _FORMAT_VERSION = 2
+_SHAPE_KEY = "disagg_router_tiny_model_shape"
 WEIGHT_SEED = 20260101
 # Standard deviations of the random weights. Larger than vLLM's dummy init (uniform +-1e-3, which
 # makes every output a repetition of one token regardless of context) so that attention over the
@@ -63,8 +83,14 @@ _CODAS = ("", "n", "r", "s", "t", "x", "ck", "ng")
 _WORDS = tuple(o + n + c for o in _ONSETS for n in _NUCLEI for c in _CODAS)
 
 
-def model_config() -> dict[str, Any]:
-    """The ``config.json`` contents: a 2-layer Llama with GQA (4 query heads, 2 KV heads)."""
+def model_config(shape: ModelShape = "llama") -> dict[str, Any]:
+    """The ``config.json`` contents of ``shape`` (see the module docstring)."""
+    if shape == "gemma3":
+        return _gemma3_config()
+    if shape == "deepseek_v2":
+        return _deepseek_v2_config()
+    if shape != "llama":
+        raise ValueError(f"unknown tiny model shape {shape!r}; known: {', '.join(SHAPES)}")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -89,6 +115,72 @@ def model_config() -> dict[str, Any]:
         "mlp_bias": False,
         "use_cache": True,
         "disagg_router_tiny_model_version": _FORMAT_VERSION,
+    }
+
+
+def _common(shape: ModelShape) -> dict[str, Any]:
+    """Keys every non-Llama shape shares with the Llama (vocabulary, tokens, dtype, marker)."""
+    return {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "tie_word_embeddings": False,
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+        "attention_bias": False,
+        "use_cache": True,
+        "disagg_router_tiny_model_version": _FORMAT_VERSION,
+        _SHAPE_KEY: shape,
+    }
+
+
+def _gemma3_config() -> dict[str, Any]:
+    """Gemma-3 text model: layer 0 sliding-window, layer 1 full attention."""
+    return {
+        **_common("gemma3"),
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+
+
+def _deepseek_v2_config() -> dict[str, Any]:
+    """DeepSeek-V2 with MLA and no MoE layer (all layers below ``first_k_dense_replace``)."""
+    return {
+        **_common("deepseek_v2"),
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "num_key_value_heads": 4,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "first_k_dense_replace": 2,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "moe_layer_freq": 1,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
     }
 
 
@@ -130,6 +222,40 @@ def _write_weights(path: Path, config: dict[str, Any]) -> None:
                 f"{prefix}.mlp.down_proj.weight": randn(_PROJ_STD, hidden, inter),
             }
         )
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+# Weight names whose values scale attention logits get the larger standard deviation.
+_QK_NAMES = ("q_proj", "k_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def _weight_std(name: str) -> float:
+    if "embed_tokens" in name:
+        return _EMBED_STD
+    return _QK_STD if any(f".{part}." in name for part in _QK_NAMES) else _PROJ_STD
+
+
+def _write_transformers_weights(path: Path, model_dir: Path) -> None:
+    """Write seeded random bf16 weights for the ``config.json`` in ``model_dir``.
+
+    The tensor names and shapes come from the ``transformers`` model class built from that
+    config (no download); every matrix gets seeded normal values like the Llama's, every vector
+    (the norms) keeps that class's initial value, which is a constant.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(WEIGHT_SEED)
+    tensors: dict[str, Any] = {}
+    for name, value in sorted(model.state_dict().items()):
+        if value.dim() >= 2:
+            values = torch.randn(*value.shape, generator=generator) * _weight_std(name)
+        else:
+            values = value.detach().clone()
+        tensors[name] = values.to(torch.bfloat16).contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
@@ -189,8 +315,8 @@ def _generation_config() -> dict[str, Any]:
     return {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
 
 
-def is_complete(dest: Path) -> bool:
-    """True when ``dest`` holds a model of the current format version."""
+def is_complete(dest: Path, shape: ModelShape = "llama") -> bool:
+    """True when ``dest`` holds a ``shape`` model of the current format version."""
     config = dest / "config.json"
     if not all((dest / name).is_file() for name in MODEL_FILES):
         return False
@@ -198,36 +324,42 @@ def is_complete(dest: Path) -> bool:
         data = json.loads(config.read_text())
     except (OSError, ValueError):
         return False
+    if data.get(_SHAPE_KEY, "llama") != shape:
+        return False
     return bool(data.get("disagg_router_tiny_model_version") == _FORMAT_VERSION)
 
 
-def make_tiny_model(dest: Path) -> Path:
-    """Create the tiny model directory at ``dest`` unless it is already complete; return ``dest``.
+def make_tiny_model(dest: Path, shape: ModelShape = "llama") -> Path:
+    """Create the tiny ``shape`` model directory at ``dest`` unless it is already complete;
+    return ``dest``. A directory holding another shape is replaced.
 
     Safe to call concurrently: the files are written into a temporary sibling directory that is
     renamed into place; a loser of the rename race discards its copy.
     """
     dest = Path(dest)
-    if is_complete(dest):
+    if is_complete(dest, shape):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     tmp.chmod(0o755)
     try:
-        config = model_config()
+        config = model_config(shape)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _write_weights(tmp / "model.safetensors", config)
+        if shape == "llama":
+            _write_weights(tmp / "model.safetensors", config)
+        else:
+            _write_transformers_weights(tmp / "model.safetensors", tmp)
         (tmp / "tokenizer.json").write_text(_train_tokenizer_json())
         (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2) + "\n")
         (tmp / "generation_config.json").write_text(
             json.dumps(_generation_config(), indent=2) + "\n"
         )
-        if dest.exists() and not is_complete(dest):
+        if dest.exists() and not is_complete(dest, shape):
             shutil.rmtree(dest)
         try:
             tmp.rename(dest)
         except OSError:
-            if not is_complete(dest):
+            if not is_complete(dest, shape):
                 raise
     finally:
         if tmp.exists():

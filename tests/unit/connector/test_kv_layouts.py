@@ -36,14 +36,23 @@ LAYERS = 3
 Caches = dict[str, torch.Tensor]
 
 
-def vllm_caches(layout_name: str, kernel_block_size: int | None = None) -> Caches:
-    """One model's KV cache as vLLM 0.32/0.33 allocates it on any device (here: CPU)."""
+def vllm_caches(
+    layout_name: str, kernel_block_size: int | None = None, mla: bool = False
+) -> Caches:
+    """One model's KV cache as vLLM 0.32/0.33 allocates it on any device (here: CPU); with
+    ``mla`` one latent tensor per layer (DeepSeek's 512 + 64 wide, as vLLM's CPU MLA keeps it)."""
     interface = pytest.importorskip("vllm.v1.kv_cache_interface")
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     layout = KVCacheLayout[layout_name]
-    spec = interface.FullAttentionSpec(
-        block_size=16, num_kv_heads=4, head_size=8, dtype=torch.bfloat16
+    spec = (
+        interface.MLAAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16
+        )
+        if mla
+        else interface.FullAttentionSpec(
+            block_size=16, num_kv_heads=4, head_size=8, dtype=torch.bfloat16
+        )
     )
     layer_stride, block_stride, *_ = interface.compute_layout_strides(
         spec, NUM_BLOCKS, LAYERS, layout
@@ -80,6 +89,7 @@ VLLM_LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "LHBNC", "BHLNC"]
 BUILDERS: dict[str, Callable[[], Caches]] = {
     **{f"vllm-{name}": functools.partial(vllm_caches, name) for name in VLLM_LAYOUTS},
     "vllm-LBNHC-kernel-blocks": lambda: vllm_caches("LBNHC", kernel_block_size=8),
+    "vllm-mla-LBNHC": lambda: vllm_caches("LBNHC", mla=True),
     "flash_attn-NHD": lambda: legacy_caches(block_dim=1, hnd=False),
     "flash_attn-HND": lambda: legacy_caches(block_dim=1, hnd=True),
     "flashinfer-NHD": lambda: legacy_caches(block_dim=0, hnd=False),
@@ -246,3 +256,14 @@ def test_kv_buffer_device_must_agree_with_the_cache(
         return
     with pytest.raises(UnsupportedSetupError, match=re.escape(refusal)):
         check_buffer_device(mem_type, buffer_device)
+
+
+def test_layers_with_different_block_interiors_are_refused() -> None:
+    """One KV cache group whose layers differ in page size (e.g. per-layer head sizes) is not
+    one layout: the worker refuses it when vLLM registers the caches, i.e. at start-up."""
+    caches = {
+        "layers.0": torch.zeros((NUM_BLOCKS, 2, 16, 8), dtype=torch.bfloat16),
+        "layers.1": torch.zeros((NUM_BLOCKS, 2, 16, 16), dtype=torch.bfloat16),
+    }
+    with pytest.raises(LayoutError, match="layers disagree on block layout"):
+        layout_from_kv_caches(caches, NUM_BLOCKS)

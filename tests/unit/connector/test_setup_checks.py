@@ -35,13 +35,19 @@ def test_a_plain_single_worker_setup_passes() -> None:
     refuse_unsupported(vllm_config(), None)  # a role that has no KV cache config yet
 
 
+def test_an_mla_model_with_one_worker_passes() -> None:
+    """One latent KV tensor per layer is a region like any other (tests/e2e/test_model_shapes_e2e
+    moves a DeepSeek-V2-shaped model's KV on real vLLM CPU)."""
+    refuse_unsupported(vllm_config(mla=True), kv_cache_config())
+
+
 @pytest.mark.parametrize(
     ("config", "groups", "reason"),
     [
         (vllm_config(tp=2), 1, "tensor_parallel_size=2"),
-        (vllm_config(pp=4), 1, "pipeline_parallel_size=4"),
-        (vllm_config(mla=True), 1, "MLA"),
-        (vllm_config(), 2, "2 KV cache groups"),
+        (vllm_config(pp=4), 1, "pipeline_parallel_size=4: each pipeline stage holds only"),
+        (vllm_config(tp=2, mla=True), 1, "MLA with tensor_parallel_size=2"),
+        (vllm_config(), 2, "2 KV cache groups: .* does not implement SupportsHMA"),
     ],
 )
 def test_unsupported_setups_fail_at_start_up_naming_the_setting(
