@@ -166,8 +166,11 @@ class Relay:
         if p_task is None:
             return None
         try:
-            async with asyncio.timeout(max(self._a.deadline - time.monotonic(), 0.0)):
-                answer = await asyncio.shield(p_task)
+            if p_task.done():  # the usual case: nothing to wait for, no shield to build
+                answer = p_task.result()
+            else:
+                async with asyncio.timeout(max(self._a.deadline - time.monotonic(), 0.0)):
+                    answer = await asyncio.shield(p_task)
         except (RouterError, TimeoutError):
             return None
         return prefill_usage(answer)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
 import httpx
@@ -157,24 +157,33 @@ def _direct_target(
     return found[1], fields
 
 
-@asynccontextmanager
-async def _call(
+def _call(
     client: httpx.AsyncClient,
     backend: Instance,
-    leg: str,
     path: str,
     body: dict[str, Any],
     request_id: str,
     headers: Mapping[str, str] | None,
-) -> AsyncIterator[LegAnswer]:
+) -> AbstractAsyncContextManager[LegAnswer]:
     """POST ``body``; the answer (status, body unread) inside the block. Raises httpx's errors
     (the caller translates them), ``RuntimeError`` once the client is closed."""
     content = codec.dumps(body)
     if isinstance(client, UpstreamClient) and client.direct:
         url, fields = _direct_target(client, backend, path, request_id, headers)
-        async with client.send_direct(url, fields, content) as answer:
-            yield answer
-        return
+        return client.send_direct(url, fields, content)
+    return _httpx_call(client, backend, path, content, request_id, headers)
+
+
+@asynccontextmanager
+async def _httpx_call(
+    client: httpx.AsyncClient,
+    backend: Instance,
+    path: str,
+    content: bytes,
+    request_id: str,
+    headers: Mapping[str, str] | None,
+) -> AsyncIterator[LegAnswer]:
+    """:func:`_call` through httpx's ``send`` (any client but the router's own)."""
     request = _leg_request(client, backend, path, content, request_id, headers)
     resp = await send_leg(client, request, stream=True)
     try:
@@ -202,7 +211,7 @@ async def post_json(
 ) -> dict[str, Any]:
     """POST ``body`` and return the JSON object answered; HTTP errors raise."""
     try:
-        async with _call(client, backend, leg, path, body, request_id, headers) as answer:
+        async with _call(client, backend, path, body, request_id, headers) as answer:
             status, raw = answer.status, await answer.read()
     except httpx.HTTPError as exc:
         raise _translate(exc, leg, backend) from exc
@@ -235,7 +244,7 @@ async def open_sse(
     raises an :class:`UpstreamError`.
     """
     try:
-        async with _call(client, backend, leg, path, body, request_id, headers) as answer:
+        async with _call(client, backend, path, body, request_id, headers) as answer:
             if answer.status >= 400:
                 detail = _detail(await answer.read())
                 raise UpstreamHTTPError(leg, backend.label, answer.status, detail)

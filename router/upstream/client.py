@@ -19,7 +19,6 @@ client over another transport (the tests' mock upstreams) keeps httpx's API.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Protocol
 
@@ -146,6 +145,36 @@ class _DirectAnswer:
             raise (httpx_error(exc) or exc) from exc
 
 
+class DirectCall:
+    """One POST on an aiohttp session as an async context manager (see
+    :meth:`UpstreamClient.send_direct`); a class, not a generator, as it runs for every leg."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: URL,
+        headers: CIMultiDict[str],
+        content: bytes,
+        timeout: aiohttp.ClientTimeout,
+    ) -> None:
+        self._call = (session, url, headers, content, timeout)
+        self._response: aiohttp.ClientResponse | None = None
+
+    async def __aenter__(self) -> LegAnswer:
+        session, url, headers, content, timeout = self._call
+        try:
+            self._response = await session.post(
+                url, data=content, headers=headers, timeout=timeout, allow_redirects=False
+            )
+        except aiohttp.ClientError as exc:
+            raise (httpx_error(exc) or exc) from exc
+        return _DirectAnswer(self._response)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._response is not None:
+            self._response.release()  # never awaits: a cancellation cannot skip it
+
+
 def no_cookies() -> CookieJar:
     """A cookie jar whose policy accepts and sends no cookie (neither Netscape nor RFC 2965
     cookies are enabled), so an answer's ``Set-Cookie`` is not even parsed."""
@@ -185,35 +214,19 @@ class UpstreamClient(httpx.AsyncClient):
         """Whether :meth:`send_direct` can be used: the transport is :class:`AiohttpTransport`."""
         return self._direct is not None
 
-    @asynccontextmanager
-    async def send_direct(
-        self, url: URL, headers: CIMultiDict[str], content: bytes
-    ) -> AsyncIterator[LegAnswer]:
+    def send_direct(self, url: URL, headers: CIMultiDict[str], content: bytes) -> DirectCall:
         """POST ``content`` to ``url`` with exactly ``headers`` on the transport's aiohttp session
         (only when :attr:`direct`): what :meth:`send_leg` sends, without httpx's request and
         response objects. The client's timeouts apply as the transport applies them; no redirect
-        is followed and no cookie kept. The answer's body is read inside the block; on exit the
-        connection goes back to the pool, or is closed if the body was not read to its end.
-        Raises ``RuntimeError`` once the client is closed, and httpx's transport errors."""
+        is followed and no cookie kept. Use it as ``async with``: the answer's body is read
+        inside the block; on exit the connection goes back to the pool, or is closed if the body
+        was not read to its end. Entering raises ``RuntimeError`` once the client is closed, and
+        httpx's transport errors."""
         if self._direct is None:
             raise RuntimeError("send_direct needs the client's transport to be AiohttpTransport")
         if self.is_closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")
-        session = self._direct.session()
-        try:
-            response = await session.post(
-                url,
-                data=content,
-                headers=headers,
-                timeout=self._direct_timeout,
-                allow_redirects=False,
-            )
-        except aiohttp.ClientError as exc:
-            raise (httpx_error(exc) or exc) from exc
-        try:
-            yield _DirectAnswer(response)
-        finally:
-            response.release()  # never awaits: a cancellation cannot skip it
+        return DirectCall(self._direct.session(), url, headers, content, self._direct_timeout)
 
     async def send_leg(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
         """Send a leg's ``request`` as httpx's ``send`` would for this client: the client's
