@@ -30,7 +30,7 @@ from router.dispatch.rewrite import (
 from router.dispatch.state import END, Attempt
 from router.errors import RouterError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
 from router.health.monitor import learn_identity
-from router.observability.tracing import Span, span_attributes
+from router.observability.tracing import NO_SPAN, Span, span_attributes
 from router.routing.backends import BackendState
 from router.runtime import Runtime
 from router.upstream.calls import open_sse, post_json
@@ -57,9 +57,11 @@ def leg_ok(runtime: Runtime, backend: BackendState) -> None:
 @contextmanager
 def _tracked(attempt: Attempt, holds: Holds, backend: BackendState) -> Iterator[Span]:
     """Around one leg: its trace span; after it, its in-flight count and slot are given back."""
-    span = attempt.ctx.trace.child(
-        backend.role, span_attributes(backend=backend.label, request_id=attempt.request_id)
-    )
+    trace = attempt.ctx.trace
+    span = trace  # tracing off: the no-op span is its own child, no attributes to build
+    if trace is not NO_SPAN:
+        attributes = span_attributes(backend=backend.label, request_id=attempt.request_id)
+        span = trace.child(backend.role, attributes)
     error: str | None = "cancelled"
     try:
         yield span
