@@ -96,9 +96,13 @@ class EventSplitter:
             head = head.decode("utf-8", "replace").encode()
         blocks = head.split(b"\n\n")
         odd = blocks.pop()  # b"\n" after an odd run of line ends (one more blank line), else b""
-        fast = (b.startswith(_DATA) and b"\n" not in b and b != _DONE_EVENT for b in blocks)
-        if not odd and all(fast):
-            return head  # the common case: the bytes as read
+        done = blocks.index(_DONE_EVENT) if _DONE_EVENT in blocks else -1
+        events = blocks if done < 0 else blocks[:done]
+        if (done >= 0 or not odd) and all(b.startswith(_DATA) and b"\n" not in b for b in events):
+            if done < 0:
+                return head  # the common case: the bytes as read
+            self.done, self._rest = True, b""  # the rest is dropped (see the class doc)
+            return head[: sum(map(len, events)) + 2 * len(events)]
         return b"".join(self._events(blocks, odd))
 
     def _events(self, blocks: list[bytes], odd: bytes) -> list[bytes]:

@@ -76,6 +76,9 @@ def test_an_openai_stream_comes_out_as_the_bytes_read() -> None:
     assert splitter.feed(head) == head
     assert splitter.feed(b"data: [DONE]" + rest) == b""
     assert splitter.done
+    at_once = EventSplitter()
+    assert at_once.feed(OPENAI) == head  # the whole stream in one read, [DONE] with it
+    assert at_once.done
 
 
 class _SlowPrefill:
