@@ -82,17 +82,26 @@ class Runtime:
         return self.routing.table.backends()
 
 
+UPSTREAM_KEEPALIVE_S = 4.0
+"""How long the upstream client keeps an idle connection: under the 5 s after which vLLM's
+server (uvicorn) closes one."""
+
+
 def http_client(
     settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
     """The one upstream client: explicit timeouts, generous pool limits, no cookies.
 
     Its connections are aiohttp's (:mod:`router.upstream.client`); ``transport`` replaces them
-    (tests).
+    (tests). An idle connection is dropped after :data:`UPSTREAM_KEEPALIVE_S`, before vLLM's
+    server closes it (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s): reusing one the server is closing
+    fails the leg written on it.
     """
     t = settings.timeouts
     timeout = httpx.Timeout(connect=t.connect, read=t.total, write=t.total, pool=t.connect)
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+    limits = httpx.Limits(
+        max_connections=4096, max_keepalive_connections=512, keepalive_expiry=UPSTREAM_KEEPALIVE_S
+    )
     return UpstreamClient(transport or AiohttpTransport(limits=limits), timeout, limits)
 
 

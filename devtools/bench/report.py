@@ -138,6 +138,19 @@ TRANSFER_FILES = {
 descriptors; 4 MiB in 16,384, the descriptor count of a long prompt on a many-layer model)."""
 
 
+def _cpu_ratio(saturation: dict[str, Any], router: str) -> tuple[float | None, str]:
+    """``router``'s CPU per streamed request over ``vllm-router``'s, both from the closed loop
+    of the same overhead run, with how it was obtained (or why it is None)."""
+    mine = (saturation.get(router) or {}).get("cpu_ms_per_request")
+    theirs = (saturation.get("vllm-router") or {}).get("cpu_ms_per_request")
+    if not mine or not theirs:
+        return None, f"no closed-loop CPU per request for {router} and vllm-router"
+    return mine / theirs, (
+        f"CPU ms per streamed request, {router} / vllm-router ({mine:.2f} / {theirs:.2f}), "
+        "closed loop of the same overhead run (zero-delay fakes, routers pinned to one core)"
+    )
+
+
 def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """summary.json contents and, per key, how it was obtained (or why it is null)."""
     notes: dict[str, str] = {}
@@ -219,6 +232,12 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
             if sat
             else f"no saturation results for {router}"
         )
+
+    for key, router in (
+        ("router_cpu_over_vllm_router", "ours"),
+        ("floor_cpu_over_vllm_router", "floor"),
+    ):
+        summary[key], notes[key] = _cpu_ratio(saturation, router)
 
     ours = saturation.get("ours") or {}
     ceiling = ours.get("fakes_limit_over_direct")

@@ -152,9 +152,19 @@ class Dispatch:
         for task in tasks:
             if not task.done():
                 task.cancel()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        if all(task.done() for task in tasks):  # the usual case: no gathering future to wait on
+            results = [_outcome(task) for task in tasks]
+        else:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
         self._holds.release_all()
         a.runtime.lifecycle.leave(self)
         p_result = results[-1] if a.p_task is not None else None
         if isinstance(p_result, UpstreamError) and a.outcome == "ok":
             log.warning("dispatch %s: prefill failed after commit: %s", a.request_id, p_result)
+
+
+def _outcome(task: asyncio.Task[Any]) -> object:
+    """What ``asyncio.gather(..., return_exceptions=True)`` gives for the finished ``task``."""
+    if task.cancelled():
+        return asyncio.CancelledError()
+    return task.exception() or task.result()

@@ -8,9 +8,10 @@ dash at all, fresh per dispatch (a retry on a fresh pair gets a fresh id).
 
 from __future__ import annotations
 
-import uuid
+import os
 
 
 def new_request_id() -> str:
-    """A fresh dispatch id: ``uuid4().hex`` (32 hex chars, never ends in ``-<8 hex>``)."""
-    return uuid.uuid4().hex
+    """A fresh dispatch id: 16 random bytes as 32 hex chars (never ends in ``-<8 hex>``); as
+    unique as ``uuid4().hex`` without building a ``UUID`` for every request."""
+    return os.urandom(16).hex()

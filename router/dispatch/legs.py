@@ -2,12 +2,12 @@
 
 Who calls it: :func:`router.dispatch.commit.until_first_token` runs each leg as a task of its
 own. The P leg returns P's answer after checking its ``kv_transfer_params``; the D leg puts
-what D sends on the attempt's queue (SSE payloads, or the one JSON answer), then ``END`` or the
-error that ended it, and never raises a :class:`RouterError`. In push mode D's body carries the
-P identity it was paired with and goes out at once; in pull mode it waits for P's answer. Each
-leg's outcome feeds its instance's breaker (a 4xx is the client's fault, not the instance's);
-a stream counts as D's success only when it ended cleanly. Neither leg waits without a bound:
-P's by ``timeouts.prefill``, D's by the commit point's and the relay's timers.
+what D sends on the attempt's queue (SSE events as they are read, or the one JSON answer), then
+``END`` or the error that ended it, and never raises a :class:`RouterError`. In push mode D's
+body carries the P identity it was paired with and goes out at once; in pull mode it waits for
+P's answer. Each leg's outcome feeds its instance's breaker (a 4xx is the client's fault, not
+the instance's); a stream counts as D's success only when it ended cleanly. Neither leg waits
+without a bound: P's by ``timeouts.prefill``, D's by the commit point's and the relay's timers.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from router.dispatch.rewrite import (
 from router.dispatch.state import END, Attempt
 from router.errors import RouterError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
 from router.health.monitor import learn_identity
-from router.observability.tracing import Span, span_attributes
+from router.observability.tracing import NO_SPAN, Span, span_attributes
 from router.routing.backends import BackendState
 from router.runtime import Runtime
 from router.upstream.calls import open_sse, post_json
@@ -57,9 +57,11 @@ def leg_ok(runtime: Runtime, backend: BackendState) -> None:
 @contextmanager
 def _tracked(attempt: Attempt, holds: Holds, backend: BackendState) -> Iterator[Span]:
     """Around one leg: its trace span; after it, its in-flight count and slot are given back."""
-    span = attempt.ctx.trace.child(
-        backend.role, span_attributes(backend=backend.label, request_id=attempt.request_id)
-    )
+    trace = attempt.ctx.trace
+    span = trace  # tracing off: the no-op span is its own child, no attributes to build
+    if trace is not NO_SPAN:
+        attributes = span_attributes(backend=backend.label, request_id=attempt.request_id)
+        span = trace.child(backend.role, attributes)
     error: str | None = "cancelled"
     try:
         yield span
@@ -162,7 +164,7 @@ def check_prefill_answer(attempt: Attempt, prefill: BackendState, data: dict[str
 
 
 async def decode_leg(attempt: Attempt, holds: Holds) -> None:
-    """D leg: queues D's payloads (or its one JSON answer), then ``END`` or the error."""
+    """D leg: queues D's events (or its one JSON answer), then ``END`` or the error."""
     decode = attempt.decode
     try:
         body = await _decode_body(attempt)
@@ -182,18 +184,18 @@ async def decode_leg(attempt: Attempt, holds: Holds) -> None:
 
 
 async def _relay_stream(attempt: Attempt, body: dict[str, Any], span: Span) -> None:
-    """Queue each SSE payload of D's stream as it comes, noting when it came."""
+    """Queue the SSE events of D's stream as they are read, noting when they came."""
     runtime, decode = attempt.runtime, attempt.decode
     first = runtime.metrics.child(runtime.metrics.decode_first_token, decode.label)
     start = time.monotonic()
     args = (runtime.client, decode, "decode", attempt.request.path, body)
-    async with open_sse(*args, attempt.request_id, span.headers()) as payloads:
-        async for payload in payloads:
+    async with open_sse(*args, attempt.request_id, span.headers()) as reads:
+        async for events in reads:
             attempt.last_token = time.monotonic()
             if start:
                 first.observe(attempt.last_token - start)
                 start = 0.0
-            attempt.queue.put_nowait(payload)
+            attempt.queue.put_nowait(events)
 
 
 async def _one_answer(attempt: Attempt, body: dict[str, Any], span: Span) -> None:

@@ -1,4 +1,4 @@
-"""The relay of one attempt after its commit point: D's payloads to the client, P's usage merged.
+"""The relay of one attempt after its commit point: D's events to the client, P's usage merged.
 
 Who calls it: :class:`router.dispatch.attempt.Dispatch` (``sse_events()`` for a stream, whose
 bytes the HTTP layer writes; ``json_response()`` for one answer). Once the commit point has
@@ -6,7 +6,9 @@ passed, the client already has (or is about to get) a 200: a stream then ends wi
 or with one SSE error event, never with an exception. Two timers bound a stream, one handle
 each rather than one per token: the request's ``timeouts.total`` deadline and D's silence
 after its first token (``timeouts.inter_token``; a stall is logged, counted and fed to D's
-breaker). Every wait for P's usage is bounded by the deadline.
+breaker). Every wait for P's usage is bounded by the deadline. D's events go out as the bytes
+D sent (:mod:`router.upstream.sse` keeps them ready for the client); only an event with a
+``usage`` is parsed, merged and encoded again.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class Relay:
                     self._observe_ttft_stages()
                 if end is not None:
                     return
-                if not isinstance(item, str):
+                if not isinstance(item, bytes):
                     item = await a.queue.get()
         finally:
             expiry.cancel()
@@ -72,31 +74,44 @@ class Relay:
                 self._stall_timer.cancel()
 
     async def _ready_events(self, item: DecodeItem | None) -> tuple[list[bytes], DecodeItem | None]:
-        """Client events for ``item`` and the payloads queued behind it; returns them with the
-        first item not taken (None: the queue is empty). A usage chunk may wait for P's answer,
-        so it starts a batch of its own: the events before it are not held back."""
+        """Client events for ``item`` and the events queued behind it; returns them with the
+        first item not taken (None: the queue is empty). An event with a usage may wait for P's
+        answer, so it starts a batch of its own: the events before it are not held back."""
         batch: list[bytes] = []
-        while isinstance(item, str):
-            if batch and '"usage"' in item:
-                break
-            batch.append(await self._client_event(item))
+        while isinstance(item, bytes):
+            found = item.find(b'"usage"')
+            if found >= 0:
+                start = item.rfind(b"\n\n", 0, found) + 2  # where its event starts (-1 + 2: 1st)
+                start = 0 if start == 1 else start
+                if start or batch:  # what comes before the usage event goes out first
+                    if start:
+                        batch.append(item[:start])
+                    return batch, item[start:]
+                end = item.find(b"\n\n", found) + 2
+                batch.append(await self._usage_event(item[:end]))
+                item = item[end:]
+                if item:
+                    continue
+            else:
+                batch.append(item)
             try:
                 item = self._a.queue.get_nowait()
             except asyncio.QueueEmpty:
                 item = None
         return batch, item
 
-    async def _client_event(self, payload: str) -> bytes:
-        if '"usage"' in payload:
-            try:
-                chunk = codec.loads(payload)
-            except ValueError:
-                chunk = None
-            if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
-                usage = merge_usage(chunk["usage"], await self._prefill_usage())
-                chunk["usage"] = self._a.usage = usage
-                return b"data: " + codec.dumps(chunk) + b"\n\n"
-        return b"data: " + payload.encode() + b"\n\n"
+    async def _usage_event(self, event: bytes) -> bytes:
+        """``event`` (``data: <chunk>\n\n``) with P's usage merged into its ``usage``."""
+        try:
+            chunk = codec.loads(event[6:-2])
+        except ValueError:
+            chunk = None
+        if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
+            chunk["usage"] = self._a.usage = merge_usage(
+                chunk["usage"], await self._prefill_usage()
+            )
+            return b"data: " + codec.dumps(chunk) + b"\n\n"
+        return event
 
     def _end_event(self, item: DecodeItem | None) -> bytes | None:
         """The stream's last event if ``item`` ends it (sets ``outcome``); None otherwise."""
@@ -155,8 +170,11 @@ class Relay:
         if p_task is None:
             return None
         try:
-            async with asyncio.timeout(max(self._a.deadline - time.monotonic(), 0.0)):
-                answer = await asyncio.shield(p_task)
+            if p_task.done():  # the usual case: nothing to wait for, no shield to build
+                answer = p_task.result()
+            else:
+                async with asyncio.timeout(max(self._a.deadline - time.monotonic(), 0.0)):
+                    answer = await asyncio.shield(p_task)
         except (RouterError, TimeoutError):
             return None
         return prefill_usage(answer)

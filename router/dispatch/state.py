@@ -27,8 +27,9 @@ class End:
 
 
 END = End()
-DecodeItem = str | dict[str, Any] | RouterError | End
-"""What the D leg queues: an SSE payload, the one JSON answer, the error that ends it, or END."""
+DecodeItem = bytes | dict[str, Any] | RouterError | End
+"""What the D leg queues: SSE events as the client gets them (``data: ...\n\n``, one or more:
+what one read of D's stream completed), the one JSON answer, the error that ends it, or END."""
 
 
 class Attempt:
@@ -63,8 +64,8 @@ class Attempt:
         self.p_task: asyncio.Task[dict[str, Any]] | None = None
         self.d_task: asyncio.Task[None] | None = None
         self.sent_identity: PushIdentity | None = None  # push mode: the P identity D was given
-        self.first: DecodeItem = END  # D's first payload (the commit point)
-        self.last_token = 0.0  # time.monotonic() of D's last streamed payload
+        self.first: DecodeItem = END  # D's first events (the commit point)
+        self.last_token = 0.0  # time.monotonic() of D's last streamed events
         self.timings: dict[str, float] = {}  # stage -> seconds since ``started``
         self.stamps: dict[str, float] = {}  # more moments for the TTFT stages, same clock
         self.usage: Any = None  # the usage the client got (merged), once the relay sent it

@@ -225,14 +225,20 @@ def _readiness(runtime: Runtime, discovery: DiscoveryManager | None) -> JSONResp
     return JSONResponse(body, status_code=200 if now.ready else 503)
 
 
-def _routes() -> APIRouter:
+def _generation() -> dict[str, GenerationEndpoint]:
+    """The generation endpoints by path: plain ASGI apps that read the raw request themselves,
+    so FastAPI's per-request dependency solving bought nothing on the hot path
+    (docs/benchmarks/README.md); the request guard calls them directly."""
+    return {
+        path: GenerationEndpoint(chat, _admitted_request)
+        for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True))
+    }
+
+
+def _routes(generation: dict[str, GenerationEndpoint]) -> APIRouter:
     """The router's HTTP endpoints; each reads settings and runtime from its app."""
     api = APIRouter()
-
-    # Plain ASGI apps on Starlette routes: they read the raw request themselves, so FastAPI's
-    # per-request dependency solving bought nothing on the hot path (docs/benchmarks/README.md).
-    for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):
-        endpoint = GenerationEndpoint(chat, _admitted_request)
+    for path, endpoint in generation.items():
         api.routes.append(Route(path, endpoint, methods=["POST"]))
 
     for path in PASSTHROUGH_PATHS:
@@ -288,6 +294,7 @@ def create_app(
     app.state.settings = settings
     app.state.runtime = None
     _add_error_handlers(app)
-    app.include_router(_routes())
-    app.add_middleware(RequestGuard, limits=settings.limits)
+    generation = _generation()
+    app.include_router(_routes(generation))
+    app.add_middleware(RequestGuard, limits=settings.limits, direct=generation)
     return app

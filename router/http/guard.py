@@ -5,10 +5,15 @@ request it checks the header size (431 in OpenAI error form), builds the
 :class:`~router.request.RequestContext` (router's id, the client's ``X-Request-Id`` when safe,
 a request span continuing the client's W3C ``traceparent`` when tracing is on) into
 ``request.state.ctx``, and puts ``X-Request-Id`` on the response unless the handler set one (the
-dispatch id that answered).
+dispatch id that answered). A ``POST`` to one of the ``direct`` paths (the generation endpoints)
+goes straight to its ASGI app, past the app's exception middleware and router, which do nothing
+for those endpoints but cost CPU on every request (docs/benchmarks/speed/profile.md); an error
+it raises still reaches the app's outermost error handler.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers, MutableHeaders
@@ -24,9 +29,13 @@ from router.request import RequestContext, safe_client_id
 class RequestGuard:
     """ASGI middleware (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, limits: LimitsConfig) -> None:
+    def __init__(
+        self, app: ASGIApp, limits: LimitsConfig, direct: Mapping[str, ASGIApp] | None = None
+    ) -> None:
+        """``direct``: path -> the ASGI app that answers a ``POST`` there (see the module doc)."""
         self.app = app
         self.limits = limits
+        self.direct = dict(direct or {})
 
     def _span(self, scope: Scope, headers: Headers) -> Span:
         runtime = getattr(scope["app"].state, "runtime", None)
@@ -60,7 +69,10 @@ class RequestGuard:
             await response(scope, receive, send_with_id)
             span.end(exc.message)
             return
+        app = self.app
+        if scope["method"] == "POST" and not scope.get("root_path"):
+            app = self.direct.get(scope["path"], app)
         try:
-            await self.app(scope, receive, send_with_id)
+            await app(scope, receive, send_with_id)
         finally:
             span.end()

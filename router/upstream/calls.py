@@ -3,21 +3,26 @@
 Who calls it: the dispatch (:mod:`router.dispatch.legs`, P and D legs), the pass-through routes
 (:mod:`router.http.exchange`: :func:`send_raw` and its helpers), the health monitor
 (:mod:`router.health.monitor`, :mod:`router.health.model_info`) and the load-signal scraper
-(:mod:`router.health.load_signals`). Uses the app's one shared ``httpx.AsyncClient``; streams are
-always closed (context manager, or :func:`close_quietly` for :func:`send_raw`'s answers).
-Translating an error has no side effect: what a failure means for the instance's health is
-decided by the caller (the error's ``unreachable`` / ``instance_fault`` say what happened). Raises
-only :class:`router.errors.UpstreamError` subclasses.
+(:mod:`router.health.load_signals`). Uses the app's one shared ``httpx.AsyncClient``: the router's
+:class:`UpstreamClient` sends a leg straight to aiohttp (:meth:`UpstreamClient.send_direct`), any
+other client (tests' mock upstreams) through httpx; both go out with the same headers and body and
+end the same way. Streams are always closed (context manager, or :func:`close_quietly` for
+:func:`send_raw`'s answers). Translating an error has no side effect: what a failure means for the
+instance's health is decided by the caller (the error's ``unreachable`` / ``instance_fault`` say
+what happened). Raises only :class:`router.errors.UpstreamError` subclasses.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
 import httpx
 from httpx_sse import SSEError
+from multidict import CIMultiDict
+from yarl import URL
 
 from router.errors import (
     UpstreamConnectTimeout,
@@ -29,8 +34,8 @@ from router.errors import (
     UpstreamUnreachable,
 )
 from router.upstream import codec
-from router.upstream.client import send_leg
-from router.upstream.sse import StreamEndedEarly, aiter_data
+from router.upstream.client import LegAnswer, UpstreamClient, send_leg
+from router.upstream.sse import StreamEndedEarly, aiter_events
 
 
 class Instance(Protocol):
@@ -84,7 +89,7 @@ def _leg_request(
     client: httpx.AsyncClient,
     backend: Instance,
     path: str,
-    body: dict[str, Any],
+    content: bytes,
     request_id: str,
     headers: Mapping[str, str] | None,
 ) -> httpx.Request:
@@ -92,7 +97,6 @@ def _leg_request(
     (:func:`leg_headers` and ``Content-Length``), built from the backend's prepared headers
     instead of merging and normalising every header again: 14 us per leg instead of httpx's 45
     (``timeit``)."""
-    content = codec.dumps(body)
     fields = leg_headers(client, backend, request_id, headers)
     fields["Content-Length"] = str(len(content))
     request = httpx.Request(
@@ -117,11 +121,85 @@ def _translate(exc: httpx.HTTPError, leg: str, backend: Instance) -> UpstreamErr
     return UpstreamUnavailable(leg, backend.label, f"connection lost ({type(exc).__name__})")
 
 
-def _detail(resp: httpx.Response) -> Any:
+class _HttpxAnswer:
+    """A :class:`LegAnswer` over an httpx response (any client but the router's own)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.status = response.status_code
+        self.content_type = response.headers.get("content-type", "")
+        self._response = response
+
+    async def read(self) -> bytes:
+        return await self._response.aread()
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self._response.aiter_bytes()
+
+
+def _direct_target(
+    client: UpstreamClient,
+    backend: Instance,
+    path: str,
+    request_id: str,
+    extra: Mapping[str, str] | None,
+) -> tuple[URL, CIMultiDict[str]]:
+    """The URL and headers of a leg sent with :meth:`UpstreamClient.send_direct`: those of
+    :func:`_leg_request` (aiohttp adds ``Content-Length``), from the parts that do not change
+    between legs, prepared once per instance and path in ``client.leg_targets``."""
+    key = (backend.url, backend.api_key, path)
+    found = client.leg_targets.get(key)
+    if found is None or found[0] is not client.headers:
+        base = CIMultiDict(leg_headers(client, backend, "").multi_items())
+        del base["X-Request-Id"]
+        found = client.leg_targets[key] = (client.headers, URL(str(backend.endpoint(path))), base)
+    fields = found[2].copy()
+    for name, value in (extra or {}).items():
+        fields[name] = value
+    fields["X-Request-Id"] = request_id
+    return found[1], fields
+
+
+def _call(
+    client: httpx.AsyncClient,
+    backend: Instance,
+    path: str,
+    body: dict[str, Any],
+    request_id: str,
+    headers: Mapping[str, str] | None,
+) -> AbstractAsyncContextManager[LegAnswer]:
+    """POST ``body``; the answer (status, body unread) inside the block. Raises httpx's errors
+    (the caller translates them), ``RuntimeError`` once the client is closed."""
+    content = codec.dumps(body)
+    if isinstance(client, UpstreamClient) and client.direct:
+        url, fields = _direct_target(client, backend, path, request_id, headers)
+        return client.send_direct(url, fields, content)
+    return _httpx_call(client, backend, path, content, request_id, headers)
+
+
+@asynccontextmanager
+async def _httpx_call(
+    client: httpx.AsyncClient,
+    backend: Instance,
+    path: str,
+    content: bytes,
+    request_id: str,
+    headers: Mapping[str, str] | None,
+) -> AsyncIterator[LegAnswer]:
+    """:func:`_call` through httpx's ``send`` (any client but the router's own)."""
+    request = _leg_request(client, backend, path, content, request_id, headers)
+    resp = await send_leg(client, request, stream=True)
     try:
-        return resp.json()
+        yield _HttpxAnswer(resp)
+    finally:
+        await resp.aclose()
+
+
+def _detail(raw: bytes) -> Any:
+    """An error answer's body: its JSON, else its text (as ``httpx.Response`` reads them)."""
+    try:
+        return json.loads(raw)
     except ValueError:
-        return resp.text
+        return raw.decode("utf-8", "replace")
 
 
 async def post_json(
@@ -135,14 +213,14 @@ async def post_json(
 ) -> dict[str, Any]:
     """POST ``body`` and return the JSON object answered; HTTP errors raise."""
     try:
-        request = _leg_request(client, backend, path, body, request_id, headers)
-        resp = await send_leg(client, request)
+        async with _call(client, backend, path, body, request_id, headers) as answer:
+            status, raw = answer.status, await answer.read()
     except httpx.HTTPError as exc:
         raise _translate(exc, leg, backend) from exc
-    if resp.status_code >= 400:
-        raise UpstreamHTTPError(leg, backend.label, resp.status_code, _detail(resp))
+    if status >= 400:
+        raise UpstreamHTTPError(leg, backend.label, status, _detail(raw))
     try:
-        data = codec.loads(resp.content)
+        data = codec.loads(raw)
     except ValueError as exc:
         raise UpstreamProtocolError(leg, backend.label, "answer is not JSON") from exc
     if not isinstance(data, dict):
@@ -159,34 +237,28 @@ async def open_sse(
     body: dict[str, Any],
     request_id: str,
     headers: Mapping[str, str] | None = None,
-) -> AsyncIterator[AsyncIterator[str]]:
-    """POST a streamed request; yields an iterator over SSE ``data:`` payloads (closed on exit).
+) -> AsyncIterator[AsyncIterator[bytes]]:
+    """POST a streamed request; yields an iterator over its events as the client gets them
+    (closed on exit): batches of ``data: ...\n\n`` events, each batch what one read completed
+    (:func:`router.upstream.sse.aiter_events`).
 
     The iterator stops after ``[DONE]`` (not yielded); a stream that ends without it, or breaks,
     raises an :class:`UpstreamError`.
     """
-    request = _leg_request(client, backend, path, body, request_id, headers)
     try:
-        resp = await send_leg(client, request, stream=True)
+        async with _call(client, backend, path, body, request_id, headers) as answer:
+            if answer.status >= 400:
+                detail = _detail(await answer.read())
+                raise UpstreamHTTPError(leg, backend.label, answer.status, detail)
+            yield _sse_events(answer, leg, backend)
     except httpx.HTTPError as exc:
         raise _translate(exc, leg, backend) from exc
-    try:
-        if resp.status_code >= 400:
-            try:
-                await resp.aread()
-            except httpx.HTTPError as exc:
-                raise _translate(exc, leg, backend) from exc
-            raise UpstreamHTTPError(leg, backend.label, resp.status_code, _detail(resp))
-        resp.encoding = "utf-8"  # what an event stream always is; skips parsing Content-Type
-        yield _sse_payloads(resp, leg, backend)
-    finally:
-        await resp.aclose()
 
 
-async def _sse_payloads(resp: httpx.Response, leg: str, backend: Instance) -> AsyncIterator[str]:
+async def _sse_events(answer: LegAnswer, leg: str, backend: Instance) -> AsyncIterator[bytes]:
     try:
-        async for payload in aiter_data(resp):
-            yield payload
+        async for events in aiter_events(answer.chunks(), answer.content_type):
+            yield events
     except httpx.HTTPError as exc:
         raise _translate(exc, leg, backend) from exc
     except StreamEndedEarly as exc:
@@ -206,7 +278,7 @@ async def send_raw(
     """POST ``body`` and return the answer, whatever its status, with its body not read yet
     (a pass-through reads or relays it as it is); the caller must :func:`close_quietly` it.
     Transport errors raise our :class:`UpstreamError`."""
-    request = _leg_request(client, backend, path, body, request_id, None)
+    request = _leg_request(client, backend, path, codec.dumps(body), request_id, None)
     try:
         return await send_leg(client, request, stream=True)
     except httpx.HTTPError as exc:
@@ -234,7 +306,7 @@ async def raw_chunks(
 
 def http_error(resp: httpx.Response, leg: str, backend: Instance) -> UpstreamHTTPError:
     """Our error for a :func:`send_raw` answer with an HTTP error status (its body read)."""
-    return UpstreamHTTPError(leg, backend.label, resp.status_code, _detail(resp))
+    return UpstreamHTTPError(leg, backend.label, resp.status_code, _detail(resp.content))
 
 
 async def close_quietly(resp: httpx.Response) -> None:

@@ -1,6 +1,7 @@
 """The upstream client: httpx's API over aiohttp's connections, keeping no cookies.
 
-Who calls it: :func:`router.runtime.http_client` (the router's one upstream client). httpcore's
+Who calls it: :func:`router.runtime.http_client` (the router's one upstream client) and the
+legs' calls (:mod:`router.upstream.calls`). httpcore's
 pool polls every pooled connection on each request; with the connections a loaded router keeps,
 that cost more CPU than everything else the router does (docs/benchmarks/README.md, "Upstream
 HTTP client"). ``httpx-aiohttp`` runs httpx requests over aiohttp instead; this subclass makes
@@ -8,17 +9,24 @@ its errors the ones httpx's own transport raises for the same failure (the packa
 refused or dropped connection a connect timeout), so callers see no difference.
 :class:`UpstreamClient` keeps no cookies (a public cookie policy that accepts none): a proxy
 must not carry one upstream answer's ``Set-Cookie`` into the next request, and parsing them was a
-few per cent of a loaded router's CPU.
+few per cent of a loaded router's CPU. The legs, the router's hot path, go to aiohttp directly
+(:meth:`UpstreamClient.send_direct`) when the client runs over :class:`AiohttpTransport`: httpx's
+request and response objects around each leg cost about as much CPU as aiohttp itself
+(docs/benchmarks/speed/profile.md). Everything else (health checks, probes, scrapes) and every
+client over another transport (the tests' mock upstreams) keeps httpx's API.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import Protocol
 
 import aiohttp
 import httpx
 import httpx_aiohttp
+from multidict import CIMultiDict
+from yarl import URL
 
 
 def httpx_error(exc: BaseException) -> httpx.TransportError | None:
@@ -60,7 +68,27 @@ class _Stream(httpx.AsyncByteStream):
 
 
 class AiohttpTransport(httpx_aiohttp.AiohttpTransport):
-    """``httpx_aiohttp.AiohttpTransport`` raising httpx's own errors (see the module doc)."""
+    """``httpx_aiohttp.AiohttpTransport`` raising httpx's own errors (see the module doc), over
+    an aiohttp session that keeps no cookies; :meth:`session` hands that session to the legs."""
+
+    def get_client(self) -> aiohttp.ClientSession:
+        """The session the transport makes on first use (the package's own connector settings:
+        keep-alive expiry, TLS context, connection limit) with a cookie jar that keeps nothing:
+        a proxy must not carry one answer's ``Set-Cookie`` into the next request."""
+        if self.client is not None:
+            return super().get_client()
+        limit = self.limits.max_connections or 0
+        connector = aiohttp.TCPConnector(
+            keepalive_timeout=self.limits.keepalive_expiry, ssl=self.ssl_context, limit=limit
+        )
+        return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+
+    def session(self) -> aiohttp.ClientSession:
+        """The aiohttp session every request of this transport goes out on (made on first use;
+        call it on the event loop that uses it)."""
+        if not isinstance(self.client, aiohttp.ClientSession):
+            self.client = self.get_client()
+        return self.client
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         try:
@@ -70,6 +98,81 @@ class AiohttpTransport(httpx_aiohttp.AiohttpTransport):
         assert isinstance(response.stream, httpx.AsyncByteStream)
         response.stream = _Stream(response.stream)
         return response
+
+
+class LegAnswer(Protocol):
+    """An upstream answer whose body the caller reads (once, one way); both methods raise
+    httpx's transport errors. Made by :meth:`UpstreamClient.send_direct` or, for any other
+    client, over an ``httpx.Response`` (:mod:`router.upstream.calls`)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def content_type(self) -> str: ...
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        ...
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive."""
+        ...
+
+
+LegTarget = tuple[httpx.Headers, URL, CIMultiDict[str]]
+
+
+class _DirectAnswer:
+    """A :class:`LegAnswer` over an aiohttp response."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.status = response.status
+        self.content_type = response.headers.get("Content-Type", "")
+        self._response = response
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.read()
+        except aiohttp.ClientError as exc:
+            raise (httpx_error(exc) or exc) from exc
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except aiohttp.ClientError as exc:
+            raise (httpx_error(exc) or exc) from exc
+
+
+class DirectCall:
+    """One POST on an aiohttp session as an async context manager (see
+    :meth:`UpstreamClient.send_direct`); a class, not a generator, as it runs for every leg."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: URL,
+        headers: CIMultiDict[str],
+        content: bytes,
+        timeout: aiohttp.ClientTimeout,
+    ) -> None:
+        self._call = (session, url, headers, content, timeout)
+        self._response: aiohttp.ClientResponse | None = None
+
+    async def __aenter__(self) -> LegAnswer:
+        session, url, headers, content, timeout = self._call
+        try:
+            self._response = await session.post(
+                url, data=content, headers=headers, timeout=timeout, allow_redirects=False
+            )
+        except aiohttp.ClientError as exc:
+            raise (httpx_error(exc) or exc) from exc
+        return _DirectAnswer(self._response)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._response is not None:
+            self._response.release()  # never awaits: a cancellation cannot skip it
 
 
 def no_cookies() -> CookieJar:
@@ -98,6 +201,32 @@ class UpstreamClient(httpx.AsyncClient):
             transport=transport, timeout=timeout, limits=limits, trust_env=False, cookies=jar
         )
         self._leg_transport = transport
+        self._direct = transport if isinstance(transport, AiohttpTransport) else None
+        self.leg_targets: dict[tuple[str, str | None, str], LegTarget] = {}
+        """(instance URL, API key, path) -> what every direct leg there shares (the client's
+        headers it was made from, the URL, the headers); kept by :mod:`router.upstream.calls`."""
+        self._direct_timeout = aiohttp.ClientTimeout(
+            sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
+        )
+
+    @property
+    def direct(self) -> bool:
+        """Whether :meth:`send_direct` can be used: the transport is :class:`AiohttpTransport`."""
+        return self._direct is not None
+
+    def send_direct(self, url: URL, headers: CIMultiDict[str], content: bytes) -> DirectCall:
+        """POST ``content`` to ``url`` with exactly ``headers`` on the transport's aiohttp session
+        (only when :attr:`direct`): what :meth:`send_leg` sends, without httpx's request and
+        response objects. The client's timeouts apply as the transport applies them; no redirect
+        is followed and no cookie kept. Use it as ``async with``: the answer's body is read
+        inside the block; on exit the connection goes back to the pool, or is closed if the body
+        was not read to its end. Entering raises ``RuntimeError`` once the client is closed, and
+        httpx's transport errors."""
+        if self._direct is None:
+            raise RuntimeError("send_direct needs the client's transport to be AiohttpTransport")
+        if self.is_closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
+        return DirectCall(self._direct.session(), url, headers, content, self._direct_timeout)
 
     async def send_leg(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
         """Send a leg's ``request`` as httpx's ``send`` would for this client: the client's

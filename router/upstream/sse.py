@@ -1,11 +1,13 @@
-"""OpenAI-style server-sent events: read with ``httpx-sse``; :func:`encode_data` writes one event.
+"""OpenAI-style server-sent events: read with ``httpx-sse`` or as bytes; :func:`encode_data` writes
+one event.
 
 An OpenAI stream is a sequence of ``data: <JSON>`` events ended by ``data: [DONE]``. The readers
 yield each event's data up to that terminator (not yielded) and raise :class:`StreamEndedEarly`
 when the stream ends without it; ``httpx_sse.SSEError`` when the answer is not an event stream;
-httpx errors propagate. Who uses them: the router's upstream legs, the bench client, the demo and
-the tests. :func:`encode_data` is the fake vLLM's (the router's relay writes its events from
-bytes, in the dispatch).
+httpx errors propagate. Who uses them: the bench client, the demo and the tests
+(:func:`aiter_data`, :func:`iter_data`); the router's decode leg (:mod:`router.upstream.calls`)
+reads with :func:`aiter_events`, which keeps the events as bytes, ready for the client, so the
+relay passes them on unparsed. :func:`encode_data` is the fake vLLM's.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
-from httpx_sse import EventSource
+from httpx_sse import EventSource, SSEError
 
 DONE = "[DONE]"
 """The data of the event that ends an OpenAI stream."""
+
+_DATA = b"data: "
+_DONE_EVENT = b"data: [DONE]"
 
 
 class StreamEndedEarly(Exception):
@@ -57,3 +62,107 @@ def iter_data(response: httpx.Response) -> Iterator[str]:
 def encode_data(data: str) -> bytes:
     """One ``data:`` event (``data`` must hold no newline, as JSON from ``json.dumps``)."""
     return b"data: " + data.encode() + b"\n\n"
+
+
+class EventSplitter:
+    """Cuts an event stream, fed as the bytes read in order, into events ready for a client.
+
+    Each event comes out as ``data: <data>\n\n`` with the data the SSE rules give it (what
+    ``httpx-sse`` yields, undecodable UTF-8 replaced as httpx's text decoding replaces it), so
+    an OpenAI stream's events (one ``data: `` line each, ``\n\n`` after it) come out as the very
+    bytes read, without a copy per event; other line endings, fields, comments and multi-line
+    data are read by the rules. Events after ``[DONE]`` are dropped. Pure, no I/O.
+    """
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self._last_id = False  # an ``id`` field was seen: every blank line then dispatches
+        self.done = False
+        """``[DONE]`` was read."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The events completed by ``chunk`` (``b""`` if none), up to ``[DONE]``."""
+        buf = self._rest + chunk if self._rest else chunk
+        if b"\r" in buf:  # a lone CR or CRLF ends lines too; a final CR may start a CRLF
+            tail = b"\r" if buf.endswith(b"\r") else b""
+            buf = buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            buf += tail
+        end = buf.rfind(b"\n\n") + 2
+        if end < 2 or self.done:
+            self._rest = b"" if self.done else buf
+            return b""
+        head, self._rest = buf[:end], buf[end:]
+        if not head.isascii():
+            head = head.decode("utf-8", "replace").encode()
+        blocks = head.split(b"\n\n")
+        odd = blocks.pop()  # b"\n" after an odd run of line ends (one more blank line), else b""
+        done = blocks.index(_DONE_EVENT) if _DONE_EVENT in blocks else -1
+        events = blocks if done < 0 else blocks[:done]
+        if (done >= 0 or not odd) and all(b.startswith(_DATA) and b"\n" not in b for b in events):
+            if done < 0:
+                return head  # the common case: the bytes as read
+            self.done, self._rest = True, b""  # the rest is dropped (see the class doc)
+            return head[: sum(map(len, events)) + 2 * len(events)]
+        return b"".join(self._events(blocks, odd))
+
+    def _events(self, blocks: list[bytes], odd: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        for block in blocks:
+            for data in self._block(block):
+                if data == b"[DONE]":
+                    self.done = True
+                    return out
+                out.append(_DATA + data + b"\n\n")
+        if odd and self._last_id:  # the extra blank line dispatches an empty event
+            out.append(_DATA + b"\n\n")
+        return out
+
+    def _block(self, block: bytes) -> list[bytes]:
+        """The data of each event one block of lines (between blank lines) dispatches."""
+        found: list[bytes] = []
+        data: list[bytes] | None = None
+        fields = False  # event or retry set since the last dispatch
+        for line in [*block.split(b"\n"), b""]:
+            if not line:
+                if data is not None or fields or self._last_id:
+                    found.append(b"\n".join(data or []))
+                data, fields = None, False
+                continue
+            if line.startswith(b":"):
+                continue
+            name, _, value = line.partition(b":")
+            value = value[1:] if value.startswith(b" ") else value
+            if name == b"data":
+                data = [*(data or []), value]
+            elif name == b"id" and b"\0" not in value:
+                self._last_id = bool(value)
+            elif (name == b"event" and value) or (name == b"retry" and value.isdigit()):
+                fields = True
+        return found
+
+
+async def aiter_events(chunks: AsyncIterator[bytes], content_type: str) -> AsyncIterator[bytes]:
+    """The events of a stream whose body arrives as ``chunks``, up to ``[DONE]`` (not included):
+    each non-empty batch :meth:`EventSplitter.feed` gives, as soon as it is read.
+
+    ``httpx_sse.SSEError`` when ``content_type`` is not an event stream's; after ``[DONE]`` the
+    rest of the body is read to its end (so the connection can be reused), a transport error
+    there ignored; :class:`StreamEndedEarly` when the body ends without ``[DONE]``; other errors
+    (httpx's) propagate.
+    """
+    if "text/event-stream" not in content_type.partition(";")[0]:
+        raise SSEError(
+            "Expected response header Content-Type to contain 'text/event-stream', "
+            f"got {content_type.partition(';')[0]!r}"
+        )
+    splitter = EventSplitter()
+    try:
+        async for chunk in chunks:
+            events = splitter.feed(chunk)
+            if events:
+                yield events
+    except httpx.HTTPError:
+        if not splitter.done:
+            raise
+    if not splitter.done:
+        raise StreamEndedEarly("stream ended before [DONE]")

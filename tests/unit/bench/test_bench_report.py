@@ -218,6 +218,23 @@ def test_summary_puts_the_floor_proxy_beside_the_routers(tmp_path: Path) -> None
     assert summary["floor_added_ms_p99"] == pytest.approx(0.5)
     assert summary["floor_throughput_over_direct"] == pytest.approx(0.75)
     assert summary["router_throughput_over_direct"] == pytest.approx(0.6)
+    assert summary["router_cpu_over_vllm_router"] is None  # no vllm-router in this run
+
+
+def test_summary_puts_each_routers_cpu_per_request_over_vllm_routers(tmp_path: Path) -> None:
+    cpu = {"ours": 1.5, "floor": 0.75, "vllm-router": 0.5, "direct": 0.8}
+    raw = {
+        "fixed_rate": [],
+        "saturation": {
+            name: {**_m(0, 300.0), "cpu_ms_per_request": ms} for name, ms in cpu.items()
+        },
+    }
+    (tmp_path / "overhead.json").write_text(json.dumps({"derived": derive(raw)}))
+    summary = render(tmp_path, "disagg-bench overhead")
+    assert summary["router_cpu_over_vllm_router"] == pytest.approx(3.0)
+    assert summary["floor_cpu_over_vllm_router"] == pytest.approx(1.5)
+    results = (tmp_path / "results.md").read_text()
+    assert "| `router_cpu_over_vllm_router` | 3.000 |" in results
 
 
 def test_log_folder_is_the_given_one_or_a_new_temporary_one_and_is_named(

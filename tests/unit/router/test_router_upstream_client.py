@@ -91,6 +91,17 @@ async def test_an_answer_passes_through() -> None:
 async def test_a_leg_goes_out_with_the_headers_and_body_httpx_would_send() -> None:
     """A leg's request (built from the backend's prepared headers) reaches the instance as the
     client's own ``build_request`` would have sent it, each header once, with the API key."""
+    await _leg_headers_as_httpx_sends_them(_client())
+
+
+async def test_a_direct_leg_goes_out_with_the_headers_and_body_httpx_would_send() -> None:
+    """The same through the router's client, which sends a leg straight to aiohttp."""
+    client = _upstream_client()
+    assert client.direct
+    await _leg_headers_as_httpx_sends_them(client)
+
+
+async def _leg_headers_as_httpx_sends_them(client: httpx.AsyncClient) -> None:
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -106,7 +117,7 @@ async def test_a_leg_goes_out_with_the_headers_and_body_httpx_would_send() -> No
         writer.close()
 
     trace = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
-    async with _server(handler) as url, _client() as client:
+    async with _server(handler) as url, client:
         backend = BackendState(InstanceConfig(url=url, api_key="sk-1"), "decode")
         body = {"model": "m", "prompt": [1, 2], "max_tokens": 1}
         for rid in ("r-1", "r-2"):
@@ -205,6 +216,39 @@ async def test_the_router_client_keeps_no_cookies_on_either_path() -> None:
         await client.get(url + "/health")
         await post_json(client, backend, "decode", "/v1/completions", body, "r-2")
         assert len(client.cookies.jar) == 0
+    assert len(heads) == 4
+    assert not [head for head in heads if b"\r\ncookie:" in head]
+
+
+async def test_the_router_client_keeps_no_cookies_from_a_named_host() -> None:
+    """aiohttp's own cookie jar ignores cookies from IP addresses only: an instance reached by
+    its host name must not get one answer's cookie back either, on either path."""
+    heads: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while not reader.at_eof():
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            heads.append(head.lower())
+            length = head.lower().split(b"content-length: ")
+            if len(length) > 1:
+                await reader.readexactly(int(length[1].split(b"\r\n")[0]))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nSet-Cookie: session=1; Path=/\r\n"
+                b'Content-Length: 11\r\n\r\n{"ok":true}'
+            )
+            await writer.drain()
+        writer.close()
+
+    async with _server(handler) as url, _upstream_client() as client:
+        url = url.replace("127.0.0.1", "localhost")
+        backend = BackendState(InstanceConfig(url=url), "decode")
+        body = {"model": "m", "prompt": [1], "max_tokens": 1}
+        for rid in ("r-1", "r-2"):
+            await client.get(url + "/health")
+            await post_json(client, backend, "decode", "/v1/completions", body, rid)
     assert len(heads) == 4
     assert not [head for head in heads if b"\r\ncookie:" in head]
 

@@ -1,0 +1,162 @@
+"""D's event stream as the router relays it: cut into events from the bytes read, by the rules
+``httpx-sse`` reads by, passed on unparsed except the event that carries a usage."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+from collections.abc import MutableMapping
+from typing import Any
+
+import httpx
+import pytest
+from httpx_sse import EventSource
+
+from router import create_app
+from router.config import settings_from_mapping
+from router.upstream.sse import EventSplitter
+from tests.unit.router.mock_upstream import KV, D, P, answer
+
+OPENAI = (
+    b"".join(
+        b"data: " + json.dumps({"id": "x", "choices": [{"text": t}]}).encode() + b"\n\n"
+        for t in ("a", "b", "\u00e9")  # JSON keeps non-ASCII as \\u escapes
+    )
+    + ('data: {"choices":[{"text":"\u00fc"}]}\n\n' + "data: [DONE]\n\n").encode()
+)
+
+STREAMS = [
+    OPENAI,
+    b"data:x\r\n\r\ndata: y\r\rdata: [DONE]\n\n",
+    b": comment\n\nevent: e\ndata: 1\ndata: 2\n\ndata: \xff\xfe\n\ndata: [DONE]\n\ndata: late\n\n",
+    b"data: a\n\n\n\n\ndata: b\n\n\n",
+    b"id: 5\ndata: a\n\n\n\n\ndata: b\n\n\ndata: [DONE]\n\n",
+    b"retry: 10\n\nevent: \n\ndata\n\ndata: [DONE]",
+]
+
+
+async def _httpx_sse(raw: bytes) -> tuple[bytes, bool]:
+    """The events ``httpx-sse`` reads from ``raw`` as the client got them before, and whether
+    it read ``[DONE]``."""
+    resp = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=raw)
+    resp.encoding = "utf-8"
+    out: list[bytes] = []
+    done = False
+    async for event in EventSource(resp).aiter_sse():
+        if done:
+            continue
+        if event.data == "[DONE]":
+            done = True
+            continue
+        out.append(b"data: " + event.data.encode() + b"\n\n")
+    return b"".join(out), done
+
+
+def _split(raw: bytes, cuts: list[int]) -> tuple[bytes, bool]:
+    splitter = EventSplitter()
+    bounds = [0, *cuts, len(raw)]
+    out = b"".join(splitter.feed(raw[a:b]) for a, b in itertools.pairwise(bounds))
+    return out, splitter.done
+
+
+@pytest.mark.parametrize("raw", STREAMS)
+async def test_the_splitter_reads_what_httpx_sse_reads_however_the_bytes_arrive(raw: bytes) -> None:
+    expected = await _httpx_sse(raw)
+    rng = random.Random(raw)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(raw)), min(4, len(raw) - 1)))
+        assert _split(raw, cuts) == expected, cuts
+
+
+def test_an_openai_stream_comes_out_as_the_bytes_read() -> None:
+    splitter = EventSplitter()
+    head, _, rest = OPENAI.partition(b"data: [DONE]")
+    assert splitter.feed(head) == head
+    assert splitter.feed(b"data: [DONE]" + rest) == b""
+    assert splitter.done
+    at_once = EventSplitter()
+    assert at_once.feed(OPENAI) == head  # the whole stream in one read, [DONE] with it
+    assert at_once.done
+
+
+class _SlowPrefill:
+    """P answers once ``release`` is set; D streams two events and a usage event in one body."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        body = json.loads(request.content)
+        if str(request.url).startswith(P):
+            if not body["kv_transfer_params"].get("identity_probe"):
+                await self.release.wait()
+            return httpx.Response(200, json={**answer("a", KV), "usage": _usage(7, 1)})
+        chunks: list[dict[str, Any]] = [{"choices": [{"text": t}]} for t in ("a", "b")]
+        chunks.append({"choices": [], "usage": _usage(3, 2)})
+        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt}
+
+
+async def test_events_before_the_usage_event_are_not_held_back_for_ps_usage() -> None:
+    """D's one read holds tokens and the usage event: the tokens reach the client while P has
+    not answered; the usage event follows with P's prompt tokens once it has."""
+    upstream = _SlowPrefill()
+    pools = {"prefill": {"instances": [{"url": P}]}, "decode": {"instances": [{"url": D}]}}
+    app = create_app(
+        settings_from_mapping({"models": ["m"], **pools}), transport=httpx.MockTransport(upstream)
+    )
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    writes: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client stays connected
+        raise AssertionError("unreachable")
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            writes.append(message["body"])
+            upstream.release.set()  # P answers only once the client has the first write
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    async with app.router.lifespan_context(app):
+        await app.state.runtime.lifecycle.initial_check_done.wait()
+        await app(scope, receive, send)
+    first = [json.loads(e[6:]) for e in writes[0].split(b"\n\n") if e]
+    assert [c["choices"][0]["text"] for c in first] == ["a", "b"]
+    events = [e[6:] for e in b"".join(writes[1:]).split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    assert json.loads(events[0])["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 2,
+        "total_tokens": 9,
+    }
