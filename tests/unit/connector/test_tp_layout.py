@@ -1,4 +1,4 @@
-"""Tensor-parallel head mapping (pure layout math): which P rank's heads land where in D's blocks."""
+"""Tensor-parallel head mapping (pure layout math): which P rank's heads land where in D's."""
 
 from __future__ import annotations
 
