@@ -59,7 +59,7 @@ def test_a_mismatched_layout_is_refused_and_both_sides_log_why(
     d_layout = LayoutSpec(LAYOUT.regions, dtype="bfloat16", block_size=32)
     p = ProducerState("p0", p_layout, ConnectorConfig(), clock)
     d = ConsumerState(ConnectorConfig(), d_layout, "d-agent", b"meta", clock)
-    ask = d.register(RecvSpec("d-1", "k1", "p0", "10.0.0.1", 5600, (1,), first_block=0))
+    [ask] = d.register(RecvSpec("d-1", "k1", "p0", "10.0.0.1", 5600, (1,), first_block=0))
     caplog.set_level(logging.WARNING, logger="connector")
     reply = p.register(registration_from_body(decode_request(ask.payload)[1]))
     d.answer(ask, reply)
