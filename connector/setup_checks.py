@@ -12,16 +12,16 @@ from connector.errors import UnsupportedSetupError
 
 
 def refuse_unsupported(vllm_config: Any, kv_cache_config: Any = None) -> None:
-    """Raise :class:`UnsupportedSetupError` for TP or PP > 1, an MLA model, or more than one
-    KV cache group (hybrid attention); each message names the setting and its value."""
+    """Raise :class:`UnsupportedSetupError` for PP > 1, an MLA model, or more than one KV cache
+    group (hybrid attention); each message names the setting and its value. Tensor parallelism
+    is supported (each rank moves its own KV heads; see the README, "Tensor parallelism")."""
     parallel = vllm_config.parallel_config
-    for what in ("tensor_parallel_size", "pipeline_parallel_size"):
-        size = int(getattr(parallel, what, 1) or 1)
-        if size != 1:
-            raise UnsupportedSetupError(
-                f"{what}={size}: DisaggPushConnector supports one worker per instance "
-                "(tensor and pipeline parallel size 1 on P and D)"
-            )
+    size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if size != 1:
+        raise UnsupportedSetupError(
+            f"pipeline_parallel_size={size}: DisaggPushConnector supports pipeline parallel "
+            "size 1 on P and D (tensor parallel is supported)"
+        )
     model = getattr(vllm_config, "model_config", None)
     if model is not None and bool(getattr(model, "use_mla", False)):
         raise UnsupportedSetupError(

@@ -35,10 +35,15 @@ def test_a_plain_single_worker_setup_passes() -> None:
     refuse_unsupported(vllm_config(), None)  # a role that has no KV cache config yet
 
 
+def test_tensor_parallel_is_allowed() -> None:
+    refuse_unsupported(vllm_config(tp=2), kv_cache_config())
+    refuse_unsupported(vllm_config(tp=8), None)
+
+
 @pytest.mark.parametrize(
     ("config", "groups", "reason"),
     [
-        (vllm_config(tp=2), 1, "tensor_parallel_size=2"),
+        (vllm_config(tp=2, pp=2), 1, "pipeline_parallel_size=2"),
         (vllm_config(pp=4), 1, "pipeline_parallel_size=4"),
         (vllm_config(mla=True), 1, "MLA"),
         (vllm_config(), 2, "2 KV cache groups"),
