@@ -1,14 +1,17 @@
 """P's transfer decisions, without threads, sockets or NIXL (driven by :mod:`connector.producer`).
 
-:class:`ProducerState` matches finished prefills with D's registrations, plans the WRITEs (their
-descriptors and notification), judges posted WRITEs, runs the leases and says whom to notify of
-a failure. Every method is thread-safe and takes its time from the injected clock, so the unit
-tests drive it step by step with a fake clock.
+:class:`ProducerState` (one per P rank) matches finished prefills with D ranks' registrations,
+plans the WRITEs (their descriptors over the bytes this rank sends that D rank, and the
+notification), judges posted WRITEs, runs the leases and says whom to notify of a failure.
+Every method is thread-safe and takes its time from the injected clock, so the unit tests drive
+it step by step with a fake clock.
 
-Invariants: P's blocks for a request are reported released exactly once: when its WRITE is
-done or failed, when its lease runs out without a registration, or at once when P failed it.
-A WRITE is never *planned* after D's budget for it has passed, and D's ``cancel`` is answered
-``cancelled`` only when no WRITE for that key has been planned.
+Invariants: P's blocks for a request are reported released exactly once: when the WRITE of
+every D rank this P rank serves is done or failed, when its lease runs out (and no WRITE is
+open), at once when P failed it or D cancelled it (once no WRITE is open), or at once on a rank
+that only holds replicas of heads another rank sends. A WRITE is never *planned* after D's
+budget for it has passed, and D's ``cancel`` is answered ``cancelled`` only when no WRITE into
+that D rank has been planned.
 """
 
 from __future__ import annotations
