@@ -44,7 +44,9 @@ pytestmark = [pytest.mark.vllm]
 
 TOP = 5
 TIMEOUT = httpx.Timeout(180.0, connect=10.0)
-EXTRA = {"transfer_timeout_s": 20.0, "liveness_interval_s": 0.5}
+# Bounds sized for a loaded 2-core machine running six workers (a starved worker can take many
+# seconds to finish a WRITE); the failure tests below end by P's and D's own signals, not these.
+EXTRA = {"transfer_timeout_s": 90.0, "max_inflight_s": 60.0, "lease_s": 120.0}
 PAIRS = [("p0", "d0"), ("p1", "d0"), ("p0", "d1"), ("p1", "d1")]
 
 
@@ -135,7 +137,7 @@ def free(inst: StackInstance) -> bool:
 def wait_all_kv_free(stack: Stack) -> None:
     """Every instance idle with KV usage back to 0."""
     for inst in stack.instances:
-        wait_until(partial(free, inst), 30.0, f"{inst.name} idle with KV usage 0", 0.25)
+        wait_until(partial(free, inst), 60.0, f"{inst.name} idle with KV usage 0", 0.25)
 
 
 @pytest.mark.parametrize(("p_name", "d_name"), PAIRS, ids=[f"{p}-{d}" for p, d in PAIRS])
