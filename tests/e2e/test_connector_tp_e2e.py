@@ -50,7 +50,7 @@ EXTRA = {"transfer_timeout_s": 90.0, "max_inflight_s": 60.0, "lease_s": 120.0}
 D_TP2_OPEN = pytest.mark.xfail(
     reason="open: D TP 2's registrations to P time out on the side channel (2 s) on this "
     "machine, so the transfer ends by D's hard bound; see connector/README.md, Limits",
-    strict=False,
+    run=False,  # each would wait out the 150 s hard bound
 )
 PAIRS = [("p0", "d0"), ("p1", "d0"), ("p0", "d1"), ("p1", "d1")]
 CASES = [
