@@ -34,6 +34,32 @@ Transport = Callable[[str, int, bytes, float], bytes]
 :class:`~connector.errors.SideChannelError` (see :func:`connector.side_channel.request`)."""
 
 
+def _all_done(futures: list[Future[None]]) -> Future[None]:
+    """A future done when all of ``futures`` are, with the first one's error if any raised."""
+    if len(futures) == 1:
+        return futures[0]
+    out: Future[None] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[None]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [f.exception() for f in futures if not f.cancelled() and f.exception()]
+        if errors and errors[0] is not None:
+            out.set_exception(errors[0])
+        else:
+            out.set_result(None)
+
+    if not futures:
+        out.set_result(None)
+    for future in futures:
+        future.add_done_callback(one_done)
+    return out
+
+
 class PushConsumer:
     """Owns D's side-channel pool and receiver thread; see the module docstring."""
 
@@ -66,21 +92,22 @@ class PushConsumer:
 
     # ---- engine thread -------------------------------------------------------------------
     def register(self, spec: RecvSpec) -> Future[None]:
-        """Ask P to write into ``spec.block_ids`` (non-blocking; the outcome comes through
-        :meth:`take_results`). The future is done once P has answered (or could not)."""
-        future = self._submit(self._state.register(spec))
+        """Ask each P rank this D rank takes heads from to write into ``spec.block_ids``
+        (non-blocking; the outcome comes through :meth:`take_results`). The future is done
+        once every P rank has answered (or could not)."""
+        future = _all_done([self._submit(ask) for ask in self._state.register(spec)])
         self._wake.set()
         return future
 
     def cancel(self, d_request_id: str) -> None:
         """D aborted the request: release its blocks once no WRITE can still land."""
-        ask = self._state.cancel(d_request_id)
-        if ask is not None:
+        for ask in self._state.cancel(d_request_id):
             self._submit(ask)
 
     def cancel_key(self, cancel: KeyCancel) -> None:
         """Tell P that a key will never be registered (best effort, non-blocking)."""
-        self._submit(self._state.forget(cancel))
+        for ask in self._state.forget(cancel):
+            self._submit(ask)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """``(finished, failed)`` since the last call; ``failed`` is a subset of ``finished``.

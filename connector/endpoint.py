@@ -36,8 +36,12 @@ class Endpoint(Protocol):
         """This agent's metadata, for a peer's :meth:`prepare_remote`."""
         ...
 
-    def prepare_remote(self, agent_name: str, metadata: bytes, layout: LayoutSpec) -> None:
-        """Load a peer and prepare a descriptor list over its ``layout`` (idempotent per peer)."""
+    def prepare_remote(
+        self, agent_name: str, metadata: bytes, layout: LayoutSpec, local: LayoutSpec | None = None
+    ) -> None:
+        """Load a peer and prepare a descriptor list over its ``layout`` (idempotent per peer);
+        WRITEs to it take local descriptors over ``local`` (a narrowed view of :attr:`layout`,
+        e.g. one KV head of each block; default the whole layout)."""
         ...
 
     def connect(self, agent_name: str) -> None:

@@ -61,6 +61,20 @@ def resolve_config(extra: dict[str, Any]) -> ConnectorConfig:
     return ConnectorConfig.from_extra_config(merged)
 
 
+def _tp_size(vllm_config: Any) -> int:
+    return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+
+
+def _tp_rank(vllm_config: Any) -> int:
+    """This worker's tensor-parallel rank (vLLM's process group is up when a worker-side
+    connector is created)."""
+    if _tp_size(vllm_config) == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """Push-mode NIXL KV connector (D registers blocks, P WRITEs them). See the README."""
 
@@ -85,6 +99,7 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._config.side_channel_host,
                 self._config.side_channel_port,
                 vllm_config.cache_config.block_size,
+                tp_size=_tp_size(vllm_config),
                 shape=engine_shape(vllm_config),
             )
         else:
@@ -98,6 +113,9 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 block_size=int(vllm_config.cache_config.block_size),
                 kv_buffer_device=str(ktc.kv_buffer_device),
                 kv_cache_layout=str(getattr(kv_cache_config, "kv_cache_layout", None) or ""),
+                tp_rank=_tp_rank(vllm_config),
+                tp_size=_tp_size(vllm_config),
+                total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
             )
             self._worker = PushWorker(setup, self._config)
 

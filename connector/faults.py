@@ -46,8 +46,10 @@ class FaultInjectingEndpoint:
     def metadata(self) -> bytes:
         return self._inner.metadata()
 
-    def prepare_remote(self, agent_name: str, metadata: bytes, layout: LayoutSpec) -> None:
-        self._inner.prepare_remote(agent_name, metadata, layout)
+    def prepare_remote(
+        self, agent_name: str, metadata: bytes, layout: LayoutSpec, local: LayoutSpec | None = None
+    ) -> None:
+        self._inner.prepare_remote(agent_name, metadata, layout, local=local)
 
     def connect(self, agent_name: str) -> None:
         self._inner.connect(agent_name)

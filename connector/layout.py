@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from connector.errors import LayoutError, ProtocolError, UnsupportedSetupError
@@ -74,6 +74,16 @@ class LayoutSpec:
     """The interior of one block of one region: ``dim:size`` in memory order, outermost first
     (``/split`` marks a dimension that makes separate regions). Equal on P and D when they use
     the same model and the same KV cache layout (``VLLM_KV_CACHE_LAYOUT``)."""
+    head_bytes: int = 0
+    """Bytes of one KV head inside a block of a region when this worker's heads are the
+    outermost dimension inside a block (HND layouts, vLLM CPU): each head is then one contiguous
+    chunk. 0 when they are not (NHD) or unknown: only whole blocks can be moved."""
+    tp_rank: int = 0
+    """This worker's tensor-parallel rank."""
+    tp_size: int = 1
+    """Tensor-parallel size of this worker's instance."""
+    total_kv_heads: int = 0
+    """KV heads of the model (all ranks together); 0 when a peer did not state it (TP 1)."""
 
     def to_json(self) -> dict[str, Any]:
         """The ``d_layout`` object of a ``register`` message (v1 peers read only the first two
@@ -86,11 +96,39 @@ class LayoutSpec:
             "dtype": self.dtype,
             "block_size": self.block_size,
             "block_format": self.block_format,
+            "head_bytes": self.head_bytes,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "total_kv_heads": self.total_kv_heads,
+            "kv_heads": list(self.kv_heads()) if self.total_kv_heads else [],
         }
+
+    def kv_heads(self) -> tuple[int, int]:
+        """``(first, end)`` of the KV heads this rank holds (:func:`rank_kv_heads`)."""
+        heads = rank_kv_heads(self.total_kv_heads, self.tp_size, self.tp_rank)
+        return heads.start, heads.stop
 
     @classmethod
     def from_json(cls, raw: Any) -> LayoutSpec:
-        """Parse :meth:`to_json` output; raises :class:`ProtocolError` naming what is wrong."""
+        """Parse :meth:`to_json` output; raises :class:`ProtocolError` naming what is wrong.
+
+        A peer without the tensor-parallel keys (``tp_rank``, ``tp_size``, ``total_kv_heads``,
+        ``head_bytes``) is a TP 1 peer. A stated ``kv_heads`` range must be the one its rank
+        holds."""
+        layout = cls._from_json(raw)
+        try:
+            stated = tuple(int(h) for h in raw.get("kv_heads") or ())
+            if layout.total_kv_heads and stated and stated != layout.kv_heads():
+                raise ProtocolError(
+                    f"bad layout: kv_heads {list(stated)} are not rank {layout.tp_rank} of "
+                    f"{layout.tp_size}'s {list(layout.kv_heads())}"
+                )
+        except (TypeError, ValueError, LayoutError) as exc:
+            raise ProtocolError(f"bad layout: {exc}") from exc
+        return layout
+
+    @classmethod
+    def _from_json(cls, raw: Any) -> LayoutSpec:
         try:
             mem_type = raw.get("mem_type", "DRAM")
             if mem_type not in ("DRAM", "VRAM"):
@@ -103,6 +141,10 @@ class LayoutSpec:
                 dtype=str(raw.get("dtype", "")),
                 block_size=int(raw.get("block_size", 0)),
                 block_format=str(raw.get("block_format", "")),
+                head_bytes=int(raw.get("head_bytes", 0)),
+                tp_rank=int(raw.get("tp_rank", 0)),
+                tp_size=int(raw.get("tp_size", 1)),
+                total_kv_heads=int(raw.get("total_kv_heads", 0)),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ProtocolError):
@@ -130,6 +172,163 @@ class LayoutSpec:
             if a.block_bytes != b.block_bytes:
                 return f"region {i} block bytes differ: {a.block_bytes} vs {b.block_bytes}"
         return None
+
+
+# ---- tensor parallel: which KV heads go from which P rank to which D rank --------------------
+def rank_kv_heads(total: int, tp_size: int, rank: int) -> range:
+    """The KV heads (of ``total``) that TP rank ``rank`` of ``tp_size`` holds, as vLLM splits
+    them: ``total / tp_size`` consecutive heads each, or, when ``total < tp_size``, one head
+    replicated on ``tp_size / total`` consecutive ranks. ``total`` 0 (unknown) means TP 1 holds
+    everything (``range(0, 0)``). Raises :class:`LayoutError` for sizes vLLM refuses too."""
+    if not 0 <= rank < tp_size:
+        raise LayoutError(f"tensor-parallel rank {rank} outside size {tp_size}")
+    if total <= 0:
+        return range(0, 0)
+    if total >= tp_size:
+        if total % tp_size:
+            raise LayoutError(f"{total} KV heads do not divide over {tp_size} ranks")
+        per = total // tp_size
+        return range(rank * per, rank * per + per)
+    if tp_size % total:
+        raise LayoutError(f"{tp_size} ranks do not replicate {total} KV heads evenly")
+    head = rank // (tp_size // total)
+    return range(head, head + 1)
+
+
+def is_source_rank(total: int, tp_size: int, rank: int) -> bool:
+    """Whether P rank ``rank`` sends KV at all: of the ranks holding replicas of the same heads
+    (``total < tp_size``) only the first sends; the others free their blocks at once."""
+    return total <= 0 or total >= tp_size or rank % (tp_size // total) == 0
+
+
+@dataclass(frozen=True)
+class HeadCopy:
+    """P rank ``p_rank`` supplies the KV heads ``heads`` (absolute indices) to one D rank."""
+
+    p_rank: int
+    heads: range
+
+
+def head_sources(total: int, p_tp: int, d_tp: int, d_rank: int) -> tuple[HeadCopy, ...]:
+    """Which P ranks D rank ``d_rank`` takes its heads from, in P rank order: every head from
+    exactly one P rank (the first replica when P replicates heads). ``total`` 0: TP 1 peers."""
+    if total <= 0:
+        return (HeadCopy(0, range(0, 0)),)
+    want = rank_kv_heads(total, d_tp, d_rank)
+    out = []
+    for p_rank in range(p_tp):
+        if not is_source_rank(total, p_tp, p_rank):
+            continue
+        have = rank_kv_heads(total, p_tp, p_rank)
+        lo, hi = max(want.start, have.start), min(want.stop, have.stop)
+        if lo < hi:
+            out.append(HeadCopy(p_rank, range(lo, hi)))
+    return tuple(out)
+
+
+def served_d_ranks(total: int, p_tp: int, d_tp: int, p_rank: int) -> frozenset[int]:
+    """The D ranks that take heads from P rank ``p_rank`` (each registers with it once)."""
+    return frozenset(
+        d
+        for d in range(d_tp)
+        if any(c.p_rank == p_rank for c in head_sources(total, p_tp, d_tp, d))
+    )
+
+
+@dataclass(frozen=True)
+class HeadTransfer:
+    """What one P rank writes into one D rank, inside every block of every region: ``length``
+    bytes from ``p_offset`` in P's block to ``d_offset`` in D's (the whole block when both
+    hold the same heads)."""
+
+    p_offset: int
+    d_offset: int
+    length: int
+    d_ranks: frozenset[int]
+    """The D ranks this P rank serves for the same request (it keeps its blocks until each has
+    had its WRITE, or its lease ran out)."""
+
+    def views(self, p: LayoutSpec, d: LayoutSpec) -> tuple[LayoutSpec, LayoutSpec]:
+        """``(P's, D's)`` layouts narrowed to the bytes moved; their descriptor positions are the
+        full layouts' (:func:`descriptor_index` is unchanged)."""
+        return _narrow(p, self.p_offset, self.length), _narrow(d, self.d_offset, self.length)
+
+
+def _narrow(layout: LayoutSpec, offset: int, length: int) -> LayoutSpec:
+    if offset == 0 and all(r.block_bytes == length for r in layout.regions):
+        return layout
+    regions = tuple(
+        RegionSpec(r.addr + offset, r.block_stride, length, r.num_blocks) for r in layout.regions
+    )
+    return replace(layout, regions=regions)
+
+
+def head_transfer(p: LayoutSpec, d: LayoutSpec) -> HeadTransfer | str:
+    """How P rank ``p`` writes into D rank ``d`` (each layout states its rank), or why it
+    cannot (the registration is then refused with that reason).
+
+    Both hold the same heads: whole blocks, with :meth:`LayoutSpec.compatible_with`'s checks
+    (any KV cache layout). Otherwise only a slice of heads moves, so both layouts must keep
+    each head contiguous inside a block (``head_bytes``), with the same bytes per head.
+    """
+    if p.tp_size > 1 and not d.total_kv_heads:
+        return f"D states no KV head count (a TP 1-only peer) but P has tp_size={p.tp_size}"
+    total = p.total_kv_heads if d.tp_size == 1 and not d.total_kv_heads else d.total_kv_heads
+    if p.total_kv_heads and total != p.total_kv_heads:
+        return f"KV head count differs: {total} vs {p.total_kv_heads}"
+    try:
+        copy = next(
+            (
+                c
+                for c in head_sources(total, p.tp_size, d.tp_size, d.tp_rank)
+                if c.p_rank == p.tp_rank
+            ),
+            None,
+        )
+        p_heads = rank_kv_heads(total, p.tp_size, p.tp_rank)
+        d_heads = rank_kv_heads(total, d.tp_size, d.tp_rank)
+    except LayoutError as exc:
+        return str(exc)
+    if copy is None:
+        return f"D rank {d.tp_rank} of {d.tp_size} takes no KV heads from P rank {p.tp_rank}"
+    served = served_d_ranks(total, p.tp_size, d.tp_size, p.tp_rank)
+    if p_heads == d_heads:
+        why = d.compatible_with(p)
+        full = p.regions[0].block_bytes if p.regions else 0
+        return why if why is not None else HeadTransfer(0, 0, full, served)
+    return _slice_transfer(p, d, copy.heads, (p_heads.start, d_heads.start), served)
+
+
+def _slice_transfer(
+    p: LayoutSpec, d: LayoutSpec, heads: range, starts: tuple[int, int], served: frozenset[int]
+) -> HeadTransfer | str:
+    """The head slice P writes into D when they hold different heads (see :func:`head_transfer`)."""
+    for side, layout in (("P", p), ("D", d)):
+        if not layout.head_bytes:
+            return (
+                f"KV heads are not contiguous inside a block on {side} (block layout "
+                f"{layout.block_format or '?'}): different tensor-parallel sizes need a KV cache "
+                "layout with heads outermost in a block (HND, e.g. VLLM_KV_CACHE_LAYOUT=LBHNC)"
+            )
+    for what, mine, theirs in (
+        ("dtype", d.dtype, p.dtype),
+        ("block size (tokens)", d.block_size, p.block_size),
+        ("bytes per KV head in a block", d.head_bytes, p.head_bytes),
+        ("block layout of one head", _head_format(d), _head_format(p)),
+        ("region count", len(d.regions), len(p.regions)),
+        ("physical blocks per logical block", d.blocks_per_logical, p.blocks_per_logical),
+    ):
+        if mine != theirs:
+            return f"{what} differs: {mine} vs {theirs}"
+    hb = p.head_bytes
+    first = heads.start
+    return HeadTransfer((first - starts[0]) * hb, (first - starts[1]) * hb, len(heads) * hb, served)
+
+
+def _head_format(layout: LayoutSpec) -> str:
+    """``block_format`` without the heads dimension (``1:<heads>`` of vLLM's ``[B, H, N, C]``
+    views; absent when a rank holds one head)."""
+    return ",".join(p for p in layout.block_format.split(",") if not p.startswith("1:"))
 
 
 # ---- descriptor arithmetic ------------------------------------------------------------------
@@ -269,6 +468,7 @@ def layout_from_kv_caches(
     per_logical: set[int] = set()
     formats: set[str] = set()
     dtypes: set[str] = set()
+    heads: set[int] = set()
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     for name in sorted(kv_caches):
         t = kv_caches[name]
@@ -276,10 +476,11 @@ def layout_from_kv_caches(
         if ident in seen:
             continue
         seen.add(ident)
-        found, k, fmt = _tensor_regions(name, t, num_blocks)
+        found, k, fmt, head_bytes = _tensor_regions(name, t, num_blocks)
         regions += found
         per_logical.add(k)
         formats.add(fmt)
+        heads.add(head_bytes)
         dtypes.add(str(t.dtype).removeprefix("torch."))
     if len(per_logical) > 1:
         raise LayoutError("layers disagree on physical blocks per logical block")
@@ -293,6 +494,7 @@ def layout_from_kv_caches(
         dtype=dtypes.pop() if dtypes else "",
         block_size=block_size,
         block_format=formats.pop() if formats else "",
+        head_bytes=heads.pop() if len(heads) == 1 else 0,
     )
 
 
@@ -305,8 +507,9 @@ def _block_dim(name: str, shape: tuple[int, ...], num_blocks: int) -> int:
 
 def _tensor_regions(
     name: str, t: torch.Tensor, num_blocks: int
-) -> tuple[list[RegionSpec], int, str]:
-    """One tensor's regions, physical blocks per logical block and block format."""
+) -> tuple[list[RegionSpec], int, str, int]:
+    """One tensor's regions, physical blocks per logical block, block format and bytes per
+    head in a block (:func:`_head_bytes`)."""
     shape, strides = tuple(t.shape), tuple(t.stride())
     bdim = _block_dim(name, shape, num_blocks)
     inner = sorted(
@@ -344,4 +547,15 @@ def _tensor_regions(
         (d for d in range(len(shape)) if d != bdim and shape[d] > 1), key=lambda d: -strides[d]
     )
     fmt = ",".join(f"{d}:{shape[d]}{'/split' if d in split else ''}" for d in order)
-    return regions, shape[bdim] // num_blocks, fmt
+    return regions, shape[bdim] // num_blocks, fmt, _head_bytes(shape, bdim, dense, chunk * elem)
+
+
+def _head_bytes(shape: tuple[int, ...], bdim: int, dense: list[int], block_bytes: int) -> int:
+    """Bytes of one KV head in a block when heads are contiguous chunks of it (vLLM's
+    ``[B, H, N, C]`` views with H outermost among the dense dimensions, or one head), else 0."""
+    if len(shape) != 4 or bdim != 0:
+        return 0
+    heads = shape[1]
+    if heads == 1:
+        return block_bytes
+    return block_bytes // heads if dense and dense[-1] == 1 else 0

@@ -101,6 +101,8 @@ class NixlEndpoint:
             local = self._agent.get_xfer_descs(descriptors(layout), layout.mem_type)
             self._local_handle: Any = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local)
         self._remote_handles: dict[str, Any] = {}
+        self._local_views: dict[LayoutSpec, Any] = {layout: self._local_handle}
+        self._peer_local: dict[str, Any] = {}  # agent -> local handle its WRITEs use
         self._unread: list[bytes] = []
 
     @property
@@ -122,11 +124,21 @@ class NixlEndpoint:
             name = self._agent.add_remote_agent(metadata)
         return name.decode() if isinstance(name, bytes) else str(name)
 
-    def prepare_remote(self, agent_name: str, metadata: bytes, layout: LayoutSpec) -> None:
-        """Load a peer and prepare a descriptor list over its ``layout`` (once per agent)."""
+    def prepare_remote(
+        self, agent_name: str, metadata: bytes, layout: LayoutSpec, local: LayoutSpec | None = None
+    ) -> None:
+        """Load a peer and prepare a descriptor list over its ``layout`` (once per agent), and
+        a local one over ``local`` for WRITEs to it (once per distinct view; default: the
+        whole local layout). Both views keep the full layouts' descriptor positions."""
         with self.lock:
             if agent_name in self._remote_handles:
                 return
+            view = local or self._layout
+            if view not in self._local_views:
+                with _nixl("local descriptor list"):
+                    descs = self._agent.get_xfer_descs(descriptors(view), view.mem_type)
+                    self._local_views[view] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs)
+            self._peer_local[agent_name] = self._local_views[view]
             loaded = self.add_peer(metadata)
             if loaded != agent_name:
                 raise TransferError(f"agent metadata names {loaded!r}, expected {agent_name!r}")
@@ -150,7 +162,7 @@ class NixlEndpoint:
         with self.lock, _nixl("WRITE"):
             handle = self._agent.make_prepped_xfer(
                 "WRITE",
-                self._local_handle,
+                self._peer_local[agent_name],
                 local_ids,
                 self._remote_handles[agent_name],
                 remote_ids,
@@ -202,6 +214,7 @@ class NixlEndpoint:
     def forget_peer(self, agent_name: str) -> None:
         with self.lock, _nixl("remove_remote_agent"):
             handle = self._remote_handles.pop(agent_name, None)
+            self._peer_local.pop(agent_name, None)
             if handle is not None:
                 self._agent.release_dlist_handle(handle)
             self._agent.remove_remote_agent(agent_name)
@@ -211,5 +224,6 @@ class NixlEndpoint:
             for name in list(self._remote_handles):
                 self.forget_peer(name)
             with _nixl("deregistration"):
-                self._agent.release_dlist_handle(self._local_handle)
+                for handle in self._local_views.values():
+                    self._agent.release_dlist_handle(handle)
                 self._agent.deregister_memory(self._reg)

@@ -127,10 +127,16 @@ class PushProducer:
             self.health.survived("dpc-writer: NIXL progress", exc)
         return self._state.busy()
 
+    def _prepare_remote(self, reg: Registration) -> None:
+        """Load D's agent and prepare both sides' descriptor lists over the bytes this P rank
+        writes into that D rank (whole blocks, or a head slice when their TP sizes differ)."""
+        local, remote = self._state.views(reg)
+        self._ep.prepare_remote(reg.d_agent_name, reg.d_agent_metadata, remote, local=local)
+
     def _connect(self, reg: Registration) -> None:
         """Load D's agent, prepare its descriptors and open the connection before any WRITE."""
         try:
-            self._ep.prepare_remote(reg.d_agent_name, reg.d_agent_metadata, reg.d_layout)
+            self._prepare_remote(reg)
             self._ep.connect(reg.d_agent_name)
         except TransferError as exc:  # the WRITE connects (or fails) when it is posted
             self.health.survived(f"dpc-writer: connect to D agent {reg.d_agent_name}", exc)
@@ -141,7 +147,7 @@ class PushProducer:
         reg = write.reg
         assert write.local_ids is not None  # planning set them
         try:
-            self._ep.prepare_remote(reg.d_agent_name, reg.d_agent_metadata, reg.d_layout)
+            self._prepare_remote(reg)
             handle = self._ep.write(
                 reg.d_agent_name, write.local_ids, write.remote_ids, write.notif
             )
@@ -167,7 +173,7 @@ class PushProducer:
 
     def _notify(self, reg: Registration, note: bytes) -> None:
         try:
-            self._ep.prepare_remote(reg.d_agent_name, reg.d_agent_metadata, reg.d_layout)
+            self._prepare_remote(reg)
             self._ep.send_notif(reg.d_agent_name, note)
         except TransferError as exc:  # D's own bounds (timeout, pings) end its wait
             self.health.survived(f"dpc-writer: fail notification for {reg.transfer_key}", exc)

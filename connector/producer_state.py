@@ -1,14 +1,17 @@
 """P's transfer decisions, without threads, sockets or NIXL (driven by :mod:`connector.producer`).
 
-:class:`ProducerState` matches finished prefills with D's registrations, plans the WRITEs (their
-descriptors and notification), judges posted WRITEs, runs the leases and says whom to notify of
-a failure. Every method is thread-safe and takes its time from the injected clock, so the unit
-tests drive it step by step with a fake clock.
+:class:`ProducerState` (one per P rank) matches finished prefills with D ranks' registrations,
+plans the WRITEs (their descriptors over the bytes this rank sends that D rank, and the
+notification), judges posted WRITEs, runs the leases and says whom to notify of a failure.
+Every method is thread-safe and takes its time from the injected clock, so the unit tests drive
+it step by step with a fake clock.
 
-Invariants: P's blocks for a request are reported released exactly once: when its WRITE is
-done or failed, when its lease runs out without a registration, or at once when P failed it.
-A WRITE is never *planned* after D's budget for it has passed, and D's ``cancel`` is answered
-``cancelled`` only when no WRITE for that key has been planned.
+Invariants: P's blocks for a request are reported released exactly once: when the WRITE of
+every D rank this P rank serves is done or failed, when its lease runs out (and no WRITE is
+open), at once when P failed it or D cancelled it (once no WRITE is open), or at once on a rank
+that only holds replicas of heads another rank sends. A WRITE is never *planned* after D's
+budget for it has passed, and D's ``cancel`` is answered ``cancelled`` only when no WRITE into
+that D rank has been planned.
 """
 
 from __future__ import annotations
@@ -16,16 +19,25 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from connector.config import ConnectorConfig
 from connector.endpoint import XferState
 from connector.errors import ProtocolError
-from connector.layout import DescriptorIndex, LayoutSpec, descriptor_index, transfer_bytes
+from connector.layout import (
+    DescriptorIndex,
+    HeadTransfer,
+    LayoutSpec,
+    descriptor_index,
+    head_transfer,
+    is_source_rank,
+    transfer_bytes,
+)
 from connector.protocol import (
     Notification,
     Registration,
     Reply,
+    cancel_from_body,
     decode_request,
     encode_notification,
     encode_reply,
@@ -35,6 +47,10 @@ from connector.records import TransferRecord
 from connector.specs import SendAbort, SendSpec
 
 logger = logging.getLogger(__name__)
+
+
+Slot = tuple[str, int]
+"""``(transfer key, D rank)``: one WRITE of one P rank into one D rank's blocks."""
 
 
 @dataclass
@@ -47,25 +63,49 @@ class _Registered:
     empty when they do not fit D's layout (``remote_error`` says why)."""
     notif: bytes
     """The ``done`` notification, also encoded on arrival."""
+    transfer: HeadTransfer
+    """Which bytes of each block move, and the D ranks this P rank serves for the request."""
     remote_error: str = ""
     """Why D's block ids do not fit D's own layout (the WRITE then fails when planned)."""
 
+    @property
+    def d_rank(self) -> int:
+        return self.reg.d_layout.tp_rank
 
-def _registered(reg: Registration, now: float) -> _Registered:
+
+def _registered(reg: Registration, now: float, transfer: HeadTransfer, p_rank: int) -> _Registered:
     """A registration with its WRITE's D-side half prepared."""
-    notif = encode_notification(Notification("done", reg.transfer_key, reg.d_request_id))
+    note = Notification("done", reg.transfer_key, reg.d_request_id, p_rank=p_rank)
+    notif = encode_notification(note)
+    start_by = now + reg.budget_s
     try:
         remote_ids = descriptor_index(reg.d_layout, reg.block_ids[0])
     except ValueError as exc:
         no_ids = descriptor_index(reg.d_layout, ())
-        return _Registered(reg, now, now + reg.budget_s, no_ids, notif, str(exc))
-    return _Registered(reg, now, now + reg.budget_s, remote_ids, notif)
+        return _Registered(reg, now, start_by, no_ids, notif, transfer, str(exc))
+    return _Registered(reg, now, start_by, remote_ids, notif, transfer)
+
+
+@dataclass
+class _Hold:
+    """A finished prefill whose blocks this P rank keeps for the D ranks it serves."""
+
+    spec: SendSpec
+    lease_end: float
+    expected: frozenset[int] | None = None
+    """The D ranks that will register (known with the first registration)."""
+    open: set[int] = field(default_factory=set)
+    """D ranks whose WRITE is planned or posted."""
+    served: set[int] = field(default_factory=set)
+    """D ranks whose WRITE is over (done or failed)."""
+    closed: bool = False
+    """No more WRITEs start (D cancelled, or the lease ran out): freed once none is open."""
 
 
 @dataclass
 class Write:
-    """One WRITE of P's blocks into D's: prepared by the state once both halves are known
-    (:func:`_write`), posted by the writer thread."""
+    """One WRITE of P's blocks into one D rank's: prepared by the state once both halves are
+    known (:func:`_write`), posted by the writer thread."""
 
     key: str
     fin: SendSpec
@@ -82,6 +122,10 @@ class Write:
     @property
     def reg(self) -> Registration:
         return self.entry.reg
+
+    @property
+    def slot(self) -> Slot:
+        return self.key, self.entry.d_rank
 
     @property
     def remote_ids(self) -> DescriptorIndex:
@@ -114,7 +158,8 @@ def _write(key: str, fin: SendSpec, entry: _Registered, layout: LayoutSpec) -> W
         return Write(key, fin, entry, error=f"WRITE could not be posted: {exc}")
     if entry.remote_error:
         return Write(key, fin, entry, error=f"WRITE could not be posted: {entry.remote_error}")
-    num_bytes = transfer_bytes(reg.d_layout, num_blocks)
+    moved = replace(reg.d_layout, regions=entry.transfer.views(layout, reg.d_layout)[1].regions)
+    num_bytes = transfer_bytes(moved, num_blocks)
     return Write(key, fin, entry, local_ids, num_blocks, num_bytes)
 
 
@@ -129,7 +174,7 @@ class WriterWork:
 
 
 class ProducerState:
-    """P's bookkeeping and decisions; see the module docstring."""
+    """P's bookkeeping and decisions for one P rank; see the module docstring."""
 
     def __init__(
         self,
@@ -143,12 +188,13 @@ class ProducerState:
         self._cfg = config
         self._clock = clock
         self._lock = threading.Lock()
-        self._finished: dict[str, tuple[SendSpec, float]] = {}  # key -> (spec, lease end)
-        self._registered: dict[str, _Registered] = {}
+        self._source = is_source_rank(layout.total_kv_heads, layout.tp_size, layout.tp_rank)
+        self._holds: dict[str, _Hold] = {}  # key -> finished prefill kept for D
+        self._registered: dict[str, dict[int, _Registered]] = {}  # key -> D rank -> waiting
         self._failed: dict[str, tuple[str, float]] = {}  # key -> (reason, forget_at)
         self._cancelled: dict[str, float] = {}  # key -> forget_at
-        self._ready: dict[str, Write] = {}
-        self._inflight: dict[str, Write] = {}
+        self._ready: dict[Slot, Write] = {}
+        self._inflight: dict[Slot, Write] = {}
         self._released: set[str] = set()
         self._records: list[TransferRecord] = []
         self._outbox: list[tuple[Registration, str]] = []  # fail notifications to send
@@ -159,26 +205,41 @@ class ProducerState:
     def add_finished(self, spec: SendSpec) -> None:
         """P finished this prefill; its blocks stay pinned until released. When D registered
         already, P's descriptor ids for the WRITE are computed here, on the calling (engine)
-        thread: tens of microseconds, so the writer only checks and posts."""
+        thread: tens of microseconds, so the writer only checks and posts. A P rank that holds
+        only replicas of heads another rank sends (:func:`is_source_rank`) frees at once."""
         key = spec.transfer_key
         lease_end = self._clock() + self._cfg.lease_s
         with self._lock:
-            if key in self._cancelled or key in self._failed:
+            if key in self._cancelled or key in self._failed or not self._source:
                 self._released.add(spec.p_request_id)
                 return
-            entry = self._registered.pop(key, None)
-            if entry is None:
-                self._finished[key] = (spec, lease_end)
-            else:
-                self._ready[key] = _write(key, spec, entry, self._layout)
+            hold = self._holds[key] = _Hold(spec, lease_end)
+            for entry in self._registered.pop(key, {}).values():
+                self._match(key, hold, entry)
+
+    def _match(self, key: str, hold: _Hold, entry: _Registered) -> None:
+        """Pair a registration with the finished prefill (caller holds the lock)."""
+        if hold.expected is None:
+            hold.expected = entry.transfer.d_ranks
+        hold.open.add(entry.d_rank)
+        self._ready[(key, entry.d_rank)] = _write(key, hold.spec, entry, self._layout)
+
+    def _maybe_release(self, key: str) -> None:
+        """Free the prefill once no WRITE is open and every D rank was served, or no more
+        WRITEs may start (caller holds the lock)."""
+        hold = self._holds.get(key)
+        if hold is None or hold.open:
+            return
+        if hold.closed or (hold.expected is not None and hold.served >= hold.expected):
+            del self._holds[key]
+            self._released.add(hold.spec.p_request_id)
 
     def abort(self, spec: SendAbort) -> None:
-        """P failed or aborted this prefill: tell a registered D now, a later one on arrival."""
+        """P failed or aborted this prefill: tell registered D ranks now, later ones on arrival."""
         with self._lock:
             forget_at = self._clock() + self._cfg.registration_ttl_s
             self._failed[spec.transfer_key] = (spec.reason, forget_at)
-            entry = self._registered.pop(spec.transfer_key, None)
-            if entry is not None:
+            for entry in self._registered.pop(spec.transfer_key, {}).values():
                 self._outbox.append((entry.reg, spec.reason))
 
     def take_released(self) -> set[str]:
@@ -195,7 +256,7 @@ class ProducerState:
     def pending_count(self) -> int:
         """Prefills whose blocks P still holds for a D."""
         with self._lock:
-            return len(self._finished) + len(self._ready) + len(self._inflight)
+            return len(self._holds)
 
     # ---- side channel ----------------------------------------------------------------------
     def handle_request(self, data: bytes) -> bytes:
@@ -205,7 +266,7 @@ class ProducerState:
             if kind == "ping":
                 return encode_reply(Reply("pong"))
             if kind == "cancel":
-                return encode_reply(self.cancel(str(body["transfer_key"])))
+                return encode_reply(self.cancel(*cancel_from_body(body)))
             if kind == "register":
                 return encode_reply(self.register(registration_from_body(body)))
             raise ProtocolError(f"unknown request type {kind!r}")
@@ -214,10 +275,12 @@ class ProducerState:
             return encode_reply(Reply("failed", f"protocol error: {exc}"))
 
     def register(self, reg: Registration) -> Reply:
-        """D asks for the KV of ``reg.transfer_key``: accept it, or refuse with the reason."""
-        reason = self._refusal(reg)
-        if reason is None:
-            reason = self._accept(reg)
+        """D rank ``reg.d_layout.tp_rank`` asks for its share of the KV of
+        ``reg.transfer_key``: accept it, or refuse with the reason."""
+        transfer = self.transfer_for(reg)
+        reason = transfer if isinstance(transfer, str) else self._refusal(reg)
+        if reason is None and not isinstance(transfer, str):
+            reason = self._accept(reg, transfer)
         if reason is not None:
             logger.warning(
                 "refused registration of %s from D agent %s: %s",
@@ -229,47 +292,70 @@ class ProducerState:
         logger.debug("registration for %s (D request %s)", reg.transfer_key, reg.d_request_id)
         return Reply("accepted")
 
+    def transfer_for(self, reg: Registration) -> HeadTransfer | str:
+        """What this P rank writes into ``reg``'s D rank (:func:`head_transfer`), or why not."""
+        why = head_transfer(self._layout, reg.d_layout)
+        return f"incompatible KV layout: {why}" if isinstance(why, str) else why
+
+    def views(self, reg: Registration) -> tuple[LayoutSpec, LayoutSpec]:
+        """``(P's, D's)`` layouts narrowed to the bytes moved for an accepted ``reg``: what the
+        writer prepares NIXL's descriptor lists over."""
+        transfer = self.transfer_for(reg)
+        if isinstance(transfer, str):  # never accepted; a notification needs no descriptors
+            return self._layout, reg.d_layout
+        return transfer.views(self._layout, reg.d_layout)
+
     def _refusal(self, reg: Registration) -> str | None:
         if reg.p_engine_id != self._engine_id:
             return f"engine id {reg.p_engine_id!r} is not {self._engine_id!r}"
-        why = reg.d_layout.compatible_with(self._layout)
-        if why is not None:
-            return f"incompatible KV layout: {why}"
         if len(reg.block_ids) != 1:
             return "only one KV cache group is supported"
         return None
 
-    def _accept(self, reg: Registration) -> str | None:
-        entry = _registered(reg, self._clock())
-        key = reg.transfer_key
+    def _accept(self, reg: Registration, transfer: HeadTransfer) -> str | None:
+        entry = _registered(reg, self._clock(), transfer, self._layout.tp_rank)
+        key, d_rank = reg.transfer_key, entry.d_rank
         with self._lock:
             if key in self._failed:
                 return self._failed[key][0]
             if key in self._cancelled:  # D's cancel overtook its registration
                 return "transfer was cancelled by D"
+            hold = self._holds.get(key)
+            waiting = self._registered.get(key, {})
+            if d_rank in waiting or (hold and d_rank in hold.open | hold.served):
+                return f"D rank {d_rank} registered {key} twice"
             if reg.d_agent_name not in self._known_agents:
                 self._warm[reg.d_agent_name] = reg
-            finished = self._finished.pop(key, None)
-            if finished is None:
-                self._registered[key] = entry
+            if hold is None:
+                self._registered.setdefault(key, {})[d_rank] = entry
             else:
-                self._ready[key] = _write(key, finished[0], entry, self._layout)
+                self._match(key, hold, entry)
         return None
 
-    def cancel(self, key: str) -> Reply:
-        """D gives up on ``key``: ``in_flight`` if a WRITE is planned or posted, else forget it
-        (``cancelled``, or ``unknown`` if P held nothing for it)."""
+    def cancel(self, key: str, d_rank: int = 0) -> Reply:
+        """D rank ``d_rank`` gives up on ``key``: ``in_flight`` if its WRITE is planned or
+        posted; else forget the key for every D rank (the request fails on D as a whole; the
+        others get ``failed``) and answer ``cancelled``, or ``unknown`` if P held nothing."""
         with self._lock:
-            if key in self._inflight:
+            if (key, d_rank) in self._inflight:
                 return Reply("in_flight")
             self._cancelled[key] = self._clock() + self._cfg.registration_ttl_s
-            write = self._ready.pop(key, None)
-            entry = self._registered.pop(key, None)
-            finished = self._finished.pop(key, None)
-            fin = write.fin if write is not None else finished[0] if finished else None
-            if fin is not None:
-                self._released.add(fin.p_request_id)
-        return Reply("cancelled" if (write or entry or fin) else "unknown")
+            entries = self._registered.pop(key, {})
+            hold = self._holds.get(key)
+            held = bool(entries) or hold is not None
+            for rank, entry in entries.items():
+                if rank != d_rank:
+                    self._outbox.append((entry.reg, "transfer was cancelled by another D rank"))
+            if hold is not None:
+                hold.closed = True
+                for rank in list(hold.open):
+                    write = self._ready.pop((key, rank), None)
+                    if write is not None:
+                        hold.open.discard(rank)
+                        if rank != d_rank:
+                            self._outbox.append((write.reg, "transfer was cancelled by D"))
+                self._maybe_release(key)
+        return Reply("cancelled" if held else "unknown")
 
     # ---- writer thread ---------------------------------------------------------------------
     def plan(self, now: float) -> WriterWork:
@@ -295,8 +381,8 @@ class ProducerState:
         """Move ``writes`` from ready to in flight (caller holds the lock): visible to cancel
         before the post."""
         for write in writes:
-            del self._ready[write.key]
-            self._inflight[write.key] = write
+            del self._ready[write.slot]
+            self._inflight[write.slot] = write
         return writes
 
     def _prepare(self, write: Write, now: float) -> bool:
@@ -336,7 +422,8 @@ class ProducerState:
         return None
 
     def finish(self, write: Write, ok: bool, reason: str = "") -> None:
-        """Record the outcome, release P's blocks and, on failure, queue D's notification."""
+        """Record the outcome, release P's blocks once every D rank it serves is done and, on
+        failure, queue D's notification."""
         now = self._clock()
         if not ok:
             logger.warning(
@@ -354,8 +441,12 @@ class ProducerState:
             reason=reason,
         )
         with self._lock:
-            self._inflight.pop(write.key, None)
-            self._released.add(write.fin.p_request_id)
+            self._inflight.pop(write.slot, None)
+            hold = self._holds.get(write.key)
+            if hold is not None:
+                hold.open.discard(write.entry.d_rank)
+                hold.served.add(write.entry.d_rank)
+                self._maybe_release(write.key)
             self._records.append(record)
             if not ok:
                 self._outbox.append((write.reg, reason))
@@ -364,11 +455,12 @@ class ProducerState:
         """``failed`` notifications to send now, with the registration naming their D."""
         with self._lock:
             outbox, self._outbox = self._outbox, []
+        rank = self._layout.tp_rank
         return [
             (
                 reg,
                 encode_notification(
-                    Notification("failed", reg.transfer_key, reg.d_request_id, why)
+                    Notification("failed", reg.transfer_key, reg.d_request_id, why, p_rank=rank)
                 ),
             )
             for reg, why in outbox
@@ -380,26 +472,42 @@ class ProducerState:
             return bool(self._inflight or self._ready)
 
     def expire(self, now: float) -> None:
-        """Free prefills whose lease ran out, fail registrations whose prefill never came."""
+        """Free prefills whose lease ran out before every D rank registered (a late one is
+        refused), fail registrations whose prefill never came."""
         with self._lock:
-            for key, (spec, lease_end) in list(self._finished.items()):
-                if now >= lease_end:
+            for key, hold in list(self._holds.items()):
+                served = hold.expected is not None and hold.served >= hold.expected
+                if now >= hold.lease_end and not hold.closed and not served:
                     logger.warning(
-                        "lease of %s (P request %s) ran out without a registration",
+                        "lease of %s (P request %s) ran out without a registration from D "
+                        "rank(s) %s",
                         key,
-                        spec.p_request_id,
+                        hold.spec.p_request_id,
+                        sorted(set(hold.expected or {0}) - hold.served - hold.open),
                     )
-                    del self._finished[key]
-                    self._released.add(spec.p_request_id)
-            for key, entry in list(self._registered.items()):
-                if now >= entry.received_at + self._cfg.registration_ttl_s or now > entry.start_by:
-                    del self._registered[key]
-                    self._outbox.append((entry.reg, "P never finished a prefill for this transfer"))
-                    # A prefill finishing later is freed at once instead of after its lease.
-                    self._cancelled[key] = now + self._cfg.registration_ttl_s
+                    hold.closed = True
+                    self._failed[key] = (
+                        "P's lease on the prefill ran out",
+                        now + self._cfg.registration_ttl_s,
+                    )
+                    self._maybe_release(key)
+            for key, entries in list(self._registered.items()):
+                self._expire_registrations(key, entries, now)
             for key, (_, forget_at) in list(self._failed.items()):
                 if now >= forget_at:
                     del self._failed[key]
             for key, forget_at in list(self._cancelled.items()):
                 if now >= forget_at:
                     del self._cancelled[key]
+
+    def _expire_registrations(self, key: str, entries: dict[int, _Registered], now: float) -> None:
+        """Fail the registrations of ``key`` whose prefill never came (caller holds the lock)."""
+        ttl = self._cfg.registration_ttl_s
+        for rank, entry in list(entries.items()):
+            if now >= entry.received_at + ttl or now > entry.start_by:
+                del entries[rank]
+                self._outbox.append((entry.reg, "P never finished a prefill for this transfer"))
+                # A prefill finishing later is freed at once instead of after its lease.
+                self._cancelled[key] = now + ttl
+        if not entries:
+            del self._registered[key]

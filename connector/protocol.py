@@ -10,6 +10,11 @@ Two carriers:
 
 Every message carries ``"v": PROTOCOL_VERSION``; a peer speaking another version is rejected
 with :class:`ProtocolError` naming both versions.
+
+Tensor parallelism extends v1 compatibly (the version stays 1): D's layout states its rank
+(``tp_rank``, ``tp_size``, ``total_kv_heads``, ``kv_heads``, ``head_bytes``), a ``cancel``
+carries ``d_tp_rank`` and a notification ``p_rank``. A peer that omits them is a TP 1 peer
+(rank 0 of 1); a peer that does not know them ignores them.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class Notification:
     transfer_key: str
     d_request_id: str
     reason: str = ""
+    p_rank: int = 0
+    """The tensor-parallel rank of the P worker that sends it (D waits for each P rank)."""
 
 
 def _check_version(obj: Any) -> dict[str, Any]:
@@ -87,6 +94,20 @@ def _check_version(obj: Any) -> dict[str, Any]:
 def encode_request(kind: str, body: dict[str, Any]) -> bytes:
     """A side-channel request frame of ``kind`` (``register``, ``cancel``, ``ping``)."""
     return json.dumps({"v": PROTOCOL_VERSION, "type": kind, **body}).encode()
+
+
+def encode_cancel(transfer_key: str, d_tp_rank: int = 0) -> bytes:
+    """D rank ``d_tp_rank`` gives up on ``transfer_key`` (or will never register it)."""
+    return encode_request("cancel", {"transfer_key": transfer_key, "d_tp_rank": d_tp_rank})
+
+
+def cancel_from_body(body: dict[str, Any]) -> tuple[str, int]:
+    """``(transfer_key, d_tp_rank)`` of a decoded ``cancel`` (rank 0 when a TP 1 peer omits
+    it); raises :class:`ProtocolError`."""
+    try:
+        return str(body["transfer_key"]), int(body.get("d_tp_rank", 0))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad cancel: {exc!r}") from exc
 
 
 def encode_registration(reg: Registration) -> bytes:
@@ -172,6 +193,7 @@ def decode_notification(data: bytes) -> Notification:
             transfer_key=str(obj["transfer_key"]),
             d_request_id=str(obj["d_request_id"]),
             reason=str(obj.get("reason", "")),
+            p_rank=int(obj.get("p_rank", 0)),
         )
-    except (json.JSONDecodeError, KeyError) as exc:
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"bad notification: {exc!r}") from exc

@@ -70,18 +70,24 @@ class PushScheduler:
         host: str,
         port: int,
         block_size: int,
+        tp_size: int = 1,
         shape: EngineShape | None = None,
     ) -> None:
-        """``shape``: what identity probes are answered (default: TP=PP=1, ``block_size``)."""
+        """``tp_size``: P's tensor parallel size (its ranks listen on ``port`` + rank);
+        ``shape``: what identity probes are answered (default: TP=``tp_size``, PP=1,
+        ``block_size``)."""
         self.engine_id = engine_id
         self.host = host
         self.port = port
         self.block_size = block_size
+        self.tp_size = tp_size
+        """This instance's tensor-parallel size, in P's answer (D's ranks find P's at
+        ``port + rank``)."""
         self._handled: set[str] = set()  # D requests already answered (never register twice)
         self._waiting: set[str] = set()  # D requests registered, not yet reported by the worker
         self._sending: set[str] = set()  # P requests whose blocks the worker still holds
         self._meta = PushConnectorMetadata()
-        self.shape = shape or EngineShape(tp_size=1, pp_size=1, block_size=block_size)
+        self.shape = shape or EngineShape(tp_size=tp_size, pp_size=1, block_size=block_size)
 
     # ---- D ---------------------------------------------------------------------------------
     def _remote(self, request: Request) -> DecodeLeg | None:
@@ -91,10 +97,10 @@ class PushScheduler:
         except ContractError as exc:
             logger.error("request %s: %s; prefilling locally", request.request_id, exc)
             return None
-        if leg is not None and (leg.peer.tp_size != 1 or leg.peer.pp_size != 1):
+        if leg is not None and (leg.peer.tp_size < 1 or leg.peer.pp_size != 1):
             logger.error(
-                "request %s: P has tp_size=%s pp_size=%s; only 1/1 is supported; prefilling "
-                "locally",
+                "request %s: P has tp_size=%s pp_size=%s; pipeline parallel P is not "
+                "supported; prefilling locally",
                 request.request_id,
                 leg.peer.tp_size,
                 leg.peer.pp_size,
@@ -123,7 +129,7 @@ class PushScheduler:
         host, port = leg.peer.host, leg.peer.port
         if num_external_tokens <= 0:
             # Full local hit: nothing to receive; let P free its blocks now.
-            self._meta.key_cancels.append(KeyCancel(key, host, port))
+            self._meta.key_cancels.append(KeyCancel(key, host, port, leg.peer.tp_size))
             return
         all_ids = blocks.get_block_ids()[0]
         new_ids = blocks.get_unhashed_block_ids_all_groups()[0]
@@ -138,6 +144,7 @@ class PushScheduler:
                 port=port,
                 block_ids=tuple(new_ids),
                 first_block=first_block,
+                p_tp_size=leg.peer.tp_size,
             )
         )
         logger.debug(
@@ -173,7 +180,8 @@ class PushScheduler:
         elif not was_handled and (leg := self._remote(request)) is not None:
             # Finished before any block was allocated: let P free its prefill now.
             key = transfer_key(leg.transfer_id, rid)
-            self._meta.key_cancels.append(KeyCancel(key, leg.peer.host, leg.peer.port))
+            peer = leg.peer
+            self._meta.key_cancels.append(KeyCancel(key, peer.host, peer.port, peer.tp_size))
         return False, None
 
     def _p_finished(
@@ -198,6 +206,7 @@ class PushScheduler:
             request_id=rid,
             block_ids=kept,
             num_tokens=request.num_computed_tokens,
+            tp_size=self.tp_size,
             transfer_id=leg.transfer_id,
         )
         out.update(engine_shape_params(self.shape))

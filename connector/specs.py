@@ -21,7 +21,8 @@ def transfer_key(transfer_id: str | None, request_id: str) -> str:
 
 @dataclass(frozen=True)
 class RecvSpec:
-    """D: register ``block_ids`` (group 0) of ``d_request_id`` with the P at ``host:port``."""
+    """D: register ``block_ids`` (group 0) of ``d_request_id`` with the P at ``host:port``
+    (its rank 0; the other ranks at the following ports)."""
 
     d_request_id: str
     transfer_key: str
@@ -30,6 +31,8 @@ class RecvSpec:
     port: int
     block_ids: tuple[int, ...]
     first_block: int
+    p_tp_size: int = 1
+    """P's tensor-parallel size: P rank ``r`` listens on ``port + r``."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class KeyCancel:
     transfer_key: str
     host: str
     port: int
+    p_tp_size: int = 1
+    """P's tensor-parallel size: P rank ``r`` listens on ``port + r``."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from connector import faults
@@ -47,6 +47,11 @@ class WorkerSetup:
     """``kv_transfer_config.kv_buffer_device``: must say where the KV cache is."""
     kv_cache_layout: str = ""
     """vLLM's resolved KV cache layout name (e.g. ``LBNHC``), for the logs."""
+    tp_rank: int = 0
+    """This worker's tensor-parallel rank (P: its side channel listens on the base port + it)."""
+    tp_size: int = 1
+    total_kv_heads: int = 0
+    """The model's KV heads, all ranks together (0: unknown, TP 1 only)."""
 
 
 @dataclass
@@ -84,24 +89,32 @@ class PushWorker:
         s = self.setup
         mem_type, device_id = kv_memory(kv_caches.values())
         check_buffer_device(mem_type, s.kv_buffer_device)
-        layout = layout_from_kv_caches(kv_caches, s.num_blocks, block_size=s.block_size)
-        name = f"dpc-{s.engine_id}-{uuid.uuid4().hex[:8]}"
+        layout = replace(
+            layout_from_kv_caches(kv_caches, s.num_blocks, block_size=s.block_size),
+            tp_rank=s.tp_rank,
+            tp_size=s.tp_size,
+            total_kv_heads=s.total_kv_heads,
+        )
+        name = f"dpc-{s.engine_id}-tp{s.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.endpoint = NixlEndpoint(name, layout, progress_thread=self.config.nixl_progress_thread)
         if s.is_producer:
             self.producer = PushProducer(
                 faults.wrap(self.endpoint, self.config),
                 s.engine_id,
-                self.config,
+                self._rank_config(),
                 health=self.health,
             )
             logger.info(
-                "P side channel on %s:%d", self.config.side_channel_host, self.producer.port
+                "P side channel of TP rank %d on %s:%d",
+                s.tp_rank,
+                self.config.side_channel_host,
+                self.producer.port,
             )
         if s.is_consumer:
             self.consumer = PushConsumer(self.endpoint, self.config, health=self.health)
         logger.info(
             "NIXL agent %s: %s device %d, %d regions x %d blocks, %s %d-token blocks, "
-            "vLLM layout %s, block format %s",
+            "vLLM layout %s, block format %s, KV heads %s of %d (%d bytes each in a block)",
             name,
             mem_type,
             device_id,
@@ -111,7 +124,17 @@ class PushWorker:
             layout.block_size,
             s.kv_cache_layout or "?",
             layout.block_format,
+            list(layout.kv_heads()) if layout.total_kv_heads else "?",
+            layout.total_kv_heads,
+            layout.head_bytes,
         )
+
+    def _rank_config(self) -> ConnectorConfig:
+        """P: each TP rank's side channel listens on the base port + its rank (0: any port)."""
+        port = self.config.side_channel_port
+        if not port:
+            return self.config
+        return replace(self.config, side_channel_port=port + self.setup.tp_rank)
 
     def start_step(self, meta: PushConnectorMetadata) -> None:
         """Hand this step's decisions to the transfer core (non-blocking)."""

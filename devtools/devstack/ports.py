@@ -73,3 +73,37 @@ def _socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     return sock
+
+
+def free_port_runs(count: int, length: int, host: str = LOOPBACK) -> list[int]:
+    """Return the first ports of ``count`` runs of ``length`` consecutive free ports, all
+    distinct (a tensor-parallel instance's side channels listen on ``first + rank``)."""
+    if length <= 1:
+        return free_ports(count, host)
+    choices = fixed_port_range()
+    held: list[socket.socket] = []
+    firsts: list[int] = []
+    try:
+        for _ in range(_TRIES):
+            if len(firsts) == count:
+                break
+            first = _bind_one(host, choices)
+            run = [first]
+            start = int(first.getsockname()[1])
+            for port in range(start + 1, start + length):
+                sock = _socket()
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    sock.close()
+                    break
+                run.append(sock)
+            held += run
+            if len(run) == length:
+                firsts.append(start)
+        if len(firsts) < count:
+            raise OSError(f"no {count} runs of {length} free ports on {host}")
+        return firsts
+    finally:
+        for sock in held:
+            sock.close()

@@ -6,8 +6,9 @@ returns a :class:`Stack`; the caller must :meth:`Stack.stop` it (or use it as a 
 :meth:`Stack.router_config` renders the router's YAML config (``router.config`` schema) for the
 stack, with or without the prefill identities (without them the router probes for them).
 
-Core pinning (sized for a 2-core machine): prefill instances on core 0, the decode instance on
-core 1; an aggregated instance on ``aggregated_core`` (default 0).
+Core pinning (sized for a 2-core machine): prefill instances on core 0, decode instances on
+core 1; an aggregated instance on ``aggregated_core`` (default 0). A tensor-parallel instance
+(``StackOptions.tensor_parallel``) pins its worker ``r`` to the next core ``r`` over.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import httpx
 import yaml
 
 from devstack.connectors import kv_transfer_config, router_mode
-from devstack.ports import free_ports
+from devstack.ports import free_port_runs, free_ports
 from devstack.tiny_model import ModelShape, make_tiny_model
 from devstack.vllm_server import (
     DEFAULT_STARTUP_TIMEOUT_S,
@@ -35,9 +36,9 @@ from devstack.vllm_server import (
     stop_servers,
 )
 
-Topology = Literal["1p1d", "2p1d", "aggregated"]
+Topology = Literal["1p1d", "2p1d", "2p2d", "aggregated"]
 InstanceRole = Literal["prefill", "decode", "aggregated"]
-TOPOLOGIES: tuple[Topology, ...] = ("1p1d", "2p1d", "aggregated")
+TOPOLOGIES: tuple[Topology, ...] = ("1p1d", "2p1d", "2p2d", "aggregated")
 MODEL_NAME = "tiny"
 PREFILL_CORE = 0
 DECODE_CORE = 1
@@ -54,6 +55,8 @@ class StackInstance:
     kv_events_ports: tuple[int, int] | None = None
     """Its KV event publisher (``tcp://*:port``) and replay ports when the stack has
     ``kv_events``."""
+    tp_size: int = 1
+    """Tensor-parallel size (its P side channels listen on ``side_channel_port + rank``)."""
 
     @property
     def kv_endpoints(self) -> dict[str, str]:
@@ -99,6 +102,8 @@ class StackOptions:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     model_shape: ModelShape = "llama"
     """Which tiny model every instance serves (:data:`devstack.tiny_model.SHAPES`)."""
+    tensor_parallel: Mapping[str, int] = field(default_factory=dict)
+    """Tensor-parallel size per instance name (default 1), e.g. ``{"p1": 2, "d1": 2}``."""
 
 
 class Stack:
@@ -167,7 +172,7 @@ class Stack:
                     "engine_id": inst.engine_id,
                     "host": inst.server.spec.host,
                     "port": inst.side_channel_port,
-                    "tp_size": 1,
+                    "tp_size": inst.tp_size,
                     "pp_size": 1,
                 }
             prefill_instances.append(entry)
@@ -249,6 +254,13 @@ def _plan(options: StackOptions) -> list[tuple[InstanceRole, str, int]]:
             ("prefill", "p1", PREFILL_CORE),
             ("decode", "d0", DECODE_CORE),
         ]
+    elif options.topology == "2p2d":
+        plan = [
+            ("prefill", "p0", PREFILL_CORE),
+            ("prefill", "p1", PREFILL_CORE),
+            ("decode", "d0", DECODE_CORE),
+            ("decode", "d1", DECODE_CORE),
+        ]
     elif options.topology == "aggregated":
         return [("aggregated", "a0", options.aggregated_core)]
     else:
@@ -265,10 +277,14 @@ def build_specs(
     plan = _plan(options)
     per = 4 if options.kv_events else 2
     ports = free_ports(per * len(plan))
+    max_tp = max([options.tensor_parallel.get(name, 1) for _, name, _ in plan])
+    side_channels = free_port_runs(len(plan), max_tp) if max_tp > 1 else []
     result: list[tuple[InstanceRole, str | None, VllmServerSpec]] = []
     run_id = uuid.uuid4().hex[:8]
     for index, (role, name, core) in enumerate(plan):
         http_port, nixl_port = ports[per * index], ports[per * index + 1]
+        if side_channels:  # room for every rank's side channel
+            nixl_port = side_channels[index]
         engine_id: str | None = None
         kv_config: dict[str, Any] | None = None
         if role != "aggregated":
@@ -291,6 +307,7 @@ def build_specs(
             pin_process=options.pin_processes,
             extra_env=options.extra_env,
             extra_args=(*options.extra_args, *_kv_events_args(options, ports, per * index)),
+            tensor_parallel_size=options.tensor_parallel.get(name, 1),
         )
         result.append((role, engine_id, spec))
     return result
@@ -338,6 +355,7 @@ def start_stack(options: StackOptions, work_dir: Path) -> Stack:
             engine_id=engine_id,
             side_channel_port=spec.nixl_side_channel_port,
             kv_events_ports=_kv_events_ports(spec),
+            tp_size=spec.tensor_parallel_size,
         )
         for (role, engine_id, spec), server in zip(planned, servers, strict=True)
     ]

@@ -74,6 +74,10 @@ class VllmServerSpec:
     OpenMP compute threads, to ``cpu_core`` (``taskset``)."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
     extra_args: Sequence[str] = ()
+    tensor_parallel_size: int = 1
+    """Workers of the instance (``--tensor-parallel-size``, multiprocess executor); worker ``r``'s
+    OpenMP threads are pinned to core ``(cpu_core + r) % cores`` and, with a NIXL connector, its
+    side channel listens on ``nixl_side_channel_port + r``."""
 
     @property
     def url(self) -> str:
@@ -102,10 +106,20 @@ class VllmServerSpec:
         ]
         if self.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
+        if self.tensor_parallel_size > 1:
+            argv += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+            argv += ["--distributed-executor-backend", "mp"]
         argv += list(self.extra_args)
         if self.pin_process:
             argv = ["taskset", "-c", str(self.cpu_core), *argv]
         return argv
+
+    def omp_threads_bind(self) -> str:
+        """``VLLM_CPU_OMP_THREADS_BIND``: one core per worker, ``|``-separated."""
+        cores = os.cpu_count() or 1
+        return "|".join(
+            str((self.cpu_core + rank) % cores) for rank in range(self.tensor_parallel_size)
+        )
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The process environment: ``base`` (default: ours) plus the pinning/offline settings."""
@@ -115,7 +129,7 @@ class VllmServerSpec:
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib),
-                "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu_core),
+                "VLLM_CPU_OMP_THREADS_BIND": self.omp_threads_bind(),
                 "KMP_BLOCKTIME": "0",
                 "OMP_WAIT_POLICY": "PASSIVE",
                 "VLLM_HOST_IP": self.host,

@@ -34,6 +34,7 @@ class MemoryEndpoint:
         self.inbox: list[bytes] = []
         self.inbox_lock = threading.Lock()
         self.peers: set[str] = set()
+        self.views: dict[str, tuple[LayoutSpec, LayoutSpec]] = {}  # agent -> (local, remote)
         self.fail_writes = False
         self.write_state: XferState = "DONE"
         self.writers: list[str] = []  # the thread that posted each WRITE
@@ -46,8 +47,11 @@ class MemoryEndpoint:
     def metadata(self) -> bytes:
         return b"meta:" + self.name.encode()
 
-    def prepare_remote(self, agent_name: str, metadata: bytes, layout: LayoutSpec) -> None:
+    def prepare_remote(
+        self, agent_name: str, metadata: bytes, layout: LayoutSpec, local: LayoutSpec | None = None
+    ) -> None:
         self.peers.add(agent_name)
+        self.views[agent_name] = (local or self.layout, layout)
 
     def connect(self, agent_name: str) -> None:
         assert agent_name in self.peers

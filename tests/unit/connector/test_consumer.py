@@ -46,7 +46,7 @@ def done(rid: str = "d-1", key: str = "k1") -> bytes:
 
 
 def test_registration_carries_d_agent_layout_and_blocks(state: ConsumerState) -> None:
-    ask = state.register(spec())
+    ask = state.register(spec())[0]
     assert (ask.kind, ask.host, ask.port, ask.d_request_id) == ("register", "10.0.0.1", 5601, "d-1")
     kind, body = decode_request(ask.payload)
     reg = registration_from_body(body)
@@ -57,7 +57,7 @@ def test_registration_carries_d_agent_layout_and_blocks(state: ConsumerState) ->
 
 
 def test_done_notification_finishes_once_with_a_record(state: ConsumerState) -> None:
-    ask = state.register(spec())
+    ask = state.register(spec())[0]
     assert state.answer(ask, Reply("accepted")) == []
     assert state.take_results() == (set(), set()) and state.pending_count() == 1
     state.notifications([done()])
@@ -69,9 +69,9 @@ def test_done_notification_finishes_once_with_a_record(state: ConsumerState) -> 
 
 
 def test_refusal_and_unreachable_p_fail_at_once(state: ConsumerState) -> None:
-    refused = state.register(spec("d-1"))
+    refused = state.register(spec("d-1"))[0]
     assert state.answer(refused, Reply("failed", "incompatible KV layout: dtype differs")) == []
-    gone = state.register(spec("d-2", "k2"))
+    gone = state.register(spec("d-2", "k2"))[0]
     assert state.answer(gone, SideChannelRefusedError("connection refused")) == []
     assert state.take_results() == ({"d-1", "d-2"}, {"d-1", "d-2"})
     reasons = {r.request_id: r.reason for r in state.take_records()}
@@ -82,7 +82,7 @@ def test_refusal_and_unreachable_p_fail_at_once(state: ConsumerState) -> None:
 def test_unconfirmed_registration_is_released_only_through_a_cancel(
     state: ConsumerState,
 ) -> None:
-    ask = state.register(spec())
+    ask = state.register(spec())[0]
     (cancel,) = state.answer(ask, SideChannelError("timed out"))
     assert cancel.kind == "cancel" and decode_request(cancel.payload)[1]["transfer_key"] == "k1"
     assert state.take_results() == (set(), set())  # P may have accepted it: nothing freed yet
@@ -94,7 +94,7 @@ def test_unconfirmed_registration_is_released_only_through_a_cancel(
 def test_timeout_cancels_then_in_flight_waits_for_the_write(
     state: ConsumerState, clock: FakeClock
 ) -> None:
-    state.answer(state.register(spec()), Reply("accepted"))
+    state.answer(state.register(spec())[0], Reply("accepted"))
     clock.now += 9.9
     assert [a.kind for a in state.tick(clock.now)] == ["ping"]
     clock.now += 0.2
@@ -109,7 +109,7 @@ def test_timeout_cancels_then_in_flight_waits_for_the_write(
 
 
 def test_timeout_confirmed_by_p_fails_the_transfer(state: ConsumerState, clock: FakeClock) -> None:
-    state.answer(state.register(spec()), Reply("accepted"))
+    state.answer(state.register(spec())[0], Reply("accepted"))
     clock.now += 10.5
     (cancel,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
     state.answer(cancel, Reply("cancelled"))
@@ -117,7 +117,7 @@ def test_timeout_confirmed_by_p_fails_the_transfer(state: ConsumerState, clock: 
 
 
 def test_unanswered_cancel_waits_for_the_hard_bound(state: ConsumerState, clock: FakeClock) -> None:
-    state.answer(state.register(spec()), Reply("accepted"))
+    state.answer(state.register(spec())[0], Reply("accepted"))
     clock.now += 10.5
     (cancel,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
     state.answer(cancel, SideChannelError("timed out"))  # P may be alive and still WRITE
@@ -132,7 +132,7 @@ def test_unanswered_cancel_waits_for_the_hard_bound(state: ConsumerState, clock:
 
 
 def test_cancel_refused_means_p_is_gone(state: ConsumerState, clock: FakeClock) -> None:
-    state.answer(state.register(spec()), Reply("accepted"))
+    state.answer(state.register(spec())[0], Reply("accepted"))
     clock.now += 10.5
     (cancel,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
     state.answer(cancel, SideChannelRefusedError("refused"))
@@ -141,11 +141,11 @@ def test_cancel_refused_means_p_is_gone(state: ConsumerState, clock: FakeClock) 
 
 
 def test_abort_by_d_is_reported_but_not_as_a_failed_load(state: ConsumerState) -> None:
-    state.answer(state.register(spec()), Reply("accepted"))
-    cancel = state.cancel("d-1")
+    state.answer(state.register(spec())[0], Reply("accepted"))
+    [cancel] = state.cancel("d-1")
     assert cancel is not None and cancel.reason == "aborted by D"
-    assert state.cancel("d-1") is None  # already under way
-    assert state.cancel("unknown") is None
+    assert state.cancel("d-1") == []  # already under way
+    assert state.cancel("unknown") == []
     state.answer(cancel, Reply("cancelled"))
     assert state.take_results() == ({"d-1"}, set())
 
@@ -153,7 +153,10 @@ def test_abort_by_d_is_reported_but_not_as_a_failed_load(state: ConsumerState) -
 def test_two_refused_pings_fail_only_that_ps_transfers(
     state: ConsumerState, clock: FakeClock
 ) -> None:
-    for ask in (state.register(spec("d-1", "k1", 5601)), state.register(spec("d-2", "k2", 5602))):
+    for ask in (
+        state.register(spec("d-1", "k1", 5601))[0],
+        state.register(spec("d-2", "k2", 5602))[0],
+    ):
         state.answer(ask, Reply("accepted"))
     pings = state.tick(clock.now)
     assert sorted((a.kind, a.port) for a in pings) == [("ping", 5601), ("ping", 5602)]
@@ -172,8 +175,8 @@ def test_p_dying_while_d_aborts_is_released_by_the_pings(
     state: ConsumerState, clock: FakeClock
 ) -> None:
     """D's abort reaches a dying P (reset, not refused): the pings still find P gone."""
-    state.answer(state.register(spec()), Reply("accepted"))
-    cancel = state.cancel("d-1")
+    state.answer(state.register(spec())[0], Reply("accepted"))
+    [cancel] = state.cancel("d-1")
     assert cancel is not None
     state.answer(cancel, SideChannelError("connection reset"))  # P may be alive: keep waiting
     assert state.take_results() == (set(), set())
@@ -189,7 +192,7 @@ def test_p_dying_while_d_aborts_is_released_by_the_pings(
 def test_a_timed_out_transfer_whose_cancel_is_unanswered_still_pings_p(
     state: ConsumerState, clock: FakeClock
 ) -> None:
-    state.answer(state.register(spec()), Reply("accepted"))
+    state.answer(state.register(spec())[0], Reply("accepted"))
     clock.now += CFG.transfer_timeout_s + 0.1
     (cancel,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
     state.answer(cancel, SideChannelError("timed out"))
@@ -201,7 +204,7 @@ def test_a_timed_out_transfer_whose_cancel_is_unanswered_still_pings_p(
 
 
 def test_a_pong_resets_the_miss_count(state: ConsumerState, clock: FakeClock) -> None:
-    state.answer(state.register(spec()), Reply("accepted"))
+    state.answer(state.register(spec())[0], Reply("accepted"))
     (ping,) = state.tick(clock.now)
     state.answer(ping, SideChannelRefusedError("refused"))
     state.answer(ping, Reply("pong"))
@@ -210,7 +213,7 @@ def test_a_pong_resets_the_miss_count(state: ConsumerState, clock: FakeClock) ->
 
 
 def test_fail_notification_and_foreign_ones(state: ConsumerState) -> None:
-    state.answer(state.register(spec()), Reply("accepted"))
+    state.answer(state.register(spec())[0], Reply("accepted"))
     failed = encode_notification(Notification("failed", "k1", "d-1", "x"))
     state.notifications([b"cmpl-1:1", failed])  # vLLM's own notification format is ignored
     assert state.take_results() == ({"d-1"}, {"d-1"})
@@ -218,7 +221,7 @@ def test_fail_notification_and_foreign_ones(state: ConsumerState) -> None:
 
 
 def test_forgetting_a_key_asks_p_to_cancel_it(state: ConsumerState) -> None:
-    ask = state.forget(KeyCancel("k9", "10.0.0.2", 5609))
+    [ask] = state.forget(KeyCancel("k9", "10.0.0.2", 5609))
     assert (ask.kind, ask.host, ask.port) == ("forget", "10.0.0.2", 5609)
     kind, body = decode_request(ask.payload)
     assert kind == "cancel" and body["transfer_key"] == "k9"

@@ -15,6 +15,7 @@ import ctypes
 import functools
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -22,10 +23,12 @@ import torch
 
 from connector.errors import LayoutError, UnsupportedSetupError
 from connector.layout import (
+    HeadTransfer,
     LayoutSpec,
     check_buffer_device,
     descriptor_ids,
     descriptors,
+    head_transfer,
     kv_memory,
     layout_from_kv_caches,
     memory_spans,
@@ -37,10 +40,11 @@ Caches = dict[str, torch.Tensor]
 
 
 def vllm_caches(
-    layout_name: str, kernel_block_size: int | None = None, mla: bool = False
+    layout_name: str, kernel_block_size: int | None = None, mla: bool = False, heads: int = 4
 ) -> Caches:
-    """One model's KV cache as vLLM 0.32/0.33 allocates it on any device (here: CPU); with
-    ``mla`` one latent tensor per layer (DeepSeek's 512 + 64 wide, as vLLM's CPU MLA keeps it)."""
+    """One model's KV cache as vLLM 0.32/0.33 allocates it on any device (here: CPU), with
+    ``heads`` KV heads (one tensor-parallel rank's); with ``mla`` one latent tensor per layer
+    (DeepSeek's 512 + 64 wide, as vLLM's CPU MLA keeps it)."""
     interface = pytest.importorskip("vllm.v1.kv_cache_interface")
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -51,7 +55,7 @@ def vllm_caches(
         )
         if mla
         else interface.FullAttentionSpec(
-            block_size=16, num_kv_heads=4, head_size=8, dtype=torch.bfloat16
+            block_size=16, num_kv_heads=heads, head_size=8, dtype=torch.bfloat16
         )
     )
     layer_stride, block_stride, *_ = interface.compute_layout_strides(
@@ -267,3 +271,54 @@ def test_layers_with_different_block_interiors_are_refused() -> None:
     }
     with pytest.raises(LayoutError, match="layers disagree on block layout"):
         layout_from_kv_caches(caches, NUM_BLOCKS)
+
+
+def rank_caches(layout_name: str, tp: int, rank: int) -> tuple[Caches, LayoutSpec]:
+    """One TP rank's cache of a 4-KV-head model, filled with random values, and its layout."""
+    caches = vllm_caches(layout_name, heads=4 // tp)
+    for t in caches.values():
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(t.dtype))
+    layout = layout_from_kv_caches(caches, NUM_BLOCKS, block_size=16)
+    return caches, replace(layout, tp_rank=rank, tp_size=tp, total_kv_heads=4)
+
+
+def tp_write(p: tuple[Caches, LayoutSpec], d: tuple[Caches, LayoutSpec]) -> None:
+    """P rank ``p`` WRITEs its share of blocks 3, 1 into D's blocks 0, 9 (head-slice views)."""
+    transfer = head_transfer(p[1], d[1])
+    assert isinstance(transfer, HeadTransfer), transfer
+    p_view, d_view = transfer.views(p[1], d[1])
+    simulated_write(p[0], p_view, d_view, [3, 1], [0, 9])
+
+
+@pytest.mark.parametrize("layout_name", ["LBHNC", "BLHNC"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 2), (4, 2)])
+def test_tp_write_lands_every_head_at_its_place(layout_name: str, p_tp: int, d_tp: int) -> None:
+    """Heads outermost in a block (HND; vLLM CPU's ``[B, H, N, 2*D]`` is one): any TP pair."""
+    torch.manual_seed(0)
+    ps = [rank_caches(layout_name, p_tp, r) for r in range(p_tp)]
+    ds = [rank_caches(layout_name, d_tp, r) for r in range(d_tp)]
+    for d in ds:
+        for t in d[0].values():
+            t.zero_()
+        for p in ps:  # the P ranks this D rank takes heads from (the others refuse it)
+            if isinstance(head_transfer(p[1], d[1]), HeadTransfer):
+                tp_write(p, d)
+    per_p, per_d = 4 // p_tp, 4 // d_tp
+    for d_rank, (d_caches, _) in enumerate(ds):
+        for name, d_view in d_caches.items():  # [B, H, N, C] views
+            for local in range(per_d):
+                head = d_rank * per_d + local
+                p_caches = ps[head // per_p][0]
+                want = p_caches[name][[3, 1], head % per_p]
+                assert torch.equal(d_view[[0, 9], local], want), (d_rank, head)
+            untouched = [b for b in range(NUM_BLOCKS) if b not in (0, 9)]
+            assert not d_view[untouched].any()
+
+
+def test_different_tp_with_heads_inside_a_block_is_refused_with_the_reason() -> None:
+    _, p = rank_caches("LBNHC", 1, 0)
+    _, d = rank_caches("LBNHC", 2, 0)
+    why = head_transfer(p, d)
+    assert isinstance(why, str) and "not contiguous inside a block on P" in why
+    _, p2 = rank_caches("LBNHC", 2, 0)
+    assert isinstance(head_transfer(p2, d), HeadTransfer)  # equal TP: whole blocks

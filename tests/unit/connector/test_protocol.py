@@ -9,13 +9,16 @@ import pytest
 from connector.errors import ProtocolError
 from connector.layout import LayoutSpec, RegionSpec
 from connector.protocol import (
+    NOTIF_PREFIX,
     PROTOCOL_VERSION,
     Notification,
     Registration,
     Reply,
+    cancel_from_body,
     decode_notification,
     decode_reply,
     decode_request,
+    encode_cancel,
     encode_notification,
     encode_registration,
     encode_reply,
@@ -105,3 +108,22 @@ def test_layout_fields_beyond_the_first_v1_peers_are_optional_both_ways() -> Non
     assert gpu.compatible_with(older) is None
     with pytest.raises(ProtocolError, match="mem_type"):
         LayoutSpec.from_json({**gpu.to_json(), "mem_type": "HBM"})
+
+
+def test_tensor_parallel_fields_round_trip_and_default_to_rank_0() -> None:
+    note = Notification("done", "t:abc", "d-1", p_rank=1)
+    assert decode_notification(encode_notification(note)) == note
+    v1 = {"v": 1, "kind": "done", "transfer_key": "k", "d_request_id": "d"}
+    assert decode_notification(NOTIF_PREFIX + json.dumps(v1).encode()).p_rank == 0
+    assert cancel_from_body(decode_request(encode_cancel("t:abc", 1))[1]) == ("t:abc", 1)
+    assert cancel_from_body({"transfer_key": "k"}) == ("k", 0)  # a TP 1 peer's cancel
+    ranked = LayoutSpec(LAYOUT.regions, head_bytes=128, tp_rank=1, tp_size=2, total_kv_heads=2)
+    reg = Registration(**{**_registration().__dict__, "d_layout": ranked})
+    assert registration_from_body(decode_request(encode_registration(reg))[1]) == reg
+
+
+def test_a_layout_stating_heads_its_rank_does_not_hold_is_rejected() -> None:
+    raw = LayoutSpec(LAYOUT.regions, tp_rank=1, tp_size=2, total_kv_heads=2).to_json()
+    raw["kv_heads"] = [0, 1]
+    with pytest.raises(ProtocolError, match=r"kv_heads \[0, 1\] are not rank 1 of 2's \[1, 2\]"):
+        LayoutSpec.from_json(raw)

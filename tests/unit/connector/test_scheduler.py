@@ -84,8 +84,17 @@ def test_d_without_p_identity_prefills_locally() -> None:
     req = make_request("r-1", 50, params)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.get_num_new_matched_tokens(make_request("r-2", 50, None), 0) == (0, False)
-    tp2 = make_request("r-3", 50, P_IDENTITY | {"tp_size": 2})
-    assert s.get_num_new_matched_tokens(tp2, 0) == (0, False)
+    pp2 = make_request("r-3", 50, P_IDENTITY | {"pp_size": 2})
+    assert s.get_num_new_matched_tokens(pp2, 0) == (0, False)
+
+
+def test_d_registers_with_a_tensor_parallel_p_naming_its_size() -> None:
+    s = sched()
+    req = make_request("cmpl-t-0-0123abcd", 200, P_IDENTITY | {"tp_size": 2})
+    assert s.get_num_new_matched_tokens(req, 0) == (200, True)
+    s.update_state_after_alloc(req, blocks([], [4, 5]), 200)
+    [spec] = s.build_connector_meta().registrations
+    assert (spec.port, spec.p_tp_size) == (18250, 2)  # D's ranks add P's rank to the port
 
 
 def test_d_full_local_hit_releases_p_at_once() -> None:
@@ -263,3 +272,13 @@ def test_engine_shape_reads_vllms_config() -> None:
         model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 8),
     )
     assert engine_shape(config) == EngineShape(2, 1, 16, num_kv_heads=8)
+
+
+def test_a_tensor_parallel_p_answers_its_tp_size() -> None:
+    s = PushScheduler("p0", "127.0.0.1", 18250, 128, tp_size=2)
+    req = make_request("cmpl-v-0-0123abcd", 300, {"do_remote_decode": True, "transfer_id": "v"})
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = s.request_finished(req, [1, 2, 3])
+    assert params is not None
+    answer = read_prefill_answer(params)
+    assert (answer.peer.tp_size, answer.peer.port) == (2, 18250)  # rank r listens on port + r

@@ -19,10 +19,11 @@ from connector.specs import RecvSpec
 from tests.unit.connector.core_support import LAYOUT, FakeClock
 
 
-def vllm_config(tp: int = 1, pp: int = 1, mla: bool = False) -> Any:
+def vllm_config(tp: int = 1, pp: int = 1, mla: bool = False, role: str = "kv_producer") -> Any:
     return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         model_config=SimpleNamespace(use_mla=mla),
+        kv_transfer_config=SimpleNamespace(kv_role=role),
     )
 
 
@@ -41,10 +42,15 @@ def test_an_mla_model_with_one_worker_passes() -> None:
     refuse_unsupported(vllm_config(mla=True), kv_cache_config())
 
 
+def test_tensor_parallel_is_allowed_on_p() -> None:
+    refuse_unsupported(vllm_config(tp=2), kv_cache_config())
+    refuse_unsupported(vllm_config(tp=8), None)
+
+
 @pytest.mark.parametrize(
     ("config", "groups", "reason"),
     [
-        (vllm_config(tp=2), 1, "tensor_parallel_size=2"),
+        (vllm_config(tp=2, role="kv_consumer"), 1, "tensor_parallel_size=2 on D"),
         (vllm_config(pp=4), 1, "pipeline_parallel_size=4: each pipeline stage holds only"),
         (vllm_config(tp=2, mla=True), 1, "MLA with tensor_parallel_size=2"),
         (vllm_config(), 2, "2 KV cache groups: .* does not implement SupportsHMA"),
@@ -65,7 +71,7 @@ def test_a_mismatched_layout_is_refused_and_both_sides_log_why(
     d_layout = LayoutSpec(LAYOUT.regions, dtype="bfloat16", block_size=32)
     p = ProducerState("p0", p_layout, ConnectorConfig(), clock)
     d = ConsumerState(ConnectorConfig(), d_layout, "d-agent", b"meta", clock)
-    ask = d.register(RecvSpec("d-1", "k1", "p0", "10.0.0.1", 5600, (1,), first_block=0))
+    [ask] = d.register(RecvSpec("d-1", "k1", "p0", "10.0.0.1", 5600, (1,), first_block=0))
     caplog.set_level(logging.WARNING, logger="connector")
     reply = p.register(registration_from_body(decode_request(ask.payload)[1]))
     d.answer(ask, reply)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -171,3 +172,36 @@ def test_router_config_can_limit_the_prefill_pool(tmp_path: Path) -> None:
     assert config["mode"] == "push"
     with pytest.raises(ValueError):
         stack.router_config(prefill_names=["nope"])
+
+
+def test_2p2d_tensor_parallel_instances_get_workers_cores_and_side_channel_runs(
+    tmp_path: Path,
+) -> None:
+    options = StackOptions(kind="ours", topology="2p2d", tensor_parallel={"p1": 2, "d1": 2})
+    planned = build_specs(options, tmp_path / "model", tmp_path / "logs")
+    specs = {spec.name: spec for _, _, spec in planned}
+    assert [(s.name, s.cpu_core, s.tensor_parallel_size) for s in specs.values()] == [
+        ("p0", 0, 1),
+        ("p1", 0, 2),
+        ("d0", 1, 1),
+        ("d1", 1, 2),
+    ]
+    p1 = specs["p1"]
+    assert p1.command()[-4:] == [
+        "--tensor-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "mp",
+    ]
+    cores = os.cpu_count() or 1
+    want = [str(rank % cores) for rank in (0, 1)]
+    assert p1.environment({})["VLLM_CPU_OMP_THREADS_BIND"].split("|") == want
+    assert specs["p0"].environment({})["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    # Each instance's ranks listen on side_channel_port + rank: the runs do not overlap.
+    taken = [
+        port
+        for s in specs.values()
+        if s.nixl_side_channel_port is not None
+        for port in range(s.nixl_side_channel_port, s.nixl_side_channel_port + 2)
+    ]
+    assert len(set(taken)) == len(taken)
