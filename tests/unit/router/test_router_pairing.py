@@ -41,7 +41,8 @@ def test_a_refused_pair_is_skipped_for_a_served_one() -> None:
 
 
 def test_a_p_without_any_served_d_is_skipped() -> None:
-    prefill, decode = _pool("prefill", [TP3, TP2], 8100), _pool("decode", [TP2], 8200)
+    big_blocks = EngineShape(2, 1, 32)  # D has 16-token blocks
+    prefill, decode = _pool("prefill", [big_blocks, TP2], 8100), _pool("decode", [TP1], 8200)
     chosen = [choose_pair(prefill, decode)[0].label for _ in range(3)]
     assert chosen == ["p1", "p1", "p1"]
 
@@ -72,6 +73,7 @@ def test_refused_pairs_name_both_and_the_reason() -> None:
     prefill, decode = _pool("prefill", [TP2, TP1], 8100), _pool("decode", [TP3, TP1], 8200)
     assert refused_pairs(prefill.backends, decode.backends) == [
         RefusedPair("p0", "d0", "P tp_size=2 and D tp_size=3: neither divides the other"),
+        RefusedPair("p1", "d0", "D tp_size=3 (P tp_size=1): D must have tp_size=1"),
     ]
 
 
