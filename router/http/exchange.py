@@ -22,7 +22,6 @@ event); :func:`watched` turns either cancellation (drain, or a client that left)
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
@@ -33,20 +32,19 @@ from starlette.types import Receive, Scope, Send
 
 from router.dispatch.holds import Holds
 from router.dispatch.legs import leg_failed, leg_ok
+from router.dispatch.relay import sse_error_event
 from router.errors import (
     ClientDisconnected,
     RouterError,
     RouterNotReady,
     UpstreamError,
     UpstreamTimeout,
-    error_payload,
     outcome_label,
 )
 from router.http.disconnect import ClientWatch
 from router.routing.backends import BackendState
 from router.runtime import Runtime
 from router.upstream.calls import close_quietly, http_error, raw_chunks, read_raw, send_raw
-from router.upstream.sse import encode_data
 
 T = TypeVar("T")
 
@@ -236,7 +234,7 @@ class ProxiedStream:
     async def _end(self, send: Send, exc: RouterError) -> str:
         """End the body with one SSE error event for ``exc``; its outcome label."""
         self.watch.stop()
-        event = encode_data(json.dumps(error_payload(exc)))
+        event = sse_error_event(exc)
         await send({"type": "http.response.body", "body": event, "more_body": False})
         return outcome_label(exc)
 
