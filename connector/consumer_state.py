@@ -72,6 +72,8 @@ class _Pending:
     any more once resolved)."""
     cancelling: set[int] = field(default_factory=set)
     """P ranks a cancel is under way to."""
+    cancel_retries: dict[int, tuple[float, str]] = field(default_factory=dict)
+    """P rank -> (when, reason) of the next try of a cancel that got no answer."""
     aborted: bool = False
     """vLLM already finished the request (abort): report it, but not as a failed load."""
     failure: str = ""
@@ -225,8 +227,13 @@ class ConsumerState:
             self._resolve(rid, rank, ok=False, reason=f"{ask.reason}; P is gone")
         elif isinstance(result, ProtocolError):
             logger.warning("cancel of %s: bad reply: %s", ask.transfer_key, result)
-        elif isinstance(result, ConnectorError):  # P may be alive but slow: wait (hard bound)
-            logger.warning("cancel of %s not answered: %s", ask.transfer_key, result)
+        elif isinstance(result, ConnectorError):  # P may be alive but slow: ask again
+            logger.warning("cancel of %s not answered, trying again: %s", ask.transfer_key, result)
+            with self._lock:
+                pending = self._pending.get(rid)
+                if pending is not None and rank in pending.cancelling:
+                    when = self._clock() + self._cfg.liveness_interval_s
+                    pending.cancel_retries[rank] = (when, ask.reason)
         elif result.status == "in_flight":
             with self._lock:  # a WRITE is landing: wait for its notification (bounded)
                 pending = self._pending.get(rid)
@@ -272,8 +279,9 @@ class ConsumerState:
         """Apply the time bounds; returns cancels for overdue transfers and for the other P
         ranks of a failed one and, every ``liveness_interval_s``, a ping to each P rank that D
         still waits on, a cancel under way included (a P that dies while the cancel travels
-        answers no cancel, only refusals)."""
-        asks = self._expire(now) + self._take_follow_ups()
+        answers no cancel, only refusals). A cancel that got no answer is sent again one
+        ``liveness_interval_s`` later, until P answers it or the hard bound passes."""
+        asks = self._expire(now) + self._retry_cancels(now) + self._take_follow_ups()
         if now >= self._next_ping:
             self._next_ping = now + self._cfg.liveness_interval_s
             with self._lock:
@@ -303,6 +311,16 @@ class ConsumerState:
             logger.error("transfer for %s: hard bound passed, releasing", rid)
             self._fail_all(rid, "timed out (hard bound)")
         return to_cancel
+
+    def _retry_cancels(self, now: float) -> list[Ask]:
+        asks: list[Ask] = []
+        with self._lock:
+            for rid, pending in self._pending.items():
+                due = [r for r, (when, _) in pending.cancel_retries.items() if when <= now]
+                for rank in due:
+                    _, reason = pending.cancel_retries.pop(rank)
+                    asks.append(self._cancel_ask(rid, pending, rank, reason))
+        return asks
 
     # ---- completion ----------------------------------------------------------------------
     def _take_follow_ups(self) -> list[Ask]:
@@ -338,6 +356,7 @@ class ConsumerState:
                 return
             del pending.legs[p_rank]
             pending.cancelling.discard(p_rank)
+            pending.cancel_retries.pop(p_rank, None)
             if not ok and not pending.failure:
                 pending.failure = reason or "failed"
                 if pending.legs:

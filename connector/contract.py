@@ -67,10 +67,6 @@ decode (the router's identity probes)."""
 P_PIPELINE_PARALLEL_SERVED = False
 """Whether the connector serves a P with ``pp_size`` > 1 (a D with ``pp_size`` > 1 never is)."""
 
-D_TENSOR_PARALLEL_SERVED = False
-"""Whether the connector serves a D with ``tp_size`` > 1 (refused at D's start-up for now:
-connector/README.md, "Limits"); P may have any ``tp_size`` dividing or divided by D's."""
-
 BLOCK_SIZES_TRANSFERABLE = False
 """Whether KV moves between a P and a D whose ``block_size`` differ."""
 
@@ -325,8 +321,6 @@ def pairing_refusal(p: EngineShape, d: EngineShape) -> str | None:
     small, large = sorted((p.tp_size, d.tp_size))
     if large % small:
         return f"P tp_size={p.tp_size} and D tp_size={d.tp_size}: neither divides the other"
-    if d.tp_size > 1 and not D_TENSOR_PARALLEL_SERVED:
-        return f"D tp_size={d.tp_size} (P tp_size={p.tp_size}): D must have tp_size=1"
     if p.block_size != d.block_size and not BLOCK_SIZES_TRANSFERABLE:
         return f"P block_size={p.block_size} and D block_size={d.block_size} differ"
     return _heads_refusal(p, d)

@@ -12,11 +12,12 @@ from connector.errors import UnsupportedSetupError
 
 
 def refuse_unsupported(vllm_config: Any, kv_cache_config: Any = None) -> None:
-    """Raise :class:`UnsupportedSetupError` for PP > 1, TP > 1 on D, MLA with TP > 1, or more
-    than one KV cache group; each message names the setting, its value and why.
+    """Raise :class:`UnsupportedSetupError` for PP > 1, MLA with TP > 1, or more than one KV
+    cache group; each message names the setting, its value and why.
 
-    Tensor parallelism on P is supported, towards a D of TP 1 (each P rank writes its own KV
-    heads; see the README, "Tensor parallelism"). Hybrid sliding-window + full attention models
+    Tensor parallelism on P and on D is supported, equal or different when one size divides the
+    other (each P rank writes its KV heads into the D ranks holding them; see the README,
+    "Tensor parallelism"). Hybrid sliding-window + full attention models
     (e.g. Gemma-3) pass: this connector does not implement ``SupportsHMA``, so vLLM turns its
     hybrid KV cache manager off and keeps every layer in one full-attention KV cache group. MLA
     models pass with TP = 1 (one latent tensor per layer, moved like any other region).
@@ -35,13 +36,6 @@ def refuse_unsupported(vllm_config: Any, kv_cache_config: Any = None) -> None:
             f"pipeline_parallel_size={pp}: each pipeline stage holds only its own layers, and "
             "DisaggPushConnector's protocol (v1) matches whole-model layouts with one 'done' "
             "per transfer; pipeline parallel size must be 1 on P and D"
-        )
-    role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
-    if tp != 1 and role == "kv_consumer":
-        raise UnsupportedSetupError(
-            f"tensor_parallel_size={tp} on D (kv_consumer): DisaggPushConnector serves D with "
-            "tensor parallel size 1 only (P may use TP > 1); see connector/README.md, "
-            "'Tensor parallelism'"
         )
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is not None and len(groups) != 1:

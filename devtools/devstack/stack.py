@@ -8,7 +8,8 @@ stack, with or without the prefill identities (without them the router probes fo
 
 Core pinning (sized for a 2-core machine): prefill instances on core 0, decode instances on
 core 1; an aggregated instance on ``aggregated_core`` (default 0). A tensor-parallel instance
-(``StackOptions.tensor_parallel``) pins its worker ``r`` to the next core ``r`` over.
+(``StackOptions.tensor_parallel``) pins all its workers to its own core, so P and D never share
+one (``VllmServerSpec.tensor_parallel_size`` says why).
 """
 
 from __future__ import annotations

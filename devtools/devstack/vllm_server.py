@@ -75,9 +75,12 @@ class VllmServerSpec:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     extra_args: Sequence[str] = ()
     tensor_parallel_size: int = 1
-    """Workers of the instance (``--tensor-parallel-size``, multiprocess executor); worker ``r``'s
-    OpenMP threads are pinned to core ``(cpu_core + r) % cores`` and, with a NIXL connector, its
-    side channel listens on ``nixl_side_channel_port + r``."""
+    """Workers of the instance (``--tensor-parallel-size``, multiprocess executor). Every worker's
+    OpenMP threads are pinned to ``cpu_core``, the instance's own core: vLLM's workers busy-poll
+    their shared-memory queue for a second after each step, so a worker placed on another
+    instance's core starves that instance (on a 2-core machine, P's side-channel threads went
+    unanswered for seconds). With a NIXL connector worker ``r``'s side channel listens on
+    ``nixl_side_channel_port + r``."""
 
     @property
     def url(self) -> str:
@@ -115,11 +118,8 @@ class VllmServerSpec:
         return argv
 
     def omp_threads_bind(self) -> str:
-        """``VLLM_CPU_OMP_THREADS_BIND``: one core per worker, ``|``-separated."""
-        cores = os.cpu_count() or 1
-        return "|".join(
-            str((self.cpu_core + rank) % cores) for rank in range(self.tensor_parallel_size)
-        )
+        """``VLLM_CPU_OMP_THREADS_BIND``: every worker on ``cpu_core``, ``|``-separated."""
+        return "|".join(str(self.cpu_core) for _ in range(self.tensor_parallel_size))
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The process environment: ``base`` (default: ours) plus the pinning/offline settings."""

@@ -1,16 +1,18 @@
-"""The connector with tensor parallelism, end to end: real vLLM CPU, P at TP 2 into D at TP 1.
+"""The connector with tensor parallelism, end to end: real vLLM CPU, P and D at TP 1 and TP 2.
 
-One stack of three instances: ``p0`` (P, TP 1: the aggregated reference), ``p1`` (P, TP 2: two
-workers, multiprocess executor, one per core), ``d0`` (D, TP 1). The tiny model has 2 KV heads,
-so each P rank holds one and writes it at its offset of D's blocks; D waits for both ranks. D at
-TP > 1 is refused at start-up (connector/README.md, "Limits"). The two-leg client is the one of
-``test_connector_e2e.py`` (both legs at once, same ``X-Request-Id`` and ``transfer_id``), so
-this depends on the connector only.
+One stack of four instances serves every combination: ``p0`` (P, TP 1), ``p1`` (P, TP 2), ``d0``
+(D, TP 1), ``d1`` (D, TP 2); a TP 2 instance runs two workers (multiprocess executor), both on
+its instance's core, so P's and D's workers never share a core. The tiny model has 2 KV heads,
+so a TP 2 rank holds one: P TP 2 -> D TP 1 writes each P rank's head at its offset of D's
+blocks (D waits for both ranks), P TP 1 -> D TP 2 writes each D rank its head, TP 2 -> TP 2
+goes rank to rank. Every case runs the greedy check and the three failures (P abort, D abort,
+client disconnect). The two-leg client is the one of ``test_connector_e2e.py`` (both legs at
+once, same ``X-Request-Id`` and ``transfer_id``), so this depends on the connector only.
 
 References: a plain request (no ``kv_transfer_params``) to the P instance of D's TP size
-(``p0``) is an aggregated request at that TP size; references never come from D, so D's prefix
-cache holds only what came through the connector. Greedy tokens are compared with the suite's
-near-tie rule (``e2e_support.assert_greedy_close``). Run under ``flock /tmp/vllm-e2e.lock``.
+(``p0`` or ``p1``) is an aggregated request at that TP size; references never come from D, so
+D's prefix cache holds only what came through the connector. Greedy tokens are compared with the
+suite's near-tie rule (``e2e_support.assert_greedy_close``). Run under ``flock /tmp/vllm-e2e.lock``.
 """
 
 from __future__ import annotations
@@ -47,15 +49,16 @@ TIMEOUT = httpx.Timeout(180.0, connect=10.0)
 # Bounds sized for a loaded 2-core machine running six workers (a starved worker can take many
 # seconds to finish a WRITE); the failure tests below end by P's and D's own signals, not these.
 EXTRA = {"transfer_timeout_s": 90.0, "max_inflight_s": 60.0, "lease_s": 120.0}
-CASES = [("p1", "d0")]
+CASES = [("p1", "d0"), ("p0", "d1"), ("p1", "d1")]
+REFERENCE = {1: "p0", 2: "p1"}  # the P instance serving aggregated requests at each TP size
 
 
 @pytest.fixture(scope="module")
 def stack(e2e_dir: Path) -> Iterator[Stack]:
     options = StackOptions(
         kind="ours",
-        topology="2p1d",
-        tensor_parallel={"p1": 2},
+        topology="2p2d",
+        tensor_parallel={"p1": 2, "d1": 2},
         connector_extra_config=EXTRA,
     )
     with module_stack(options, e2e_dir) as s:
@@ -145,7 +148,7 @@ async def test_greedy_equal_to_aggregated_of_ds_tp_and_no_recompute(
     stack: Stack, p_name: str, d_name: str
 ) -> None:
     p, d = named(stack, p_name), named(stack, d_name)
-    reference_p = named(stack, "p0")  # aggregated at D's TP size (1)
+    reference_p = named(stack, REFERENCE[d.tp_size])  # aggregated at D's TP size
     prompts = [tokens(f"tp-{p_name}-{d_name}-{n}", n) for n in (300, 2 * 128 + 5)]
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         for prompt in prompts:
@@ -166,11 +169,14 @@ async def test_greedy_equal_to_aggregated_of_ds_tp_and_no_recompute(
     wait_all_kv_free(stack)
 
 
-async def test_p_abort_fails_a_tp_d_fast_and_frees_every_rank(stack: Stack) -> None:
-    """P TP 2 aborts mid-prefill: both P ranks tell D TP 1, which waited on both."""
-    p, d = named(stack, "p1"), named(stack, "d0")
+@pytest.mark.parametrize(("p_name", "d_name"), CASES)
+async def test_p_abort_fails_a_tp_d_fast_and_frees_every_rank(
+    stack: Stack, p_name: str, d_name: str
+) -> None:
+    """P aborts mid-prefill: every P rank tells the D ranks it feeds, which fail the request."""
+    p, d = named(stack, p_name), named(stack, d_name)
     rid = uuid.uuid4().hex
-    prompt = tokens("tp-p-abort", 16000)
+    prompt = tokens(f"tp-p-abort-{p_name}-{d_name}", 16000)
     headers = {"X-Request-Id": rid}
     p_body = body(prompt, 1, prefill_leg_params(rid)) | {"stream": True}
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -198,12 +204,16 @@ async def test_p_abort_fails_a_tp_d_fast_and_frees_every_rank(stack: Stack) -> N
     await asyncio.to_thread(wait_all_kv_free, stack)
 
 
-async def test_d_abort_while_waiting_frees_every_rank(stack: Stack) -> None:
-    """D TP 1 waits on both ranks of P TP 2 (no P leg) and its client goes away: D cancels
-    both legs and every block of every instance is freed."""
-    p, d = named(stack, "p1"), named(stack, "d0")
+@pytest.mark.parametrize(("p_name", "d_name"), CASES)
+async def test_d_abort_while_waiting_frees_every_rank(
+    stack: Stack, p_name: str, d_name: str
+) -> None:
+    """D waits on every P rank (no P leg) and its client goes away: each D rank cancels its
+    registrations and every block of every instance is freed."""
+    p, d = named(stack, p_name), named(stack, d_name)
     rid = uuid.uuid4().hex
-    stream_body = body(tokens("tp-d-abort", 4 * 128), MAX_TOKENS, d_params(p, rid))
+    prompt = tokens(f"tp-d-abort-{p_name}-{d_name}", 4 * 128)
+    stream_body = body(prompt, MAX_TOKENS, d_params(p, rid))
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         with pytest.raises(httpx.ReadTimeout):
             async with client.stream(
@@ -218,11 +228,14 @@ async def test_d_abort_while_waiting_frees_every_rank(stack: Stack) -> None:
     await asyncio.to_thread(wait_all_kv_free, stack)
 
 
-async def test_client_disconnect_mid_decode_frees_every_rank(stack: Stack) -> None:
-    """P TP 2 -> D TP 1; the client reads D's first tokens and goes away."""
-    p, d = named(stack, "p1"), named(stack, "d0")
+@pytest.mark.parametrize(("p_name", "d_name"), CASES)
+async def test_client_disconnect_mid_decode_frees_every_rank(
+    stack: Stack, p_name: str, d_name: str
+) -> None:
+    """The client reads D's first tokens and goes away; every rank of both sides frees."""
+    p, d = named(stack, p_name), named(stack, d_name)
     rid = uuid.uuid4().hex
-    prompt = tokens("tp-disconnect", 3 * 128 + 7)
+    prompt = tokens(f"tp-disconnect-{p_name}-{d_name}", 3 * 128 + 7)
     headers = {"X-Request-Id": rid}
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         p_leg = asyncio.ensure_future(

@@ -123,12 +123,31 @@ def test_unanswered_cancel_waits_for_the_hard_bound(state: ConsumerState, clock:
     state.answer(cancel, SideChannelError("timed out"))  # P may be alive and still WRITE
     state.answer(cancel, ProtocolError("garbage"))
     clock.now += 3.0
-    state.tick(clock.now)
+    for again in [a for a in state.tick(clock.now) if a.kind == "cancel"]:
+        state.answer(again, SideChannelError("timed out"))
     assert state.take_results() == (set(), set())
     clock.now = 1000.0 + CFG.transfer_timeout_s + CFG.max_inflight_s
     state.tick(clock.now)
     assert state.take_results() == ({"d-1"}, {"d-1"})
     assert state.take_records()[0].reason == "timed out (hard bound)"
+
+
+def test_unanswered_cancel_is_asked_again_and_a_confirmation_fails_fast(
+    state: ConsumerState, clock: FakeClock
+) -> None:
+    """One lost answer costs a liveness interval, not the hard bound."""
+    (cancel,) = state.answer(state.register(spec())[0], SideChannelError("timed out"))
+    assert cancel.reason.startswith("registration unconfirmed")
+    state.answer(cancel, SideChannelError("timed out"))
+    assert not [a for a in state.tick(clock.now) if a.kind == "cancel"]  # not before the interval
+    clock.now += CFG.liveness_interval_s
+    (again,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
+    assert (again.port, again.reason, again.payload) == (cancel.port, cancel.reason, cancel.payload)
+    state.answer(again, Reply("cancelled"))
+    assert state.take_results() == ({"d-1"}, {"d-1"})
+    assert state.take_records()[0].reason == cancel.reason
+    clock.now += CFG.liveness_interval_s
+    assert not [a for a in state.tick(clock.now) if a.kind == "cancel"]
 
 
 def test_cancel_refused_means_p_is_gone(state: ConsumerState, clock: FakeClock) -> None:
@@ -180,9 +199,9 @@ def test_p_dying_while_d_aborts_is_released_by_the_pings(
     assert cancel is not None
     state.answer(cancel, SideChannelError("connection reset"))  # P may be alive: keep waiting
     assert state.take_results() == (set(), set())
-    for _ in range(2):  # liveness_interval_s x 2
-        (ping,) = state.tick(clock.now)
-        assert (ping.kind, ping.port) == ("ping", 5601)
+    for _ in range(2):  # liveness_interval_s x 2 (the cancel is also asked again meanwhile)
+        (ping,) = [a for a in state.tick(clock.now) if a.kind == "ping"]
+        assert ping.port == 5601
         state.answer(ping, SideChannelRefusedError("refused"))
         clock.now += CFG.liveness_interval_s
     assert state.take_results() == ({"d-1"}, set())  # released; an abort, not a failed load
@@ -197,7 +216,9 @@ def test_a_timed_out_transfer_whose_cancel_is_unanswered_still_pings_p(
     (cancel,) = [a for a in state.tick(clock.now) if a.kind == "cancel"]
     state.answer(cancel, SideChannelError("timed out"))
     clock.now += CFG.liveness_interval_s
-    (ping,) = state.tick(clock.now)
+    asks = state.tick(clock.now)
+    assert sorted(a.kind for a in asks) == ["cancel", "ping"]  # the cancel asked again
+    (ping,) = [a for a in asks if a.kind == "ping"]
     state.answer(ping, SideChannelRefusedError("refused"))
     state.answer(ping, SideChannelRefusedError("refused"))
     assert state.take_results() == ({"d-1"}, {"d-1"})

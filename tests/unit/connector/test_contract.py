@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from connector import contract
 from connector.contract import (
     DecodeLeg,
     EngineShape,
@@ -161,21 +160,10 @@ def test_identity_probe_params_mark_a_probe_and_no_leg() -> None:
         (_shape(tp=1, heads=1), _shape(tp=2, heads=1)),  # D's ranks replicate the head
     ],
 )
-def test_pairs_the_rule_serves_once_d_may_use_tp(
-    p: EngineShape, d: EngineShape, monkeypatch: pytest.MonkeyPatch
+def test_pairs_of_any_tp_sizes_dividing_one_another_are_served(
+    p: EngineShape, d: EngineShape
 ) -> None:
-    monkeypatch.setattr(contract, "D_TENSOR_PARALLEL_SERVED", True)
     assert pairing_refusal(p, d) is None
-    if d.tp_size == 1:
-        monkeypatch.setattr(contract, "D_TENSOR_PARALLEL_SERVED", False)
-        assert pairing_refusal(p, d) is None
-
-
-def test_d_with_tp_is_refused_while_the_connector_refuses_it() -> None:
-    """D at TP > 1 does not start (connector.setup_checks); the router never pairs one."""
-    assert pairing_refusal(_shape(tp=2), _shape(tp=2)) == (
-        "D tp_size=2 (P tp_size=2): D must have tp_size=1"
-    )
 
 
 @pytest.mark.parametrize(

@@ -42,15 +42,15 @@ def test_an_mla_model_with_one_worker_passes() -> None:
     refuse_unsupported(vllm_config(mla=True), kv_cache_config())
 
 
-def test_tensor_parallel_is_allowed_on_p() -> None:
-    refuse_unsupported(vllm_config(tp=2), kv_cache_config())
-    refuse_unsupported(vllm_config(tp=8), None)
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_tensor_parallel_is_allowed_on_p_and_d(role: str) -> None:
+    refuse_unsupported(vllm_config(tp=2, role=role), kv_cache_config())
+    refuse_unsupported(vllm_config(tp=8, role=role), None)
 
 
 @pytest.mark.parametrize(
     ("config", "groups", "reason"),
     [
-        (vllm_config(tp=2, role="kv_consumer"), 1, "tensor_parallel_size=2 on D"),
         (vllm_config(pp=4), 1, "pipeline_parallel_size=4: each pipeline stage holds only"),
         (vllm_config(tp=2, mla=True), 1, "MLA with tensor_parallel_size=2"),
         (vllm_config(), 2, "2 KV cache groups: .* does not implement SupportsHMA"),

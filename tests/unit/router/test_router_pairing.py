@@ -70,10 +70,13 @@ def test_unknown_shapes_pair_with_everything() -> None:
 
 
 def test_refused_pairs_name_both_and_the_reason() -> None:
-    prefill, decode = _pool("prefill", [TP2, TP1], 8100), _pool("decode", [TP3, TP1], 8200)
+    big_blocks = EngineShape(1, 1, 32)
+    prefill = _pool("prefill", [TP2, big_blocks], 8100)
+    decode = _pool("decode", [TP3, TP1], 8200)
     assert refused_pairs(prefill.backends, decode.backends) == [
         RefusedPair("p0", "d0", "P tp_size=2 and D tp_size=3: neither divides the other"),
-        RefusedPair("p1", "d0", "D tp_size=3 (P tp_size=1): D must have tp_size=1"),
+        RefusedPair("p1", "d0", "P block_size=32 and D block_size=16 differ"),
+        RefusedPair("p1", "d1", "P block_size=32 and D block_size=16 differ"),
     ]
 
 
