@@ -5,7 +5,9 @@ Who calls it: ``disagg-bench transfer``. For each kind (``bare``: raw agent call
 ``connector.protocol.LayoutSpec`` and the connector's block-id -> descriptor arithmetic) it spawns a
 target process that registers a DRAM buffer and an initiator process that WRITEs the same bytes in
 the same block count into it, ``iterations`` times, each WRITE carrying a notification and polled
-to completion. Kinds alternate over ``rounds`` so machine noise hits both alike.
+to completion. Kinds alternate over ``rounds`` so machine noise hits both alike. With
+``p_tp`` > 1 the ``bare`` and ``connector`` kinds run :mod:`bench.transfer_tp` instead: that many
+initiators (P ranks) each WRITE their share of every block into one target.
 """
 
 from __future__ import annotations
