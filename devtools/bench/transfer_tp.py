@@ -259,7 +259,8 @@ def _target_main(
     for conn in ranks:
         conn.recv()  # "bye": closed, before D tears down
     impl.close()
-    report.send({"times": times[spec.warmups :], "notified": len(times), "byte_exact": exact})
+    # Every iteration ended with every rank's notification in hand.
+    report.send({"times": times[spec.warmups :], "complete": len(times), "byte_exact": exact})
 
 
 def run_tp_kind(kind: TpKind, spec: TransferSpec, device: str = "cpu") -> dict[str, Any]:
@@ -295,7 +296,7 @@ def run_tp_kind(kind: TpKind, spec: TransferSpec, device: str = "cpu") -> dict[s
         "kind": kind,
         "p_tp": spec.p_tp,
         **write_stats(spec, result["times"]),
-        "notifications_received": result["notified"] * spec.p_tp,
+        "notifications_received": result["complete"] * spec.p_tp,
         "notifications_expected": iterations * spec.p_tp,
         "byte_exact": result["byte_exact"],
     }
