@@ -9,7 +9,12 @@ vLLM's (:mod:`bench.device_kv`) registered through our ``NixlEndpoint``:
    transfer (>= 1 GiB on VRAM); D's blocks must equal P's byte for byte, the rest stay zero;
 2. throughput of that path vs a bare NIXL WRITE (+ notification) of the same descriptors, from
    "P starts" to "D knows", median of ``--iterations``;
-3. one JSON line on stdout with both GB/s and their ratio; exit 1 if a byte check failed.
+3. with ``--tp N``: the same throughput with P at tensor parallelism (:mod:`bench.transfer_tp`):
+   N P rank processes each WRITE their share of every block (``1/N`` of its KV heads, at their
+   offset in D's block) into one D, the connector's ``NixlEndpoint`` with its head mapping vs
+   bare NIXL, until D holds every rank's notification; D's blocks are then checked byte for
+   byte;
+4. one JSON line on stdout with both GB/s and their ratio; exit 1 if a byte check failed.
 
 It needs only the standard library, torch, the connector's vLLM-free transfer core and NIXL. A
 bare GPU machine without NIXL takes the wheel carried to it (``--wheel``): its sha256 is checked
@@ -223,9 +228,47 @@ def throughput(
     return rows
 
 
+def tp_throughput(
+    shape: CacheShape, sizes: list[int], args: Any, device: str
+) -> list[dict[str, Any]]:
+    """``--tp N``: per size, median GB/s of N P ranks writing their shares into one D,
+    connector (NixlEndpoint, the connector's head mapping) vs bare NIXL."""
+    from bench.transfer import TransferSpec
+    from bench.transfer_tp import run_tp_kind
+
+    rows = []
+    for size in sizes:
+        blocks = max(1, size // shape.block_bytes)
+        spec = TransferSpec(
+            regions=shape.layers,
+            blocks_per_region=blocks,
+            block_bytes=shape.page_bytes,
+            blocks_per_write=blocks,
+            iterations=args.iterations,
+            warmups=args.warmups,
+            rounds=1,
+            p_tp=args.tp,
+        )
+        ours, bare = (run_tp_kind(kind, spec, device) for kind in ("connector", "bare"))
+        ours_gbps, bare_gbps = ours["median_throughput_gbps"], bare["median_throughput_gbps"]
+        rows.append(
+            {
+                "bytes": spec.bytes_per_write,
+                "p_tp": args.tp,
+                "ours_gbps": round(ours_gbps, 3),
+                "bare_gbps": round(bare_gbps, 3),
+                "ratio": round(ours_gbps / bare_gbps, 3),
+                "ours_median_ms": round(ours["median_write_ms"], 3),
+                "bare_median_ms": round(bare["median_write_ms"], 3),
+                "byte_exact": ours["byte_exact"] and bare["byte_exact"],
+            }
+        )
+    return rows
+
+
 def _shape(memory: str, big_blocks: int) -> CacheShape:
     """VRAM: 4 layers x 8 heads x 16 tokens x 256 (bf16): 256 KiB per block. DRAM: 32 KiB."""
-    room = big_blocks + 64
+    room = max(big_blocks + 64, 3 * 64)  # "64 scattered blocks" reaches 189 below the last
     if memory == "vram":
         return CacheShape(layers=4, heads=8, block_size=16, content=256, num_blocks=room)
     return CacheShape(layers=2, heads=4, block_size=16, content=128, num_blocks=room)
@@ -246,6 +289,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes-mib", help="throughput sizes (64,1024; dram 4,16)")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--warmups", type=int, default=2)
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="also measure the throughput with P at this tensor-parallel size: N P ranks WRITE "
+        "their share of every block into one D (must divide the cache's KV heads)",
+    )
     return parser.parse_args(argv)
 
 
@@ -261,6 +311,8 @@ def run(args: argparse.Namespace, wheel_sha256: str | None) -> dict[str, Any]:
     probe = _shape(args.memory, 1)
     big_blocks = max(1, big_mib * MIB // probe.block_bytes)
     shape = _shape(args.memory, max(big_blocks, max(sizes) // probe.block_bytes))
+    if args.tp < 1 or shape.heads % args.tp:
+        raise SystemExit(f"--tp {args.tp} must divide the cache's {shape.heads} KV heads")
     device = f"cuda:{args.gpu}" if vram else "cpu"
     started = time.monotonic()
     peers = Peers(shape, device)
@@ -270,6 +322,7 @@ def run(args: argparse.Namespace, wheel_sha256: str | None) -> dict[str, Any]:
         foreign = peers.close()
     finally:
         peers.kill()
+    tp_rows = tp_throughput(shape, sizes, args, device) if args.tp > 1 else []
     top = rows[-1]
     return {
         "check": "device",
@@ -277,13 +330,17 @@ def run(args: argparse.Namespace, wheel_sha256: str | None) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(args.gpu) if vram else "cpu",
         "nixl": peers.p_hello["nixl"],
         "wheel_sha256": wheel_sha256,
-        "byte_exact": all(c["ok"] and c["exact"] and c["rest_zero"] for c in cases),
+        "byte_exact": all(c["ok"] and c["exact"] and c["rest_zero"] for c in cases)
+        and all(r["byte_exact"] for r in tp_rows),
         "cases": cases,
         "bytes_per_write": top["bytes"],
         "ours_gbps": top["ours_gbps"],
         "bare_gbps": top["bare_gbps"],
         "ratio": top["ratio"],
         "throughput": rows,
+        "tp": args.tp,
+        "tp_ratio": tp_rows[-1]["ratio"] if tp_rows else None,
+        "tp_throughput": tp_rows,
         "foreign_modules": foreign,
         "seconds": round(time.monotonic() - started, 1),
         "command": "python -m bench.device_check " + " ".join(sys.argv[1:]),

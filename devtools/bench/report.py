@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.routing import SUMMARY_KEYS, routing_summary
+from bench.transfer import key_suffix
 
 Rows = list[dict[str, Any]]
 
@@ -133,9 +134,33 @@ TRANSFER_FILES = {
     "connector_over_bare_nixl_throughput": "transfer.json",
     "connector_over_bare_nixl_throughput_64mib": "transfer-64mib.json",
     "connector_over_bare_nixl_throughput_16k_descriptors": "transfer-16k-descriptors.json",
+    "connector_over_bare_nixl_throughput_p_tp2": "transfer-64mib-p-tp2.json",
 }
 """summary.json keys from ``disagg-bench transfer`` results (2 MiB and 64 MiB per WRITE in 1,024
-descriptors; 4 MiB in 16,384, the descriptor count of a long prompt on a many-layer model)."""
+descriptors; 4 MiB in 16,384, the descriptor count of a long prompt on a many-layer model; 64 MiB
+from two P ranks into one D, ``--p-tp 2``)."""
+
+
+def _transfer_note(transfer: dict[str, Any], name: str) -> str:
+    """How a transfer file's headline ratio was obtained."""
+    p_tp = int(transfer.get("spec", {}).get("p_tp", 1))
+    size = transfer.get("bytes_per_write")
+    descs = transfer.get("descriptors_per_write")
+    what = (
+        "median-transfer throughput, connector path (PushProducer -> PushConsumer) / "
+        "bare NIXL WRITE + notification, same bytes and descriptors"
+        if p_tp == 1
+        else f"median-iteration throughput, P TP {p_tp} -> D TP 1: {p_tp} P ranks each WRITE "
+        "their share of every block into one D, connector NixlEndpoint with its head mapping "
+        "/ bare NIXL agent, until D holds every rank's notification"
+    )
+    return (
+        what
+        + (f", {size / 2**20:g} MiB per WRITE" if size else "")
+        + (f" in {descs} descriptors" if descs else "")
+        + (" per rank" if descs and p_tp > 1 else "")
+        + f" ({name})"
+    )
 
 
 def _cpu_ratio(saturation: dict[str, Any], router: str) -> tuple[float | None, str]:
@@ -260,21 +285,14 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
     )
 
     for key, name in TRANSFER_FILES.items():
-        transfer = _load(out_dir / name)
-        ratio = (transfer or {}).get("connector_over_bare_throughput")
+        transfer = _load(out_dir / name) or {}
+        p_tp = int(transfer.get("spec", {}).get("p_tp", 1))
+        ratio = transfer.get("connector_over_bare_throughput" + key_suffix(p_tp))
         summary[key] = ratio
-        if ratio is None or transfer is None:
+        if ratio is None:
             notes[key] = f"no transfer results ({name} missing or one kind failed)"
             continue
-        size = transfer.get("bytes_per_write")
-        descs = transfer.get("descriptors_per_write")
-        notes[key] = (
-            "median-transfer throughput, connector path (PushProducer -> PushConsumer) / "
-            "bare NIXL WRITE + notification, same bytes and descriptors"
-            + (f", {size / 2**20:g} MiB per WRITE" if size else "")
-            + (f" in {descs} descriptors" if descs else "")
-            + f" ({name})"
-        )
+        notes[key] = _transfer_note(transfer, name)
     routing = _load(out_dir / "routing.json") or {}
     for key, value in routing_summary(routing).items():
         summary[key] = value
@@ -424,9 +442,13 @@ def _transfer_section(name: str, transfer: dict[str, Any] | None) -> list[str]:
     if not transfer or not transfer.get("rounds"):
         return []
     lines = ["", f"## Transfer (`{name}`)", ""]
+    p_tp = int(transfer.get("spec", {}).get("p_tp", 1))
+    size, descs = transfer["bytes_per_write"], transfer["descriptors_per_write"]
     lines.append(
-        f"{transfer['bytes_per_write']} bytes in {transfer['descriptors_per_write']} "
-        "descriptors per WRITE; per round: median ms per transfer (GB/s)."
+        f"{size} bytes in {descs} descriptors per WRITE; per round: median ms per transfer (GB/s)."
+        if p_tp == 1
+        else f"{size} bytes per iteration: {p_tp} P ranks each WRITE {descs} descriptors (their "
+        "share of every block) into one D; per round: median ms per iteration (GB/s)."
     )
     lines += ["", "| round | kind | median ms | GB/s |", "|---|---|---|---|"]
     for r in transfer["rounds"]:

@@ -5,7 +5,9 @@ Who calls it: ``disagg-bench transfer``. For each kind (``bare``: raw agent call
 ``connector.protocol.LayoutSpec`` and the connector's block-id -> descriptor arithmetic) it spawns a
 target process that registers a DRAM buffer and an initiator process that WRITEs the same bytes in
 the same block count into it, ``iterations`` times, each WRITE carrying a notification and polled
-to completion. Kinds alternate over ``rounds`` so machine noise hits both alike.
+to completion. Kinds alternate over ``rounds`` so machine noise hits both alike. With
+``p_tp`` > 1 the ``bare`` and ``connector`` kinds run :mod:`bench.transfer_tp` instead: that many
+initiators (P ranks) each WRITE their share of every block into one target.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class TransferSpec:
     #: ``connector-path`` only: ``ConnectorConfig.post_on_finish`` (True: the thread finishing
     #: the prefill posts the WRITE; the A/B for the writer's wake-up).
     post_on_finish: bool = False
+    #: ``bare`` and ``connector`` only: P's tensor-parallel size. ``p_tp`` initiator processes
+    #: (P ranks) WRITE concurrently into one target (D at TP 1), each its ``1/p_tp`` share of
+    #: every block (its KV heads at their offset in D's block; :mod:`bench.transfer_tp`).
+    p_tp: int = 1
 
     @property
     def bytes_per_write(self) -> int:
@@ -83,13 +89,27 @@ class TransferSpec:
 
     @property
     def descs_per_write(self) -> int:
+        """Descriptors in one rank's WRITE (every rank posts this many per iteration)."""
         return self.regions * self.blocks_per_write
+
+    @property
+    def share_bytes(self) -> int:
+        """Bytes of one P rank's share of one block (the whole block at ``p_tp`` 1)."""
+        return self.block_bytes // self.p_tp
 
     def validate(self) -> None:
         if not 0 < self.blocks_per_write <= self.blocks_per_region:
             raise ValueError("blocks_per_write must be in [1, blocks_per_region]")
         if min(self.regions, self.block_bytes, self.iterations) < 1 or self.warmups < 0:
             raise ValueError("regions, block_bytes and iterations must be >= 1")
+        if self.p_tp < 1 or self.block_bytes % self.p_tp:
+            raise ValueError("p_tp must be >= 1 and divide block_bytes")
+
+
+def key_suffix(p_tp: int) -> str:
+    """What every ratio key of a result names its TP with: ``""`` at P TP 1 (today's keys),
+    ``_p_tp<N>`` otherwise (``connector_over_bare_throughput_p_tp2``)."""
+    return "" if p_tp == 1 else f"_p_tp{p_tp}"
 
 
 def bare_positions(spec: TransferSpec) -> Positions:
@@ -228,16 +248,23 @@ def run_kind(kind: Kind, spec: TransferSpec) -> dict[str, Any]:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    times: list[float] = result["times"]
-    total = sum(times)
     return {
         "kind": kind,
+        **write_stats(spec, result["times"]),
+        "notifications_received": result["notified"],
+        "notifications_expected": expected,
+    }
+
+
+def write_stats(spec: TransferSpec, times: Sequence[float]) -> dict[str, float]:
+    """Throughput and latency of ``times`` (seconds per iteration), each moving
+    ``spec.bytes_per_write`` bytes."""
+    total = sum(times)
+    return {
         "throughput_gbps": spec.bytes_per_write * len(times) / total / 1e9,
         "median_throughput_gbps": spec.bytes_per_write / statistics.median(times) / 1e9,
         "median_write_ms": statistics.median(times) * 1000,
         "p99_write_ms": sorted(times)[max(0, int(len(times) * 0.99) - 1)] * 1000,
-        "notifications_received": result["notified"],
-        "notifications_expected": expected,
     }
 
 
@@ -245,7 +272,18 @@ AnyKind = Literal["bare", "connector", "bare-notify", "connector-path"]
 ALL_KINDS: tuple[AnyKind, ...] = ("bare", "connector", "bare-notify", "connector-path")
 
 
+TP_KINDS: tuple[AnyKind, ...] = ("bare", "connector")
+"""The kinds that run at ``p_tp`` > 1."""
+
+
 def _run_any(kind: AnyKind, spec: TransferSpec) -> dict[str, Any]:
+    if spec.p_tp > 1:
+        from bench.transfer_tp import run_tp_kind
+
+        row = run_tp_kind(kind, spec)  # type: ignore[arg-type]
+        if not row["byte_exact"]:
+            raise RuntimeError(f"{kind}: D's blocks do not hold every P rank's share")
+        return row
     if kind in ("bare", "connector"):
         return run_kind(kind, spec)
     from bench.transfer_path import run_path_kind
@@ -264,8 +302,12 @@ def run_transfer(spec: TransferSpec, kinds: tuple[AnyKind, ...] = ALL_KINDS) -> 
     rounds, which is robust to the stalls of a shared machine. The headline
     ``connector_over_bare_throughput`` is the whole connector path (``connector-path`` /
     ``bare-notify``) when both ran, else the endpoint-level ratio (``connector`` / ``bare``).
+    At ``p_tp`` > 1 only :data:`TP_KINDS` run and every ratio key ends in
+    :func:`key_suffix` (``connector_over_bare_throughput_p_tp2``).
     """
     spec.validate()
+    if spec.p_tp > 1 and any(k not in TP_KINDS for k in kinds):
+        raise ValueError(f"p_tp > 1 runs the kinds {TP_KINDS} only")
     rounds: list[dict[str, Any]] = []
     for r in range(spec.rounds):
         for kind in kinds:
@@ -278,13 +320,16 @@ def run_transfer(spec: TransferSpec, kinds: tuple[AnyKind, ...] = ALL_KINDS) -> 
     }
     path_ratio = _ratio(median, "connector-path", "bare-notify")
     endpoint_ratio = _ratio(median, "connector", "bare")
+    tp = key_suffix(spec.p_tp)
     return {
         "spec": asdict(spec),
         "bytes_per_write": spec.bytes_per_write,
         "descriptors_per_write": spec.descs_per_write,
         "rounds": rounds,
         "median_throughput_gbps": median,
-        "path_connector_over_bare_throughput": path_ratio,
-        "endpoint_connector_over_bare_throughput": endpoint_ratio,
-        "connector_over_bare_throughput": path_ratio if path_ratio is not None else endpoint_ratio,
+        f"path_connector_over_bare_throughput{tp}": path_ratio,
+        f"endpoint_connector_over_bare_throughput{tp}": endpoint_ratio,
+        f"connector_over_bare_throughput{tp}": (
+            path_ratio if path_ratio is not None else endpoint_ratio
+        ),
     }

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from bench.results import write_json
-from bench.transfer import ALL_KINDS, AnyKind, TransferSpec, run_transfer
+from bench.transfer import ALL_KINDS, TP_KINDS, AnyKind, TransferSpec, run_transfer
 
 
 def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,16 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="connector-path: the thread finishing the prefill posts the WRITE (post_on_finish)",
     )
-    parser.add_argument("--kinds", default=",".join(ALL_KINDS), help=f"subset of {ALL_KINDS}")
+    parser.add_argument(
+        "--p-tp",
+        type=int,
+        default=defaults.p_tp,
+        help="P's tensor-parallel size: that many initiator ranks WRITE their share of every "
+        f"block into one D (TP 1); above 1 only the kinds {TP_KINDS} run",
+    )
+    parser.add_argument(
+        "--kinds", help=f"subset of {ALL_KINDS} (default: all; {TP_KINDS} with --p-tp > 1)"
+    )
     parser.add_argument("--result-file", type=Path)
 
 
@@ -48,8 +57,10 @@ def transfer_command(args: argparse.Namespace) -> int:
         writer_poll_s=args.writer_poll_s,
         receiver_poll_s=args.receiver_poll_s,
         post_on_finish=args.post_on_finish,
+        p_tp=args.p_tp,
     )
-    names = [k for k in args.kinds.split(",") if k]
+    default = ALL_KINDS if args.p_tp == 1 else TP_KINDS
+    names = [k for k in (args.kinds or ",".join(default)).split(",") if k]
     kinds: tuple[AnyKind, ...] = tuple(k for k in ALL_KINDS if k in names)
     if not kinds or any(k not in ALL_KINDS for k in names):
         print(f"error: --kinds must be a subset of {ALL_KINDS}", file=sys.stderr)

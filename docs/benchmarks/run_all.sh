@@ -43,6 +43,8 @@ exec flock /tmp/vllm-e2e.lock bash -c '
       --result-file "$OUT/transfer-64mib.json"
   .venv/bin/disagg-bench transfer '"${TRANSFER[*]}"' --regions 64 --block-bytes 256 \
       --result-file "$OUT/transfer-16k-descriptors.json"
+  .venv/bin/disagg-bench transfer '"${TRANSFER[*]}"' --p-tp 2 --block-bytes 65536 \
+      --result-file "$OUT/transfer-64mib-p-tp2.json"
   .venv/bin/disagg-bench scenarios '"${SWEEP[*]}"' --out-dir "$OUT" || true
   if [[ "$1" != 0 ]]; then
     .venv/bin/disagg-bench scenarios '"${PINNED[*]}"' --out-dir "$OUT/pinned"

@@ -290,3 +290,27 @@ def test_each_transfer_file_gives_its_key_and_its_section(tmp_path: Path) -> Non
     assert "## Transfer (`transfer-16k-descriptors.json`)" in results
     assert "## Transfer (`transfer.json`)" not in results
     assert "| 0 | connector-path | 1.000 | 4.000 |" in results
+
+
+def test_a_p_tp_transfer_file_gives_its_tp_named_key(tmp_path: Path) -> None:
+    rounds = [
+        {"round": 0, "kind": "bare", "median_write_ms": 10.0, "median_throughput_gbps": 6.7},
+        {"round": 0, "kind": "connector", "median_write_ms": 11.0, "median_throughput_gbps": 6.1},
+    ]
+    tp2 = {
+        "spec": {"p_tp": 2},
+        # The file's own key names the TP; the TP 1 name is absent.
+        "connector_over_bare_throughput_p_tp2": 0.91,
+        "bytes_per_write": 64 * 2**20,
+        "descriptors_per_write": 1024,
+        "rounds": rounds,
+    }
+    (tmp_path / "transfer-64mib-p-tp2.json").write_text(json.dumps(tp2))
+    summary = render(tmp_path, "disagg-bench transfer")
+    assert summary["connector_over_bare_nixl_throughput_p_tp2"] == pytest.approx(0.91)
+    assert summary["connector_over_bare_nixl_throughput_64mib"] is None
+    results = (tmp_path / "results.md").read_text()
+    assert "P TP 2 -> D TP 1" in results
+    assert "64 MiB per WRITE in 1024 descriptors per rank (transfer-64mib-p-tp2.json)" in results
+    assert "2 P ranks each WRITE 1024 descriptors (their share of every block)" in results
+    assert "| 0 | connector | 11.000 | 6.100 |" in results
