@@ -28,7 +28,7 @@ from connector.errors import (
     ProtocolError,
     SideChannelRefusedError,
 )
-from connector.layout import LayoutSpec, head_sources, transfer_bytes
+from connector.layout import LayoutSpec, source_ranks, transfer_bytes
 from connector.protocol import (
     Registration,
     Reply,
@@ -110,17 +110,16 @@ class ConsumerState:
         self._next_ping = clock()
 
     # ---- engine thread -------------------------------------------------------------------
-    def _sources(self, p_tp_size: int) -> list[int]:
-        """The P ranks this D rank takes its KV heads from (:func:`head_sources`)."""
+    def _sources(self, p_tp_size: int, p_pp_size: int) -> tuple[int, ...]:
+        """The P workers (vLLM ranks) this D rank takes its KV from (:func:`source_ranks`)."""
         lay = self._layout
-        return [
-            c.p_rank for c in head_sources(lay.total_kv_heads, p_tp_size, lay.tp_size, lay.tp_rank)
-        ]
+        return source_ranks(lay.total_kv_heads, p_tp_size, p_pp_size, lay.tp_size, lay.tp_rank)
 
     def register(self, spec: RecvSpec) -> list[Ask]:
-        """Start waiting for ``spec``; returns the registration to send to each P rank this D
-        rank takes heads from (P's base port + its rank). A P tensor-parallel size that does
-        not fit the model's heads fails the request at once."""
+        """Start waiting for ``spec``; returns the registration to send to each P worker this
+        D rank takes KV from: every pipeline stage's TP ranks holding its heads (P's base port +
+        the worker's rank). A P tensor-parallel size that does not fit the model's heads fails
+        the request at once."""
         now = self._clock()
         reg = Registration(
             transfer_key=spec.transfer_key,
@@ -135,7 +134,8 @@ class ConsumerState:
         )
         pending = _Pending(spec, now, now + self._cfg.transfer_timeout_s, {})
         try:
-            legs = {p: (spec.host, spec.port + p) for p in self._sources(spec.p_tp_size)}
+            ranks = self._sources(spec.p_tp_size, spec.p_pp_size)
+            legs = {p: (spec.host, spec.port + p) for p in ranks}
         except LayoutError as exc:  # nothing is asked of any P rank: fails at once
             pending.failure = f"P's tensor-parallel size {spec.p_tp_size} does not fit: {exc}"
             self._complete(pending)
@@ -165,9 +165,9 @@ class ConsumerState:
         so they free the prefill."""
         payload = encode_cancel(cancel.transfer_key, self._layout.tp_rank)
         try:
-            ranks = self._sources(cancel.p_tp_size)
+            ranks = self._sources(cancel.p_tp_size, cancel.p_pp_size)
         except LayoutError:
-            ranks = list(range(cancel.p_tp_size))
+            ranks = tuple(range(cancel.p_tp_size * cancel.p_pp_size))
         return [
             Ask("forget", cancel.host, cancel.port + p, payload, cancel.transfer_key, p_rank=p)
             for p in ranks

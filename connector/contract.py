@@ -64,9 +64,6 @@ IDENTITY_PROBE_KEY = "identity_probe"
 """A P-leg key: when true, P answers its identity like any prefill but keeps no blocks for a
 decode (the router's identity probes)."""
 
-P_PIPELINE_PARALLEL_SERVED = False
-"""Whether the connector serves a P with ``pp_size`` > 1 (a D with ``pp_size`` > 1 never is)."""
-
 BLOCK_SIZES_TRANSFERABLE = False
 """Whether KV moves between a P and a D whose ``block_size`` differ."""
 
@@ -313,11 +310,10 @@ def read_engine_shape(params: Mapping[str, Any] | None) -> EngineShape | None:
 def pairing_refusal(p: EngineShape, d: EngineShape) -> str | None:
     """Why the connector cannot move KV from a P of shape ``p`` to a D of shape ``d``, naming
     both values; ``None`` when it can. The one pairing rule: the router, ``check-config`` and
-    the tests all ask it."""
+    the tests all ask it. P may be pipeline parallel (each stage writes its own layers); D
+    may not."""
     if d.pp_size > 1:
         return f"D pp_size={d.pp_size} (P pp_size={p.pp_size}): D must have pp_size=1"
-    if p.pp_size > 1 and not P_PIPELINE_PARALLEL_SERVED:
-        return f"P pp_size={p.pp_size} (D pp_size={d.pp_size}): P must have pp_size=1"
     small, large = sorted((p.tp_size, d.tp_size))
     if large % small:
         return f"P tp_size={p.tp_size} and D tp_size={d.tp_size}: neither divides the other"

@@ -75,6 +75,19 @@ def _tp_rank(vllm_config: Any) -> int:
     return int(get_tensor_model_parallel_rank())
 
 
+def _pp_size(vllm_config: Any) -> int:
+    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+
+
+def _pp_rank(vllm_config: Any) -> int:
+    """This worker's pipeline stage (vLLM ranks are ``pp_rank * tp_size + tp_rank``)."""
+    if _pp_size(vllm_config) == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return int(get_pp_group().rank_in_group)
+
+
 class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """Push-mode NIXL KV connector (D registers blocks, P WRITEs them). See the README."""
 
@@ -116,6 +129,8 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 tp_rank=_tp_rank(vllm_config),
                 tp_size=_tp_size(vllm_config),
                 total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+                pp_rank=_pp_rank(vllm_config),
+                pp_size=_pp_size(vllm_config),
             )
             self._worker = PushWorker(setup, self._config)
 

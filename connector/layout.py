@@ -84,6 +84,19 @@ class LayoutSpec:
     """Tensor-parallel size of this worker's instance."""
     total_kv_heads: int = 0
     """KV heads of the model (all ranks together); 0 when a peer did not state it (TP 1)."""
+    pp_rank: int = 0
+    """This worker's pipeline-parallel stage (P; D is always stage 0 of 1)."""
+    pp_size: int = 1
+    """Pipeline-parallel size of this worker's instance."""
+    region_layers: tuple[int, ...] = ()
+    """The model layer index of each region, in region order (empty when a peer did not state
+    it). A pipeline stage holds only its own layers' regions; P finds them in D's by these."""
+
+    @property
+    def global_rank(self) -> int:
+        """vLLM's rank of this worker (``pp_rank * tp_size + tp_rank``): a P worker's side
+        channel listens on the base port + it and its notifications carry it as ``p_rank``."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     def to_json(self) -> dict[str, Any]:
         """The ``d_layout`` object of a ``register`` message (v1 peers read only the first two
@@ -101,6 +114,9 @@ class LayoutSpec:
             "tp_size": self.tp_size,
             "total_kv_heads": self.total_kv_heads,
             "kv_heads": list(self.kv_heads()) if self.total_kv_heads else [],
+            "pp_rank": self.pp_rank,
+            "pp_size": self.pp_size,
+            "region_layers": list(self.region_layers),
         }
 
     def kv_heads(self) -> tuple[int, int]:
@@ -113,9 +129,15 @@ class LayoutSpec:
         """Parse :meth:`to_json` output; raises :class:`ProtocolError` naming what is wrong.
 
         A peer without the tensor-parallel keys (``tp_rank``, ``tp_size``, ``total_kv_heads``,
-        ``head_bytes``) is a TP 1 peer. A stated ``kv_heads`` range must be the one its rank
-        holds."""
+        ``head_bytes``) is a TP 1 peer, one without ``pp_rank``/``pp_size`` a PP 1 peer. A stated
+        ``kv_heads`` range must be the one its rank holds; stated ``region_layers`` name one
+        layer per region."""
         layout = cls._from_json(raw)
+        if layout.region_layers and len(layout.region_layers) != len(layout.regions):
+            raise ProtocolError(
+                f"bad layout: {len(layout.region_layers)} region_layers for "
+                f"{len(layout.regions)} regions"
+            )
         try:
             stated = tuple(int(h) for h in raw.get("kv_heads") or ())
             if layout.total_kv_heads and stated and stated != layout.kv_heads():
@@ -145,6 +167,9 @@ class LayoutSpec:
                 tp_rank=int(raw.get("tp_rank", 0)),
                 tp_size=int(raw.get("tp_size", 1)),
                 total_kv_heads=int(raw.get("total_kv_heads", 0)),
+                pp_rank=int(raw.get("pp_rank", 0)),
+                pp_size=int(raw.get("pp_size", 1)),
+                region_layers=tuple(int(x) for x in raw.get("region_layers") or ()),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ProtocolError):
@@ -226,6 +251,13 @@ def head_sources(total: int, p_tp: int, d_tp: int, d_rank: int) -> tuple[HeadCop
     return tuple(out)
 
 
+def source_ranks(total: int, p_tp: int, p_pp: int, d_tp: int, d_rank: int) -> tuple[int, ...]:
+    """The P workers (vLLM ranks ``stage * p_tp + tp_rank``) D rank ``d_rank`` registers with
+    and waits on: in every pipeline stage of P, the TP ranks of :func:`head_sources`."""
+    sources = head_sources(total, p_tp, d_tp, d_rank)
+    return tuple(stage * p_tp + c.p_rank for stage in range(p_pp) for c in sources)
+
+
 def served_d_ranks(total: int, p_tp: int, d_tp: int, p_rank: int) -> frozenset[int]:
     """The D ranks that take heads from P rank ``p_rank`` (each registers with it once)."""
     return frozenset(
@@ -247,11 +279,19 @@ class HeadTransfer:
     d_ranks: frozenset[int]
     """The D ranks this P rank serves for the same request (it keeps its blocks until each has
     had its WRITE, or its lease ran out)."""
+    d_regions: tuple[int, ...] = ()
+    """D's region for each of P's regions when P is one pipeline stage (its layers inside D's
+    whole-model layout, :func:`stage_regions`); empty: the same positions (PP 1)."""
 
     def views(self, p: LayoutSpec, d: LayoutSpec) -> tuple[LayoutSpec, LayoutSpec]:
-        """``(P's, D's)`` layouts narrowed to the bytes moved; their descriptor positions are the
-        full layouts' (:func:`descriptor_index` is unchanged)."""
-        return _narrow(p, self.p_offset, self.length), _narrow(d, self.d_offset, self.length)
+        """``(P's, D's)`` layouts narrowed to the bytes moved, D's also to the regions P writes
+        (in P's region order). P's view keeps P's descriptor positions; D's prepared list is
+        made over D's view, so D's descriptor ids are computed over it (:meth:`d_view`)."""
+        return _narrow(p, self.p_offset, self.length), self.d_view(d)
+
+    def d_view(self, d: LayoutSpec) -> LayoutSpec:
+        """D's layout as this P rank writes it: its regions, the bytes moved of each block."""
+        return _narrow(select_regions(d, self.d_regions), self.d_offset, self.length)
 
 
 def _narrow(layout: LayoutSpec, offset: int, length: int) -> LayoutSpec:
@@ -263,14 +303,63 @@ def _narrow(layout: LayoutSpec, offset: int, length: int) -> LayoutSpec:
     return replace(layout, regions=regions)
 
 
+def select_regions(layout: LayoutSpec, picked: Sequence[int]) -> LayoutSpec:
+    """``layout`` with only the regions ``picked`` (in that order); all of them when empty."""
+    if not picked:
+        return layout
+    layers = tuple(layout.region_layers[i] for i in picked) if layout.region_layers else ()
+    return replace(layout, regions=tuple(layout.regions[i] for i in picked), region_layers=layers)
+
+
+def stage_regions(p: LayoutSpec, d: LayoutSpec) -> tuple[int, ...] | str:
+    """D's region for each region of P's pipeline stage, matched by layer index (and order
+    within a layer), or why they cannot be matched. ``()`` for a PP 1 P: the same positions.
+
+    Regions are ordered by layer *name* (``layout_from_kv_caches``), so a stage's layers are not
+    one run of D's regions once a model has more than ten layers; matching by index is exact."""
+    if p.pp_size == 1:
+        return ()
+    if d.pp_size != 1:
+        return f"D has pipeline parallel size {d.pp_size}; D must have size 1"
+    if not d.region_layers or len(p.region_layers) != len(p.regions):
+        side = "D" if not d.region_layers else "P"
+        return f"{side} states no layer index per KV region: P's pipeline stage cannot be placed"
+    where: dict[int, list[int]] = {}
+    for i, layer in enumerate(d.region_layers):
+        where.setdefault(layer, []).append(i)
+    out: list[int] = []
+    used: dict[int, int] = {}
+    for layer in p.region_layers:
+        k = used[layer] = used.get(layer, 0) + 1
+        slots = where.get(layer, [])
+        if k > len(slots):
+            return f"layer {layer} of P's pipeline stage {p.pp_rank} has no KV region on D"
+        out.append(slots[k - 1])
+    for layer, count in used.items():
+        if count != len(where[layer]):
+            return f"layer {layer} has {len(where[layer])} KV regions on D, {count} on P"
+    return tuple(out)
+
+
 def head_transfer(p: LayoutSpec, d: LayoutSpec) -> HeadTransfer | str:
     """How P rank ``p`` writes into D rank ``d`` (each layout states its rank), or why it
     cannot (the registration is then refused with that reason).
 
+    A pipeline-parallel P rank writes its own layers' regions into D's regions of the same
+    layers (:func:`stage_regions`); the checks below compare them with those of D's regions.
     Both hold the same heads: whole blocks, with :meth:`LayoutSpec.compatible_with`'s checks
     (any KV cache layout). Otherwise only a slice of heads moves, so both layouts must keep
     each head contiguous inside a block (``head_bytes``), with the same bytes per head.
     """
+    picked = stage_regions(p, d)
+    if isinstance(picked, str):
+        return picked
+    found = _tp_transfer(p, select_regions(d, picked))
+    return found if isinstance(found, str) else replace(found, d_regions=picked)
+
+
+def _tp_transfer(p: LayoutSpec, d: LayoutSpec) -> HeadTransfer | str:
+    """:func:`head_transfer` between P's regions and the D regions they go to."""
     if p.tp_size > 1 and not d.total_kv_heads:
         return f"D states no KV head count (a TP 1-only peer) but P has tp_size={p.tp_size}"
     total = p.total_kv_heads if d.tp_size == 1 and not d.total_kv_heads else d.total_kv_heads
@@ -469,6 +558,7 @@ def layout_from_kv_caches(
     formats: set[str] = set()
     dtypes: set[str] = set()
     heads: set[int] = set()
+    layers: list[int | None] = []
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     for name in sorted(kv_caches):
         t = kv_caches[name]
@@ -478,6 +568,7 @@ def layout_from_kv_caches(
         seen.add(ident)
         found, k, fmt, head_bytes = _tensor_regions(name, t, num_blocks)
         regions += found
+        layers += [layer_index(name)] * len(found)
         per_logical.add(k)
         formats.add(fmt)
         heads.add(head_bytes)
@@ -495,7 +586,16 @@ def layout_from_kv_caches(
         block_size=block_size,
         block_format=formats.pop() if formats else "",
         head_bytes=heads.pop() if len(heads) == 1 else 0,
+        region_layers=tuple(i for i in layers if i is not None) if None not in layers else (),
     )
+
+
+def layer_index(name: str) -> int | None:
+    """The model layer of a KV cache tensor's layer name (``model.layers.12.self_attn.attn``
+    -> 12): its one integer component, like vLLM's ``extract_layer_index``; ``None`` when
+    there is not exactly one."""
+    found = [int(part) for part in name.split(".") if part.isdigit()]
+    return found[0] if len(found) == 1 else None
 
 
 def _block_dim(name: str, shape: tuple[int, ...], num_blocks: int) -> int:

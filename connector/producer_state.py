@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from connector.config import ConnectorConfig
 from connector.endpoint import XferState
@@ -74,14 +74,16 @@ class _Registered:
 
 
 def _registered(reg: Registration, now: float, transfer: HeadTransfer, p_rank: int) -> _Registered:
-    """A registration with its WRITE's D-side half prepared."""
+    """A registration with its WRITE's D-side half prepared: D's descriptor ids over the view
+    of D's layout this P worker (vLLM rank ``p_rank``) writes (:meth:`HeadTransfer.d_view`)."""
     note = Notification("done", reg.transfer_key, reg.d_request_id, p_rank=p_rank)
     notif = encode_notification(note)
     start_by = now + reg.budget_s
+    d_view = transfer.d_view(reg.d_layout)
     try:
-        remote_ids = descriptor_index(reg.d_layout, reg.block_ids[0])
+        remote_ids = descriptor_index(d_view, reg.block_ids[0])
     except ValueError as exc:
-        no_ids = descriptor_index(reg.d_layout, ())
+        no_ids = descriptor_index(d_view, ())
         return _Registered(reg, now, start_by, no_ids, notif, transfer, str(exc))
     return _Registered(reg, now, start_by, remote_ids, notif, transfer)
 
@@ -158,8 +160,7 @@ def _write(key: str, fin: SendSpec, entry: _Registered, layout: LayoutSpec) -> W
         return Write(key, fin, entry, error=f"WRITE could not be posted: {exc}")
     if entry.remote_error:
         return Write(key, fin, entry, error=f"WRITE could not be posted: {entry.remote_error}")
-    moved = replace(reg.d_layout, regions=entry.transfer.views(layout, reg.d_layout)[1].regions)
-    num_bytes = transfer_bytes(moved, num_blocks)
+    num_bytes = transfer_bytes(entry.transfer.d_view(reg.d_layout), num_blocks)
     return Write(key, fin, entry, local_ids, num_blocks, num_bytes)
 
 
@@ -313,7 +314,7 @@ class ProducerState:
         return None
 
     def _accept(self, reg: Registration, transfer: HeadTransfer) -> str | None:
-        entry = _registered(reg, self._clock(), transfer, self._layout.tp_rank)
+        entry = _registered(reg, self._clock(), transfer, self._layout.global_rank)
         key, d_rank = reg.transfer_key, entry.d_rank
         with self._lock:
             if key in self._failed:
@@ -455,7 +456,7 @@ class ProducerState:
         """``failed`` notifications to send now, with the registration naming their D."""
         with self._lock:
             outbox, self._outbox = self._outbox, []
-        rank = self._layout.tp_rank
+        rank = self._layout.global_rank
         return [
             (
                 reg,

@@ -14,7 +14,10 @@ with :class:`ProtocolError` naming both versions.
 Tensor parallelism extends v1 compatibly (the version stays 1): D's layout states its rank
 (``tp_rank``, ``tp_size``, ``total_kv_heads``, ``kv_heads``, ``head_bytes``), a ``cancel``
 carries ``d_tp_rank`` and a notification ``p_rank``. A peer that omits them is a TP 1 peer
-(rank 0 of 1); a peer that does not know them ignores them.
+(rank 0 of 1); a peer that does not know them ignores them. Pipeline parallelism on P adds
+``pp_rank``, ``pp_size`` and ``region_layers`` to the layout the same way (absent: stage 0 of 1,
+no layer indices), and a notification's ``p_rank`` is then P's vLLM rank
+(``pp_rank * tp_size + tp_rank``).
 """
 
 from __future__ import annotations

@@ -97,10 +97,9 @@ class PushScheduler:
         except ContractError as exc:
             logger.error("request %s: %s; prefilling locally", request.request_id, exc)
             return None
-        if leg is not None and (leg.peer.tp_size < 1 or leg.peer.pp_size != 1):
+        if leg is not None and (leg.peer.tp_size < 1 or leg.peer.pp_size < 1):
             logger.error(
-                "request %s: P has tp_size=%s pp_size=%s; pipeline parallel P is not "
-                "supported; prefilling locally",
+                "request %s: P has tp_size=%s pp_size=%s; prefilling locally",
                 request.request_id,
                 leg.peer.tp_size,
                 leg.peer.pp_size,
@@ -129,7 +128,9 @@ class PushScheduler:
         host, port = leg.peer.host, leg.peer.port
         if num_external_tokens <= 0:
             # Full local hit: nothing to receive; let P free its blocks now.
-            self._meta.key_cancels.append(KeyCancel(key, host, port, leg.peer.tp_size))
+            self._meta.key_cancels.append(
+                KeyCancel(key, host, port, leg.peer.tp_size, leg.peer.pp_size)
+            )
             return
         all_ids = blocks.get_block_ids()[0]
         new_ids = blocks.get_unhashed_block_ids_all_groups()[0]
@@ -145,6 +146,7 @@ class PushScheduler:
                 block_ids=tuple(new_ids),
                 first_block=first_block,
                 p_tp_size=leg.peer.tp_size,
+                p_pp_size=leg.peer.pp_size,
             )
         )
         logger.debug(
@@ -181,7 +183,8 @@ class PushScheduler:
             # Finished before any block was allocated: let P free its prefill now.
             key = transfer_key(leg.transfer_id, rid)
             peer = leg.peer
-            self._meta.key_cancels.append(KeyCancel(key, peer.host, peer.port, peer.tp_size))
+            cancel = KeyCancel(key, peer.host, peer.port, peer.tp_size, peer.pp_size)
+            self._meta.key_cancels.append(cancel)
         return False, None
 
     def _p_finished(
@@ -207,6 +210,7 @@ class PushScheduler:
             block_ids=kept,
             num_tokens=request.num_computed_tokens,
             tp_size=self.tp_size,
+            pp_size=self.shape.pp_size,
             transfer_id=leg.transfer_id,
         )
         out.update(engine_shape_params(self.shape))

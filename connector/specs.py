@@ -33,6 +33,9 @@ class RecvSpec:
     first_block: int
     p_tp_size: int = 1
     """P's tensor-parallel size: P rank ``r`` listens on ``port + r``."""
+    p_pp_size: int = 1
+    """P's pipeline-parallel size: the worker of stage ``s``, TP rank ``c`` listens on
+    ``port + s * p_tp_size + c``."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class KeyCancel:
     port: int
     p_tp_size: int = 1
     """P's tensor-parallel size: P rank ``r`` listens on ``port + r``."""
+    p_pp_size: int = 1
+    """P's pipeline-parallel size (see :class:`RecvSpec`)."""
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,19 @@ class WorkerSetup:
     kv_cache_layout: str = ""
     """vLLM's resolved KV cache layout name (e.g. ``LBNHC``), for the logs."""
     tp_rank: int = 0
-    """This worker's tensor-parallel rank (P: its side channel listens on the base port + it)."""
+    """This worker's tensor-parallel rank."""
     tp_size: int = 1
     total_kv_heads: int = 0
     """The model's KV heads, all ranks together (0: unknown, TP 1 only)."""
+    pp_rank: int = 0
+    """This worker's pipeline stage (P only: start-up refuses PP > 1 on D)."""
+    pp_size: int = 1
+
+    @property
+    def rank(self) -> int:
+        """vLLM's rank of this worker, ``pp_rank * tp_size + tp_rank`` (P: its side channel
+        listens on the base port + it)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
 
 @dataclass
@@ -94,8 +103,10 @@ class PushWorker:
             tp_rank=s.tp_rank,
             tp_size=s.tp_size,
             total_kv_heads=s.total_kv_heads,
+            pp_rank=s.pp_rank,
+            pp_size=s.pp_size,
         )
-        name = f"dpc-{s.engine_id}-tp{s.tp_rank}-{uuid.uuid4().hex[:8]}"
+        name = f"dpc-{s.engine_id}-r{s.rank}-{uuid.uuid4().hex[:8]}"
         self.endpoint = NixlEndpoint(name, layout, progress_thread=self.config.nixl_progress_thread)
         if s.is_producer:
             self.producer = PushProducer(
@@ -105,7 +116,9 @@ class PushWorker:
                 health=self.health,
             )
             logger.info(
-                "P side channel of TP rank %d on %s:%d",
+                "P side channel of rank %d (PP stage %d, TP rank %d) on %s:%d",
+                s.rank,
+                s.pp_rank,
                 s.tp_rank,
                 self.config.side_channel_host,
                 self.producer.port,
@@ -130,11 +143,11 @@ class PushWorker:
         )
 
     def _rank_config(self) -> ConnectorConfig:
-        """P: each TP rank's side channel listens on the base port + its rank (0: any port)."""
+        """P: each worker's side channel listens on the base port + its rank (0: any port)."""
         port = self.config.side_channel_port
         if not port:
             return self.config
-        return replace(self.config, side_channel_port=port + self.setup.tp_rank)
+        return replace(self.config, side_channel_port=port + self.setup.rank)
 
     def start_step(self, meta: PushConnectorMetadata) -> None:
         """Hand this step's decisions to the transfer core (non-blocking)."""

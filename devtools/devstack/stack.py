@@ -8,8 +8,9 @@ stack, with or without the prefill identities (without them the router probes fo
 
 Core pinning (sized for a 2-core machine): prefill instances on core 0, decode instances on
 core 1; an aggregated instance on ``aggregated_core`` (default 0). A tensor-parallel instance
-(``StackOptions.tensor_parallel``) pins all its workers to its own core, so P and D never share
-one (``VllmServerSpec.tensor_parallel_size`` says why).
+(``StackOptions.tensor_parallel``) or pipeline-parallel one (``StackOptions.pipeline_parallel``)
+pins all its workers to its own core, so P and D never share one
+(``VllmServerSpec.tensor_parallel_size`` says why).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class StackInstance:
     ``kv_events``."""
     tp_size: int = 1
     """Tensor-parallel size (its P side channels listen on ``side_channel_port + rank``)."""
+    pp_size: int = 1
+    """Pipeline-parallel size (P's worker of vLLM rank ``stage * tp_size + tp_rank`` listens
+    on ``side_channel_port`` + that rank)."""
 
     @property
     def kv_endpoints(self) -> dict[str, str]:
@@ -105,6 +109,9 @@ class StackOptions:
     """Which tiny model every instance serves (:data:`devstack.tiny_model.SHAPES`)."""
     tensor_parallel: Mapping[str, int] = field(default_factory=dict)
     """Tensor-parallel size per instance name (default 1), e.g. ``{"p1": 2, "d1": 2}``."""
+    pipeline_parallel: Mapping[str, int] = field(default_factory=dict)
+    """Pipeline-parallel size per instance name (default 1), e.g. ``{"p1": 2}`` (the connector
+    serves it on P only)."""
 
 
 class Stack:
@@ -174,7 +181,7 @@ class Stack:
                     "host": inst.server.spec.host,
                     "port": inst.side_channel_port,
                     "tp_size": inst.tp_size,
-                    "pp_size": 1,
+                    "pp_size": inst.pp_size,
                 }
             prefill_instances.append(entry)
         config: dict[str, Any] = {
@@ -278,8 +285,11 @@ def build_specs(
     plan = _plan(options)
     per = 4 if options.kv_events else 2
     ports = free_ports(per * len(plan))
-    max_tp = max([options.tensor_parallel.get(name, 1) for _, name, _ in plan])
-    side_channels = free_port_runs(len(plan), max_tp) if max_tp > 1 else []
+    workers = max(
+        options.tensor_parallel.get(name, 1) * options.pipeline_parallel.get(name, 1)
+        for _, name, _ in plan
+    )
+    side_channels = free_port_runs(len(plan), workers) if workers > 1 else []
     result: list[tuple[InstanceRole, str | None, VllmServerSpec]] = []
     run_id = uuid.uuid4().hex[:8]
     for index, (role, name, core) in enumerate(plan):
@@ -309,6 +319,7 @@ def build_specs(
             extra_env=options.extra_env,
             extra_args=(*options.extra_args, *_kv_events_args(options, ports, per * index)),
             tensor_parallel_size=options.tensor_parallel.get(name, 1),
+            pipeline_parallel_size=options.pipeline_parallel.get(name, 1),
         )
         result.append((role, engine_id, spec))
     return result
@@ -357,6 +368,7 @@ def start_stack(options: StackOptions, work_dir: Path) -> Stack:
             side_channel_port=spec.nixl_side_channel_port,
             kv_events_ports=_kv_events_ports(spec),
             tp_size=spec.tensor_parallel_size,
+            pp_size=spec.pipeline_parallel_size,
         )
         for (role, engine_id, spec), server in zip(planned, servers, strict=True)
     ]

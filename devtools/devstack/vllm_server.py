@@ -81,6 +81,15 @@ class VllmServerSpec:
     instance's core starves that instance (on a 2-core machine, P's side-channel threads went
     unanswered for seconds). With a NIXL connector worker ``r``'s side channel listens on
     ``nixl_side_channel_port + r``."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (``--pipeline-parallel-size``, multiprocess executor): ``tp * pp``
+    workers, all pinned to ``cpu_core`` like the TP workers; with a NIXL connector the worker
+    of vLLM rank ``r`` (``stage * tp + tp_rank``) listens on ``nixl_side_channel_port + r``."""
+
+    @property
+    def workers(self) -> int:
+        """Worker processes of the instance (``tensor_parallel_size * pipeline_parallel_size``)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def url(self) -> str:
@@ -111,6 +120,9 @@ class VllmServerSpec:
             argv += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
         if self.tensor_parallel_size > 1:
             argv += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.pipeline_parallel_size > 1:
+            argv += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        if self.workers > 1:
             argv += ["--distributed-executor-backend", "mp"]
         argv += list(self.extra_args)
         if self.pin_process:
@@ -119,7 +131,7 @@ class VllmServerSpec:
 
     def omp_threads_bind(self) -> str:
         """``VLLM_CPU_OMP_THREADS_BIND``: every worker on ``cpu_core``, ``|``-separated."""
-        return "|".join(str(self.cpu_core) for _ in range(self.tensor_parallel_size))
+        return "|".join(str(self.cpu_core) for _ in range(self.workers))
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The process environment: ``base`` (default: ours) plus the pinning/offline settings."""

@@ -84,14 +84,15 @@ def body(prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> d
 
 
 def d_params(p: StackInstance, rid: str) -> dict[str, Any]:
-    """The D leg's params, P's identity with P's tensor-parallel size (as the router sends)."""
+    """The D leg's params, P's identity with P's tensor- and pipeline-parallel sizes (as the
+    router sends)."""
     assert p.engine_id is not None and p.side_channel_port is not None
     return decode_leg_params(
         engine_id=p.engine_id,
         host="127.0.0.1",
         port=p.side_channel_port,
         tp_size=p.tp_size,
-        pp_size=1,
+        pp_size=p.pp_size,
         request_id=f"cmpl-{rid}-0",
         transfer_id=rid,
     )

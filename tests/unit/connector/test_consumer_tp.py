@@ -124,3 +124,38 @@ def test_forgetting_a_key_tells_every_source_p_rank() -> None:
     state = d_state(1, 0, FakeClock())
     asks = state.forget(KeyCancel("k9", "10.0.0.2", 5600, p_tp_size=2))
     assert [(a.kind, a.port) for a in asks] == [("forget", 5600), ("forget", 5601)]
+
+
+def pp_spec(p_tp: int, p_pp: int) -> RecvSpec:
+    return RecvSpec("d-1", "k1", "p0", "10.0.0.1", 5600, (7, 8), 0, p_tp, p_pp)
+
+
+def test_d_registers_with_every_stage_of_a_pipeline_parallel_p_and_waits_for_each() -> None:
+    """P PP 2 x TP 2 -> D TP 1: four legs, at vLLM's ranks ``stage * 2 + tp_rank``."""
+    state = d_state(1, 0, FakeClock())
+    asks = state.register(pp_spec(p_tp=2, p_pp=2))
+    assert [(a.port, a.p_rank) for a in asks] == [(5600 + r, r) for r in range(4)]
+    for ask in asks:
+        state.answer(ask, Reply("accepted"))
+    state.notifications([done(0), done(1), done(3)])
+    assert state.take_results() == (set(), set())  # stage 1's TP rank 0 has not landed yet
+    state.notifications([done(2)])
+    assert state.take_results() == ({"d-1"}, set())
+
+
+def test_one_failed_stage_cancels_the_other_stages_legs() -> None:
+    clock = FakeClock()
+    state = d_state(1, 0, clock)
+    for ask in state.register(pp_spec(p_tp=1, p_pp=2)):
+        state.answer(ask, Reply("accepted"))
+    state.notifications([encode_notification(Notification("failed", "k1", "d-1", "x", p_rank=1))])
+    [cancel] = [a for a in state.tick(clock.now) if a.kind == "cancel"]
+    assert (cancel.port, cancel.p_rank) == (5600, 0)
+    state.answer(cancel, Reply("cancelled"))
+    assert state.take_results() == ({"d-1"}, {"d-1"})
+
+
+def test_forgetting_a_key_tells_every_stage() -> None:
+    state = d_state(2, 1, FakeClock())
+    asks = state.forget(KeyCancel("k9", "10.0.0.2", 5600, p_tp_size=2, p_pp_size=2))
+    assert [a.port for a in asks] == [5601, 5603]

@@ -158,6 +158,8 @@ def test_identity_probe_params_mark_a_probe_and_no_leg() -> None:
         (_shape(tp=2, heads=8), _shape(tp=1, heads=8)),
         (_shape(tp=4, heads=2), _shape(tp=4, heads=2)),
         (_shape(tp=1, heads=1), _shape(tp=2, heads=1)),  # D's ranks replicate the head
+        (_shape(pp=2), _shape()),  # each stage of P writes its own layers
+        (_shape(tp=2, pp=2), _shape(tp=2)),
     ],
 )
 def test_pairs_of_any_tp_sizes_dividing_one_another_are_served(
@@ -172,7 +174,6 @@ def test_pairs_of_any_tp_sizes_dividing_one_another_are_served(
         (_shape(tp=2), _shape(tp=3), "P tp_size=2 and D tp_size=3: neither divides the other"),
         (_shape(tp=3), _shape(tp=2), "P tp_size=3 and D tp_size=2: neither divides the other"),
         (_shape(), _shape(pp=2), "D pp_size=2 (P pp_size=1): D must have pp_size=1"),
-        (_shape(pp=2), _shape(), "P pp_size=2 (D pp_size=1): P must have pp_size=1"),
         (_shape(block=16), _shape(block=32), "P block_size=16 and D block_size=32 differ"),
         (_shape(heads=8), _shape(heads=4), "P num_kv_heads=8 and D num_kv_heads=4 differ"),
     ],

@@ -322,3 +322,45 @@ def test_different_tp_with_heads_inside_a_block_is_refused_with_the_reason() -> 
     assert isinstance(why, str) and "not contiguous inside a block on P" in why
     _, p2 = rank_caches("LBNHC", 2, 0)
     assert isinstance(head_transfer(p2, d), HeadTransfer)  # equal TP: whole blocks
+
+
+def stage_caches(
+    layers: range, heads: int, tp: int, rank: int, pp: int, stage: int
+) -> tuple[Caches, LayoutSpec]:
+    """The caches of the layers ``layers`` (vLLM CPU's ``[B, H, N, 2*D]`` per layer, named like
+    vLLM's attention layers) of one worker, random values, and its layout."""
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.randn(NUM_BLOCKS, heads, 16, 8).to(torch.bfloat16)
+        for i in layers
+    }
+    layout = layout_from_kv_caches(caches, NUM_BLOCKS, block_size=16)
+    layout = replace(layout, tp_rank=rank, tp_size=tp, total_kv_heads=4)
+    return caches, replace(layout, pp_rank=stage, pp_size=pp)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (2, 2)])
+def test_pp_write_lands_each_stages_layers_in_ds_same_layers(p_tp: int, d_tp: int) -> None:
+    """P PP 2 (x TP ``p_tp``), 12 layers -> D PP 1: every stage's layers and heads land in D's
+    same layer and heads, byte for byte (ordered by name, layers 10 and 11 sit between 1 and 2)."""
+    torch.manual_seed(0)
+    stages = [range(0, 6), range(6, 12)]
+    ps = [stage_caches(stages[s], 4 // p_tp, p_tp, r, 2, s) for s in range(2) for r in range(p_tp)]
+    for d_rank in range(d_tp):
+        d_caches, d = stage_caches(range(12), 4 // d_tp, d_tp, d_rank, 1, 0)
+        for t in d_caches.values():
+            t.zero_()
+        for p_caches, p in ps:  # vLLM rank order: stage * p_tp + tp_rank
+            transfer = head_transfer(p, d)
+            if isinstance(transfer, HeadTransfer):
+                p_view, d_view = transfer.views(p, d)
+                simulated_write(p_caches, p_view, d_view, [3, 1], [0, 9])
+        per_p, per_d = 4 // p_tp, 4 // d_tp
+        for layer in range(12):
+            name = f"model.layers.{layer}.self_attn.attn"
+            for local in range(per_d):
+                head = d_rank * per_d + local
+                p_caches = ps[(layer // 6) * p_tp + head // per_p][0]
+                want = p_caches[name][[3, 1], head % per_p]
+                assert torch.equal(d_caches[name][[0, 9], local], want), (layer, head)
+            untouched = [b for b in range(NUM_BLOCKS) if b not in (0, 9)]
+            assert not d_caches[name][untouched].any()

@@ -11,6 +11,7 @@ from connector.producer_state import ProducerState
 from connector.protocol import Registration, decode_notification
 from connector.specs import SendSpec
 from tests.unit.connector.core_support import FakeClock
+from tests.unit.connector.test_pp_layout import model_layout
 from tests.unit.connector.test_tp_layout import HEAD, rank_layout
 
 CFG = ConnectorConfig(lease_s=5.0, registration_ttl_s=5.0)
@@ -141,3 +142,24 @@ def test_p_notifications_name_the_p_rank() -> None:
     state.finish(write, ok=False, reason="boom")
     [(_, note)] = state.take_notifications()
     assert decode_notification(note).p_rank == 1
+
+
+def test_a_pipeline_stage_writes_its_layers_into_ds_and_names_its_vllm_rank() -> None:
+    """P PP 2 x TP 2 -> D TP 1: stage 1, TP rank 1 (vLLM rank 3) writes its head of its six
+    layers into D's regions of those layers; its notifications carry rank 3."""
+    clock = FakeClock()
+    p = model_layout(2, 2, 1, pp=2, stage=1)
+    d = model_layout(2, 1, 0)
+    state = p_state(p, clock)
+    state.add_finished(SendSpec("p-1", "k", (5, 6)))
+    assert state.register(reg(d)).status == "accepted"
+    [write] = state.plan(clock.now).writes
+    _, remote = state.views(write.reg)
+    d_addr = dict(zip(d.region_layers, (r.addr for r in d.regions), strict=True))
+    assert [r.addr for r in remote.regions] == [d_addr[i] + HEAD for i in p.region_layers]
+    assert write.remote_ids.tolist() == [b + 8 * i for i in range(6) for b in (3, 4)]
+    assert decode_notification(write.notif).p_rank == 3
+    state.posted(write, object())
+    state.finish(write, ok=True)
+    assert state.take_released() == {"p-1"}
+    assert [r.num_bytes for r in state.take_records()] == [2 * 6 * HEAD]  # 2 blocks, 6 layers

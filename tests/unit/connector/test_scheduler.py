@@ -84,8 +84,19 @@ def test_d_without_p_identity_prefills_locally() -> None:
     req = make_request("r-1", 50, params)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.get_num_new_matched_tokens(make_request("r-2", 50, None), 0) == (0, False)
-    pp2 = make_request("r-3", 50, P_IDENTITY | {"pp_size": 2})
-    assert s.get_num_new_matched_tokens(pp2, 0) == (0, False)
+
+
+def test_d_registers_with_a_pipeline_parallel_p_naming_both_sizes() -> None:
+    """P's answer carries ``pp_size``; D's workers register with every stage of P."""
+    s = sched()
+    req = make_request("cmpl-pp-0-0123abcd", 200, P_IDENTITY | {"tp_size": 2, "pp_size": 2})
+    assert s.get_num_new_matched_tokens(req, 0) == (200, True)
+    s.update_state_after_alloc(req, blocks([], [4, 5]), 200)
+    [spec] = s.build_connector_meta().registrations
+    assert (spec.port, spec.p_tp_size, spec.p_pp_size) == (18250, 2, 2)
+    s.request_finished(make_request("r-pp-2", 50, P_IDENTITY | {"pp_size": 2}), [])
+    [cancel] = s.build_connector_meta().key_cancels
+    assert (cancel.p_tp_size, cancel.p_pp_size) == (1, 2)
 
 
 def test_d_registers_with_a_tensor_parallel_p_naming_its_size() -> None:
@@ -182,6 +193,15 @@ def test_identity_probe_answer_carries_ps_shape() -> None:
     # Without a configured shape: TP=PP=1 and the engine's block size.
     _, default = PushScheduler("p0", "127.0.0.1", 18250, 128).request_finished(req, [7])
     assert read_engine_shape(default) == EngineShape(1, 1, 128)
+
+
+def test_a_pipeline_parallel_ps_answer_names_its_pp_size_for_d() -> None:
+    shape = EngineShape(tp_size=1, pp_size=2, block_size=16, num_kv_heads=8)
+    s = PushScheduler("p0", "127.0.0.1", 18250, 16, shape=shape)
+    req = make_request("cmpl-pp-0-0123abcd", 1, prefill_leg_params("pp"))
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = s.request_finished(req, [7])
+    assert read_prefill_answer(params or {}).peer.pp_size == 2
 
 
 def test_d_answers_a_bare_identity_probe_with_its_shape_and_keeps_nothing() -> None:

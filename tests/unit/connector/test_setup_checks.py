@@ -48,11 +48,19 @@ def test_tensor_parallel_is_allowed_on_p_and_d(role: str) -> None:
     refuse_unsupported(vllm_config(tp=8, role=role), None)
 
 
+def test_pipeline_parallel_is_allowed_on_p_only() -> None:
+    """Each stage of P writes its own layers into D's regions of the same layers."""
+    refuse_unsupported(vllm_config(pp=2), kv_cache_config())
+    refuse_unsupported(vllm_config(tp=2, pp=2), None)
+
+
 @pytest.mark.parametrize(
     ("config", "groups", "reason"),
     [
-        (vllm_config(pp=4), 1, "pipeline_parallel_size=4: each pipeline stage holds only"),
+        (vllm_config(pp=4, role="kv_consumer"), 1, "pipeline_parallel_size=4 with kv_role"),
+        (vllm_config(pp=2, role="kv_both"), 1, "pipeline parallel size must be 1 on D"),
         (vllm_config(tp=2, mla=True), 1, "MLA with tensor_parallel_size=2"),
+        (vllm_config(pp=2, mla=True), 1, "MLA with .*pipeline_parallel_size=2"),
         (vllm_config(), 2, "2 KV cache groups: .* does not implement SupportsHMA"),
     ],
 )

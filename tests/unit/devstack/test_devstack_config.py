@@ -204,3 +204,31 @@ def test_2p2d_tensor_parallel_instances_get_workers_cores_and_side_channel_runs(
         for port in range(s.nixl_side_channel_port, s.nixl_side_channel_port + 2)
     ]
     assert len(set(taken)) == len(taken)
+
+
+def test_a_pipeline_parallel_instance_gets_its_workers_on_its_core_and_a_port_per_rank(
+    tmp_path: Path,
+) -> None:
+    options = StackOptions(
+        kind="ours", topology="2p1d", tensor_parallel={"p1": 2}, pipeline_parallel={"p1": 2}
+    )
+    planned = build_specs(options, tmp_path / "model", tmp_path / "logs")
+    specs = {spec.name: spec for _, _, spec in planned}
+    p1 = specs["p1"]
+    assert (p1.workers, p1.cpu_core) == (4, 0)
+    assert p1.command()[-6:] == [
+        "--tensor-parallel-size",
+        "2",
+        "--pipeline-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "mp",
+    ]
+    assert p1.environment({})["VLLM_CPU_OMP_THREADS_BIND"] == "0|0|0|0"
+    taken = [  # vLLM rank r of each instance listens on side_channel_port + r
+        port
+        for s in specs.values()
+        if s.nixl_side_channel_port is not None
+        for port in range(s.nixl_side_channel_port, s.nixl_side_channel_port + 4)
+    ]
+    assert len(set(taken)) == len(taken)
