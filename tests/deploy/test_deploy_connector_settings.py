@@ -5,7 +5,8 @@ counts): every ``--kv-transfer-config`` key is one the connector reads, every
 ``kv_connector_extra_config`` key is read by that engine's side (P or D), ``kv_buffer_device``
 says where the KV cache is (``cuda`` on GPUs), no side-channel environment variable is shadowed
 by the extra config or set on D (which has no side channel), and no engine asks for tensor or
-pipeline parallelism (the connector refuses it at start-up).
+pipeline parallelism (each engine gets one device; a user raising the parallel size must raise
+the engine's devices with it, deploy/README.md).
 """
 
 from __future__ import annotations
