@@ -145,7 +145,7 @@ def check_prefill_answer(attempt: Attempt, prefill: BackendState, data: dict[str
     if attempt.sent_identity is None:
         return
     try:
-        answered = identity_from_kv(kv)
+        answered = identity_from_kv(kv, attempt.sent_identity)
     except ValueError as exc:
         raise UpstreamProtocolError("prefill", prefill.label, str(exc)) from exc
     sent = attempt.sent_identity.engine_id
