@@ -9,6 +9,7 @@ the config; nothing is read without a size and a time bound. Violations are
 from __future__ import annotations
 
 import asyncio
+from itertools import chain
 
 from starlette.requests import Request
 
@@ -23,7 +24,7 @@ class HeadersTooLarge(RouterError):
 
 def check_headers(headers: list[tuple[bytes, bytes]], limits: LimitsConfig) -> None:
     """:class:`HeadersTooLarge` when the headers exceed ``limits.max_header_bytes``."""
-    size = sum(len(k) + len(v) + 4 for k, v in headers)
+    size = sum(map(len, chain.from_iterable(headers))) + 4 * len(headers)  # in C, no genexpr
     if size > limits.max_header_bytes:
         raise HeadersTooLarge(f"request headers exceed {limits.max_header_bytes} bytes")
 
