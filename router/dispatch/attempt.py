@@ -20,12 +20,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from router.dispatch.commit import until_first_token
 from router.dispatch.holds import Holds
-from router.dispatch.relay import Relay
+from router.dispatch.relay import Relay, SseEvents
 from router.dispatch.state import Attempt
 from router.errors import NoBackendAvailable, RouterError, RouterNotReady, UpstreamError
 from router.observability.tracing import NO_SPAN
@@ -134,7 +133,7 @@ class Dispatch:
         after the commit point; the legs are cancelled by ``close()`` as always."""
         self._a.queue.put_nowait(RouterNotReady(reason))
 
-    def sse_events(self) -> AsyncGenerator[bytes, None]:
+    def sse_events(self) -> SseEvents:
         """The client's SSE bytes after ``open()`` (:meth:`Relay.sse_events`)."""
         return self._relay.sse_events()
 
