@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from router.dispatch.commit import until_first_token
 from router.dispatch.holds import Holds
-from router.dispatch.relay import Relay
+from router.dispatch.relay import Relay, SseEvents
 from router.dispatch.state import Attempt
 from router.errors import NoBackendAvailable, RouterError, RouterNotReady, UpstreamError
+from router.observability.tracing import NO_SPAN
 from router.routing.backends import BackendState
 
 log = logging.getLogger(__name__)
@@ -101,19 +101,14 @@ class Dispatch:
             a.sent_identity = a.prefill.identity
             if a.sent_identity is None:
                 raise NoBackendAvailable(f"prefill {a.prefill.label} has no known identity")
-        log.debug(
-            "dispatch %s: %s %s prefill=%s (engine %s) decode=%s",
-            a.request_id,
-            settings.mode,
-            a.request.path,
-            a.prefill.label if a.prefill is not None else "-",
-            a.sent_identity.engine_id if a.sent_identity else "-",
-            a.decode.label,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_open()
         a.runtime.lifecycle.enter(self)
         await self._holds.admit()
         a.mark("admitted")
-        first_token = a.ctx.trace.child("first_token", {"request_id": a.request_id})
+        first_token = a.ctx.trace
+        if first_token is not NO_SPAN:  # tracing off: no attributes to build for the no-op span
+            first_token = first_token.child("first_token", {"request_id": a.request_id})
         try:
             await until_first_token(a, self._holds)
         except RouterError as exc:
@@ -121,12 +116,24 @@ class Dispatch:
             raise
         first_token.end()
 
+    def _log_open(self) -> None:
+        a = self._a
+        log.debug(
+            "dispatch %s: %s %s prefill=%s (engine %s) decode=%s",
+            a.request_id,
+            a.runtime.settings.mode,
+            a.request.path,
+            a.prefill.label if a.prefill is not None else "-",
+            a.sent_identity.engine_id if a.sent_identity else "-",
+            a.decode.label,
+        )
+
     def abort(self, reason: str) -> None:
         """End this dispatch early (router stopping): its client gets an error now, before or
         after the commit point; the legs are cancelled by ``close()`` as always."""
         self._a.queue.put_nowait(RouterNotReady(reason))
 
-    def sse_events(self) -> AsyncGenerator[bytes, None]:
+    def sse_events(self) -> SseEvents:
         """The client's SSE bytes after ``open()`` (:meth:`Relay.sse_events`)."""
         return self._relay.sse_events()
 

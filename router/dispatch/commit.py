@@ -27,32 +27,63 @@ log = logging.getLogger(__name__)
 
 async def until_first_token(attempt: Attempt, holds: Holds) -> None:
     """Start both legs (P, if any, and D) and return once D's first payload is in
-    ``attempt.first``; raises as the module docstring says."""
+    ``attempt.first``; raises as the module docstring says.
+
+    The first payload is awaited in this task, with no task or ``asyncio.wait`` of its own per
+    request: a P that fails meanwhile cancels the wait (:class:`_PrefillWatch`)."""
     if attempt.prefill is not None:
         attempt.p_task = asyncio.create_task(prefill_leg(attempt, holds, attempt.prefill))
     attempt.d_task = asyncio.create_task(decode_leg(attempt, holds))
     deadline, limit = _deadline(attempt)
-    get = asyncio.create_task(attempt.queue.get())
-    waiting: set[asyncio.Future[Any]] = {get}
-    p_task = attempt.p_task
-    if p_task is not None:
-        waiting.add(p_task)
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _timed_out(attempt, limit)
+    watch = _PrefillWatch(attempt.p_task)
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _timed_out(attempt, limit)
-            done, _ = await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if p_task is not None and p_task in done:
-                waiting.discard(p_task)
-                p_exc = p_task.exception()
-                if p_exc is not None:
-                    raise p_exc
-            if get in done:
-                _take_first(attempt, get.result())
-                return
+        async with asyncio.timeout(left):
+            item = await attempt.queue.get()
+    except TimeoutError:
+        raise _timed_out(attempt, limit) from None
+    except asyncio.CancelledError:
+        p_exc = watch.failure()
+        if p_exc is None:
+            raise
+        raise p_exc from None
     finally:
-        get.cancel()
+        watch.stop()
+    _take_first(attempt, item)
+
+
+class _PrefillWatch:
+    """While the commit point waits for D, cancels that wait if P fails first (P's error is
+    then the answer, as when both end together). Made and stopped in the waiting task."""
+
+    def __init__(self, p_task: asyncio.Task[Any] | None) -> None:
+        self._p_task = p_task
+        self._waiter = asyncio.current_task()
+        self._fired = False
+        if p_task is not None:
+            p_task.add_done_callback(self._on_done)
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        if self._waiter is not None and not task.cancelled() and task.exception() is not None:
+            self._fired = True
+            self._waiter.cancel()
+
+    def stop(self) -> None:
+        """Stop watching (idempotent): P's later failure is the relay's concern."""
+        if self._p_task is not None:
+            self._p_task.remove_done_callback(self._on_done)
+        self._waiter = None
+
+    def failure(self) -> BaseException | None:
+        """For a cancellation caught while waiting: P's error if this watch cancelled the wait
+        and no one else also cancelled the task (their cancellation then goes on), else None."""
+        if not self._fired or self._waiter is None or self._p_task is None:
+            return None
+        if self._waiter.uncancel() > 0:
+            return None
+        return self._p_task.exception()
 
 
 def _deadline(attempt: Attempt) -> tuple[float, float]:
@@ -81,8 +112,6 @@ def _take_first(attempt: Attempt, item: DecodeItem) -> None:
         raise item
     attempt.first = item
     attempt.mark("first_token")
-    log.debug(
-        "dispatch %s: first token after %.3fs",
-        attempt.request_id,
-        time.monotonic() - attempt.started,
-    )
+    if log.isEnabledFor(logging.DEBUG):
+        took = time.monotonic() - attempt.started
+        log.debug("dispatch %s: first token after %.3fs", attempt.request_id, took)

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from router.dispatch.holds import Holds
@@ -54,24 +52,31 @@ def leg_ok(runtime: Runtime, backend: BackendState) -> None:
         m.child(m.breaker_open, backend.role, backend.label).set(0)
 
 
-@contextmanager
-def _tracked(attempt: Attempt, holds: Holds, backend: BackendState) -> Iterator[Span]:
-    """Around one leg: its trace span; after it, its in-flight count and slot are given back."""
-    trace = attempt.ctx.trace
-    span = trace  # tracing off: the no-op span is its own child, no attributes to build
-    if trace is not NO_SPAN:
-        attributes = span_attributes(backend=backend.label, request_id=attempt.request_id)
-        span = trace.child(backend.role, attributes)
-    error: str | None = "cancelled"
-    try:
-        yield span
-        error = None
-    except RouterError as exc:
-        error = exc.message
-        raise
-    finally:
-        span.end(error)
-        holds.release(backend.role)
+class _Tracked:
+    """Around one leg: its trace span; after it, its in-flight count and slot are given back.
+    A class, not a generator context manager: it runs twice per request."""
+
+    def __init__(self, attempt: Attempt, holds: Holds, backend: BackendState) -> None:
+        self._holds = holds
+        self._role = backend.role
+        trace = attempt.ctx.trace
+        self._span = trace  # tracing off: the no-op span is its own child, no attributes built
+        if trace is not NO_SPAN:
+            attributes = span_attributes(backend=backend.label, request_id=attempt.request_id)
+            self._span = trace.child(backend.role, attributes)
+
+    def __enter__(self) -> Span:
+        return self._span
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        if kind is None:
+            error = None
+        elif isinstance(exc, RouterError):
+            error = exc.message
+        else:
+            error = "cancelled"
+        self._span.end(error)
+        self._holds.release(self._role)
 
 
 async def prefill_leg(attempt: Attempt, holds: Holds, prefill: BackendState) -> dict[str, Any]:
@@ -81,7 +86,7 @@ async def prefill_leg(attempt: Attempt, holds: Holds, prefill: BackendState) -> 
     attempt.stamp("prefill_sent")
     limit = attempt.runtime.settings.timeouts.prefill
     try:
-        with _tracked(attempt, holds, prefill) as span:
+        with _Tracked(attempt, holds, prefill) as span:
             try:
                 data = await _post_prefill(attempt, prefill, span, limit)
             except TimeoutError as exc:
@@ -93,12 +98,11 @@ async def prefill_leg(attempt: Attempt, holds: Holds, prefill: BackendState) -> 
         leg_ok(attempt.runtime, prefill)
         attempt.mark("prefill_done")
         outcome = "ok"
-        log.debug(
-            "dispatch %s: prefill %s answered in %.3fs",
-            attempt.request_id,
-            prefill.label,
-            time.monotonic() - start,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            took = time.monotonic() - start
+            log.debug(
+                "dispatch %s: prefill %s answered in %.3fs", attempt.request_id, prefill.label, took
+            )
         return data
     except asyncio.CancelledError:
         outcome = "cancelled"
@@ -141,7 +145,7 @@ def check_prefill_answer(attempt: Attempt, prefill: BackendState, data: dict[str
     if attempt.sent_identity is None:
         return
     try:
-        answered = identity_from_kv(kv)
+        answered = identity_from_kv(kv, attempt.sent_identity)
     except ValueError as exc:
         raise UpstreamProtocolError("prefill", prefill.label, str(exc)) from exc
     sent = attempt.sent_identity.engine_id
@@ -169,7 +173,7 @@ async def decode_leg(attempt: Attempt, holds: Holds) -> None:
     try:
         body = await _decode_body(attempt)
         attempt.stamp("decode_sent")
-        with _tracked(attempt, holds, decode) as span:
+        with _Tracked(attempt, holds, decode) as span:
             if attempt.request.stream:
                 await _relay_stream(attempt, body, span)
             else:

@@ -127,6 +127,8 @@ def _choose_pair(
 
 
 def _log_attempt(dispatch: Dispatch, request: ClientRequest, decision: str) -> None:
+    if not log.isEnabledFor(logging.INFO):
+        return
     log.info(
         "request %s model=%s route=%s prefill=%s decode=%s",
         dispatch.request_id,

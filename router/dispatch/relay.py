@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from router.dispatch.legs import leg_failed
@@ -42,36 +41,33 @@ class Relay:
         self._a = attempt
         self._stall_timer: asyncio.TimerHandle | None = None
 
-    async def sse_events(self) -> AsyncGenerator[bytes, None]:
+    @property
+    def attempt(self) -> Attempt:
+        return self._a
+
+    def sse_events(self) -> SseEvents:
         """Client SSE bytes from the first token on; a later failure ends it with one error event.
 
         What D has already sent goes out in one write (the events of one upstream read arrive
         together); nothing waits for more, so the client sees every event as soon as it would
-        alone. Sets the attempt's ``outcome`` before it yields the stream's last chunk, and only
+        alone. Sets the attempt's ``outcome`` before it gives the stream's last chunk, and only
         then (the response ends the body with that chunk). Never raises :class:`RouterError`
-        (headers are already sent).
+        (headers are already sent). The caller must ``aclose()`` it (its timers).
         """
+        return SseEvents(self)
+
+    def _start_timers(self) -> asyncio.TimerHandle:
+        """Arm the deadline and the stall timer; returns the deadline's."""
         a = self._a
         loop = asyncio.get_running_loop()
         expiry = loop.call_later(max(a.deadline - time.monotonic(), 0.0), self._expire)
         self._stall_timer = loop.call_later(a.runtime.settings.timeouts.inter_token, self._stall)
-        item: DecodeItem | None = a.first
-        try:
-            while True:
-                events, item = await self._ready_events(item)
-                end = self._end_event(item)
-                if events or end is not None:
-                    yield b"".join(events if end is None else [*events, end])
-                if events and "client_first" not in a.stamps:
-                    self._observe_ttft_stages()
-                if end is not None:
-                    return
-                if not isinstance(item, bytes):
-                    item = await a.queue.get()
-        finally:
-            expiry.cancel()
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
+        return expiry
+
+    def _stop_timers(self, expiry: asyncio.TimerHandle) -> None:
+        expiry.cancel()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
 
     async def _ready_events(self, item: DecodeItem | None) -> tuple[list[bytes], DecodeItem | None]:
         """Client events for ``item`` and the events queued behind it; returns them with the
@@ -186,3 +182,57 @@ class Relay:
         m = a.runtime.metrics
         for stage, seconds in ttft_stages({**a.timings, **a.stamps}).items():
             m.child(m.ttft_stage, stage).observe(seconds)
+
+
+class SseEvents:
+    """:meth:`Relay.sse_events`' iterator: an object, not an async generator, as every
+    streamed request makes one (an async generator costs the event loop's bookkeeping).
+    Timers start at the first ``__anext__`` and stop when it ends, fails or ``aclose()``s."""
+
+    def __init__(self, relay: Relay) -> None:
+        self._relay = relay
+        self._item: DecodeItem | None = relay.attempt.first
+        self._expiry: asyncio.TimerHandle | None = None
+        self._sent: tuple[bool, bool] | None = None  # (had events, ended) of the last chunk
+        self._closed = False
+
+    def __aiter__(self) -> SseEvents:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            return await self._next()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop the timers (idempotent); nothing more is given."""
+        if not self._closed:
+            self._closed = True
+            if self._expiry is not None:
+                self._relay._stop_timers(self._expiry)
+
+    async def _next(self) -> bytes:
+        relay, a = self._relay, self._relay.attempt
+        if self._expiry is None:
+            self._expiry = relay._start_timers()
+        elif self._sent is not None:  # what follows handing the last chunk over
+            had_events, ended = self._sent
+            self._sent = None
+            if had_events and "client_first" not in a.stamps:
+                relay._observe_ttft_stages()
+            if ended:
+                raise StopAsyncIteration
+            if not isinstance(self._item, bytes):
+                self._item = await a.queue.get()
+        while True:
+            events, self._item = await relay._ready_events(self._item)
+            end = relay._end_event(self._item)
+            if events or end is not None:
+                self._sent = (bool(events), end is not None)
+                return b"".join(events if end is None else [*events, end])
+            if not isinstance(self._item, bytes):
+                self._item = await a.queue.get()

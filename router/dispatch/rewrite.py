@@ -83,11 +83,21 @@ def decode_body_pull(
     return out
 
 
-def identity_from_kv(kv: dict[str, Any]) -> PushIdentity:
+def identity_from_kv(kv: dict[str, Any], known: PushIdentity | None = None) -> PushIdentity:
     """P's identity from the ``kv_transfer_params`` it returned (read with the connector's
-    contract); ``ValueError`` if incomplete."""
+    contract); ``ValueError`` if incomplete. ``known``: an identity P's answer usually repeats
+    (the one the D leg was sent with); returned as it is when every field matches, so the usual
+    answer is not validated into a new model per request."""
     try:
         peer = read_prefill_answer(kv).peer
+        if known is not None and (
+            known.engine_id,
+            known.host,
+            known.port,
+            known.tp_size,
+            known.pp_size,
+        ) == (peer.engine_id, peer.host, peer.port, peer.tp_size, peer.pp_size):
+            return known
         return PushIdentity(
             engine_id=peer.engine_id,
             host=peer.host,

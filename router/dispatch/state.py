@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import Any
 
 from router.config import PushIdentity
@@ -30,6 +31,42 @@ END = End()
 DecodeItem = bytes | dict[str, Any] | RouterError | End
 """What the D leg queues: SSE events as the client gets them (``data: ...\n\n``, one or more:
 what one read of D's stream completed), the one JSON answer, the error that ends it, or END."""
+
+
+class Mailbox:
+    """What the D leg, the relay's timers and a drain hand to the request's task, in order.
+
+    One reader (the request's task: the commit point, then the relay), any number of writers
+    on the same loop. The subset of ``asyncio.Queue``'s API the dispatch uses (unbounded:
+    ``put_nowait`` never blocks; ``get_nowait`` raises ``asyncio.QueueEmpty``), without the
+    queue's event, getter and putter deques and task accounting, built for every request. A
+    cancelled ``get`` takes nothing."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[DecodeItem] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: DecodeItem) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def get_nowait(self) -> DecodeItem:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self) -> DecodeItem:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
 
 class Attempt:
@@ -60,7 +97,7 @@ class Attempt:
         self.started = time.monotonic()
         self.deadline = deadline or self.started + runtime.settings.timeouts.total
         self.outcome = "in_progress"
-        self.queue: asyncio.Queue[DecodeItem] = asyncio.Queue()
+        self.queue = Mailbox()
         self.p_task: asyncio.Task[dict[str, Any]] | None = None
         self.d_task: asyncio.Task[None] | None = None
         self.sent_identity: PushIdentity | None = None  # push mode: the P identity D was given

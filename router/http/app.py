@@ -199,7 +199,9 @@ async def _admitted_request(request: Request, chat: bool) -> tuple[Runtime, Clie
     """Checks before any upstream traffic: running and not draining, key, bounded body, input."""
     runtime, raw = await _admitted_body(request)
     settings = runtime.settings
-    headers = {k.lower(): v for k, v in request.headers.items()}
+    headers = {
+        k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.scope["headers"]
+    }
     req = parse_client_request(raw, chat, settings.model_names, headers, settings.limits)
     await await_first_check(runtime, getattr(request.app.state, "supervisor", None))
     return runtime, req

@@ -29,7 +29,7 @@ class ClientWatch:
         self._task = task
         self._armed = True
         self._cancelled = False
-        self._watcher = asyncio.ensure_future(self._watch(receive))
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":

@@ -13,10 +13,10 @@ it raises still reaches the app's outermost error handler.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from fastapi.responses import JSONResponse
-from starlette.datastructures import Headers, MutableHeaders
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.config import LimitsConfig
@@ -24,6 +24,21 @@ from router.errors import error_payload
 from router.http.bounds import HeadersTooLarge, check_headers
 from router.observability.tracing import NO_SPAN, Span
 from router.request import RequestContext, safe_client_id
+
+_REQUEST_ID = b"x-request-id"
+
+
+def with_request_id(
+    headers: Iterable[tuple[bytes, bytes]], request_id: str
+) -> list[tuple[bytes, bytes]]:
+    """A response's raw headers with ``X-Request-Id: request_id`` added unless one is there
+    (as Starlette's ``MutableHeaders`` would add it, without building one per response)."""
+    raw = list(headers)
+    for name, _ in raw:
+        if name == _REQUEST_ID:
+            return raw
+    raw.append((_REQUEST_ID, request_id.encode("latin-1")))
+    return raw
 
 
 class RequestGuard:
@@ -56,9 +71,7 @@ class RequestGuard:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                out = MutableHeaders(scope=message)
-                if "x-request-id" not in out:
-                    out["X-Request-Id"] = ctx.request_id
+                message["headers"] = with_request_id(message.get("headers", ()), ctx.request_id)
                 span.set("http.status_code", str(message["status"]))
             await send(message)
 

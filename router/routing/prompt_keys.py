@@ -56,7 +56,8 @@ def prompt_of(body: Mapping[str, Any], chat: bool) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    # One pass in C over the element types (not an isinstance call per token id).
+    if isinstance(prompt, list) and all(issubclass(t, int) for t in set(map(type, prompt))):
         return list(prompt)
     return ""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import TracebackType
 from typing import Any, Protocol
 
 import httpx
@@ -35,7 +36,7 @@ from router.errors import (
 )
 from router.upstream import codec
 from router.upstream.client import LegAnswer, UpstreamClient, send_leg
-from router.upstream.sse import StreamEndedEarly, aiter_events
+from router.upstream.sse import EventReader, StreamEndedEarly
 
 
 class Instance(Protocol):
@@ -128,12 +129,15 @@ class _HttpxAnswer:
         self.status = response.status_code
         self.content_type = response.headers.get("content-type", "")
         self._response = response
+        self._chunks: AsyncIterator[bytes] | None = None
 
     async def read(self) -> bytes:
         return await self._response.aread()
 
-    def chunks(self) -> AsyncIterator[bytes]:
-        return self._response.aiter_bytes()
+    async def read_chunk(self) -> bytes:
+        if self._chunks is None:
+            self._chunks = self._response.aiter_bytes()
+        return await anext(self._chunks, b"")
 
 
 def _direct_target(
@@ -228,8 +232,7 @@ async def post_json(
     return data
 
 
-@asynccontextmanager
-async def open_sse(
+def open_sse(
     client: httpx.AsyncClient,
     backend: Instance,
     leg: str,
@@ -237,34 +240,72 @@ async def open_sse(
     body: dict[str, Any],
     request_id: str,
     headers: Mapping[str, str] | None = None,
-) -> AsyncIterator[AsyncIterator[bytes]]:
+) -> AbstractAsyncContextManager[AsyncIterator[bytes]]:
     """POST a streamed request; yields an iterator over its events as the client gets them
     (closed on exit): batches of ``data: ...\n\n`` events, each batch what one read completed
-    (:func:`router.upstream.sse.aiter_events`).
+    (:class:`router.upstream.sse.EventReader`).
 
     The iterator stops after ``[DONE]`` (not yielded); a stream that ends without it, or breaks,
     raises an :class:`UpstreamError`.
     """
-    try:
-        async with _call(client, backend, path, body, request_id, headers) as answer:
+    return _SseCall(_call(client, backend, path, body, request_id, headers), leg, backend)
+
+
+class _SseCall:
+    """:func:`open_sse`'s context manager and its events: classes, not an async generator and
+    a generator context manager, as the decode leg makes one per streamed request. Every
+    httpx error, entering, reading or leaving, becomes our :class:`UpstreamError`."""
+
+    def __init__(
+        self, call: AbstractAsyncContextManager[LegAnswer], leg: str, backend: Instance
+    ) -> None:
+        self._call = call
+        self._leg = leg
+        self._backend = backend
+        self._events: EventReader | None = None
+
+    async def __aenter__(self) -> _SseCall:
+        try:
+            answer = await self._call.__aenter__()
+        except httpx.HTTPError as exc:
+            raise _translate(exc, self._leg, self._backend) from exc
+        try:
             if answer.status >= 400:
-                detail = _detail(await answer.read())
-                raise UpstreamHTTPError(leg, backend.label, answer.status, detail)
-            yield _sse_events(answer, leg, backend)
-    except httpx.HTTPError as exc:
-        raise _translate(exc, leg, backend) from exc
+                try:
+                    detail = _detail(await answer.read())
+                except httpx.HTTPError as exc:
+                    raise _translate(exc, self._leg, self._backend) from exc
+                raise UpstreamHTTPError(self._leg, self._backend.label, answer.status, detail)
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._events = EventReader(answer.read_chunk, answer.content_type)
+        return self
 
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self._call.__aexit__(kind, exc, tb)
+        except httpx.HTTPError as error:
+            raise _translate(error, self._leg, self._backend) from error
 
-async def _sse_events(answer: LegAnswer, leg: str, backend: Instance) -> AsyncIterator[bytes]:
-    try:
-        async for events in aiter_events(answer.chunks(), answer.content_type):
-            yield events
-    except httpx.HTTPError as exc:
-        raise _translate(exc, leg, backend) from exc
-    except StreamEndedEarly as exc:
-        raise UpstreamUnavailable(leg, backend.label, "stream ended before [DONE]") from exc
-    except SSEError as exc:
-        raise UpstreamProtocolError(leg, backend.label, "answer is not an event stream") from exc
+    def __aiter__(self) -> _SseCall:
+        return self
+
+    async def __anext__(self) -> bytes:
+        assert self._events is not None, "iterated outside its block"
+        leg, backend = self._leg, self._backend
+        try:
+            return await self._events.__anext__()
+        except httpx.HTTPError as exc:
+            raise _translate(exc, leg, backend) from exc
+        except StreamEndedEarly as exc:
+            raise UpstreamUnavailable(leg, backend.label, "stream ended before [DONE]") from exc
+        except SSEError as exc:
+            raise UpstreamProtocolError(
+                leg, backend.label, "answer is not an event stream"
+            ) from exc
 
 
 async def send_raw(

@@ -115,8 +115,8 @@ class LegAnswer(Protocol):
         """The whole body."""
         ...
 
-    def chunks(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive."""
+    async def read_chunk(self) -> bytes:
+        """The body's next bytes as they arrive (never empty), ``b""`` once it has ended."""
         ...
 
 
@@ -137,10 +137,9 @@ class _DirectAnswer:
         except aiohttp.ClientError as exc:
             raise (httpx_error(exc) or exc) from exc
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def read_chunk(self) -> bytes:
         try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
+            return await self._response.content.readany()
         except aiohttp.ClientError as exc:
             raise (httpx_error(exc) or exc) from exc
 

@@ -6,13 +6,14 @@ yield each event's data up to that terminator (not yielded) and raise :class:`St
 when the stream ends without it; ``httpx_sse.SSEError`` when the answer is not an event stream;
 httpx errors propagate. Who uses them: the bench client, the demo and the tests
 (:func:`aiter_data`, :func:`iter_data`); the router's decode leg (:mod:`router.upstream.calls`)
-reads with :func:`aiter_events`, which keeps the events as bytes, ready for the client, so the
+reads with :class:`EventReader`, which keeps the events as bytes, ready for the client, so the
 relay passes them on unparsed. :func:`encode_data` is the fake vLLM's.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from itertools import repeat
 
 import httpx
 from httpx_sse import EventSource, SSEError
@@ -98,11 +99,15 @@ class EventSplitter:
         odd = blocks.pop()  # b"\n" after an odd run of line ends (one more blank line), else b""
         done = blocks.index(_DONE_EVENT) if _DONE_EVENT in blocks else -1
         events = blocks if done < 0 else blocks[:done]
-        if (done >= 0 or not odd) and all(b.startswith(_DATA) and b"\n" not in b for b in events):
+        # Every event one ``data:`` line (its only line ends are the two after it): checked in
+        # C over the events' bytes, not per event in Python.
+        span = sum(map(len, events)) + 2 * len(events)
+        plain = all(map(bytes.startswith, events, repeat(_DATA)))
+        if (done >= 0 or not odd) and plain and head.count(b"\n", 0, span) == 2 * len(events):
             if done < 0:
                 return head  # the common case: the bytes as read
             self.done, self._rest = True, b""  # the rest is dropped (see the class doc)
-            return head[: sum(map(len, events)) + 2 * len(events)]
+            return head[:span]
         return b"".join(self._events(blocks, odd))
 
     def _events(self, blocks: list[bytes], odd: bytes) -> list[bytes]:
@@ -141,28 +146,47 @@ class EventSplitter:
         return found
 
 
-async def aiter_events(chunks: AsyncIterator[bytes], content_type: str) -> AsyncIterator[bytes]:
-    """The events of a stream whose body arrives as ``chunks``, up to ``[DONE]`` (not included):
-    each non-empty batch :meth:`EventSplitter.feed` gives, as soon as it is read.
+class EventReader:
+    """The events of a stream whose body arrives through ``read`` (each await: the next chunk,
+    ``b""`` at its end), up to ``[DONE]`` (not included): each non-empty batch
+    :meth:`EventSplitter.feed` gives, as soon as it is read. An async iterator object rather
+    than an async generator: the decode leg makes one per streamed request, and each async
+    generator costs the event loop's bookkeeping (a weak reference registered and removed).
 
-    ``httpx_sse.SSEError`` when ``content_type`` is not an event stream's; after ``[DONE]`` the
-    rest of the body is read to its end (so the connection can be reused), a transport error
-    there ignored; :class:`StreamEndedEarly` when the body ends without ``[DONE]``; other errors
-    (httpx's) propagate.
+    ``httpx_sse.SSEError`` (from the first ``__anext__``) when ``content_type`` is not an event
+    stream's; after ``[DONE]`` the rest of the body is read to its end (so the connection can
+    be reused), a transport error there ignored; :class:`StreamEndedEarly` when the body ends
+    without ``[DONE]``; other errors (httpx's) propagate.
     """
-    if "text/event-stream" not in content_type.partition(";")[0]:
-        raise SSEError(
-            "Expected response header Content-Type to contain 'text/event-stream', "
-            f"got {content_type.partition(';')[0]!r}"
-        )
-    splitter = EventSplitter()
-    try:
-        async for chunk in chunks:
+
+    def __init__(self, read: Callable[[], Awaitable[bytes]], content_type: str) -> None:
+        self._read = read
+        self._content_type: str | None = content_type
+        self._splitter = EventSplitter()
+
+    def __aiter__(self) -> EventReader:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._content_type is not None:
+            kind, self._content_type = self._content_type.partition(";")[0], None
+            if "text/event-stream" not in kind:
+                raise SSEError(
+                    f"Expected response header Content-Type to contain 'text/event-stream', "
+                    f"got {kind!r}"
+                )
+        splitter = self._splitter
+        while True:
+            try:
+                chunk = await self._read()
+            except httpx.HTTPError:
+                if not splitter.done:
+                    raise
+                chunk = b""
+            if not chunk:
+                if not splitter.done:
+                    raise StreamEndedEarly("stream ended before [DONE]")
+                raise StopAsyncIteration
             events = splitter.feed(chunk)
             if events:
-                yield events
-    except httpx.HTTPError:
-        if not splitter.done:
-            raise
-    if not splitter.done:
-        raise StreamEndedEarly("stream ended before [DONE]")
+                return events

@@ -8,10 +8,12 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
 
 from router import create_app
 from router.config import settings_from_mapping
+from router.dispatch.state import END, Mailbox
 from tests.unit.router.mock_upstream import D, P, Upstream
 
 
@@ -82,3 +84,22 @@ async def test_the_stream_s_last_events_end_the_body_in_the_same_message() -> No
     assert all(m["body"] for m in bodies)
     assert bodies[-1]["more_body"] is False
     assert bodies[-1]["body"].endswith(b"data: [DONE]\n\n")
+
+
+async def test_the_mailbox_hands_items_over_in_order_and_a_cancelled_get_takes_none() -> None:
+    box = Mailbox()
+    with pytest.raises(asyncio.QueueEmpty):
+        box.get_nowait()
+    waiting = asyncio.ensure_future(box.get())
+    await asyncio.sleep(0)  # the reader is now waiting for the first item
+    box.put_nowait(b"a")
+    box.put_nowait(b"b")
+    assert await waiting == b"a"
+    assert box.get_nowait() == b"b"
+    cancelled = asyncio.ensure_future(box.get())
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    box.put_nowait(END)
+    assert await box.get() is END

@@ -95,6 +95,18 @@ def test_identity_from_kv() -> None:
         identity_from_kv({"remote_engine_id": "e"})
 
 
+def test_identity_from_kv_repeats_the_known_identity_only_when_every_field_matches() -> None:
+    known = PushIdentity(engine_id="e", host="h", port=5, tp_size=4)
+    kv = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 5, "tp_size": 4}
+    assert identity_from_kv(kv, known) is known
+    moved = identity_from_kv({**kv, "remote_port": 6}, known)
+    assert moved == PushIdentity(engine_id="e", host="h", port=6, tp_size=4)
+    with pytest.raises(ValueError, match="incomplete"):
+        identity_from_kv({**kv, "remote_port": 70000}, known)  # the identity's own bounds
+    with pytest.raises(ValueError, match="incomplete"):
+        identity_from_kv({"remote_engine_id": "e"}, known)
+
+
 def test_usage_takes_prompt_and_cached_from_prefill() -> None:
     d_usage = {
         "prompt_tokens": 10,
