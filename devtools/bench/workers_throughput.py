@@ -6,13 +6,15 @@ fake_process`), two routers over them (one worker and ``workers`` workers, unpin
 workers need the machine's cores), and offers each the same closed loop (``concurrency``
 streams, ``requests`` requests) in alternating rounds, so a machine that gets busier or quieter
 during the run moves both alike. Each round records the achieved request rate and the router's
-CPU time per request (its process group: the supervisor and every worker). The ratio is
+CPU time per request (the supervisor and every worker: each worker leads a process group of its
+own, so the CPU is summed over the router's process tree). The ratio is
 :func:`throughput_summary`'s: the mean rate at ``workers`` workers over the mean at one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -20,13 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.overhead import FAKE_PREFILL_IDENTITY, MODEL, PREFILL_ENGINE_ID, fake_process
 from bench.routers import our_router, router_config
 from devstack.ports import free_ports
-from devstack.process import group_cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,21 @@ class ThroughputSpec:
     input_len: int = 128
     output_len: int = 16
     seed: int = 0
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, seconds) used so far by ``pid`` and its live descendants."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return total
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def label(workers: int) -> str:
@@ -82,11 +100,11 @@ async def _closed_loop(
             await run_load(client, target, warm, load)
         for index in range(spec.rounds):
             row: dict[str, dict[str, Any]] = {}
-            for name, (target, pgid) in targets.items():
+            for name, (target, pid) in targets.items():
                 print(f"workers: round {index + 1}, {name}", file=sys.stderr)
-                before = group_cpu_seconds(pgid)
+                before = tree_cpu_seconds(pid)
                 m = (await run_load(client, target, requests, load)).metrics
-                used = group_cpu_seconds(pgid) - before
+                used = tree_cpu_seconds(pid) - before
                 row[name] = {
                     "rps": m.request_throughput,
                     "completed": m.completed,

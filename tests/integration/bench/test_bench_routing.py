@@ -58,6 +58,8 @@ def test_workers_part_runs_one_and_two_workers_on_the_same_requests(tmp_path: Pa
     rounds = result["throughput"]["rounds"]
     assert len(rounds) == 1 and set(rounds[0]) == {"workers_1", "workers_2"}
     assert all(r["completed"] == 40 and r["failed"] == 0 for r in rounds[0].values())
+    # each worker leads a process group of its own: their CPU counts too
+    assert all(r["router_cpu_ms_per_request"] > 0 for r in rounds[0].values())
     ratio = rounds[0]["workers_2"]["rps"] / rounds[0]["workers_1"]["rps"]
     assert result["throughput_workers_over_one"] == pytest.approx(ratio)
     assert "| 1 | workers_2 |" in table
