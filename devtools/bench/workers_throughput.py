@@ -14,7 +14,6 @@ own, so the CPU is summed over the router's process tree). The ratio is
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -22,14 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.overhead import FAKE_PREFILL_IDENTITY, MODEL, PREFILL_ENGINE_ID, fake_process
 from bench.routers import our_router, router_config
 from devstack.ports import free_ports
+from devstack.process import tree_cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -43,21 +41,6 @@ class ThroughputSpec:
     input_len: int = 128
     output_len: int = 16
     seed: int = 0
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, seconds) used so far by ``pid`` and its live descendants."""
-    total = 0.0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return total
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
 
 
 def label(workers: int) -> str:
