@@ -250,7 +250,8 @@ def watch_table(points: Sequence[Mapping[str, Any]]) -> list[str]:
         return []
     names = ("router", "prefill", "decode")
     lines = ["| stack | rate | router stages ms: accept_to_legs_sent / prefill / relay_to_client "]
-    lines[0] += "| " + " | ".join(f"{n} cores (CPU ms/request)" for n in names) + " |"
+    lines[0] += "| " + " | ".join(f"{n} cores (CPU ms/request); loop wait" for n in names)
+    lines[0] += " |"
     lines.append("|---|---|---|" + "---|" * len(names))
     for p in rows:
         st = p.get("router_stages_ms") or {}
@@ -261,7 +262,8 @@ def watch_table(points: Sequence[Mapping[str, Any]]) -> list[str]:
         for name in names:
             proc = p["processes"].get(name) or {}
             cells.append(
-                f"{_cell(proc.get('cores'), 2)} ({_cell(proc.get('cpu_ms_per_request'), 1)})"
+                f"{_cell(proc.get('cores'), 2)} ({_cell(proc.get('cpu_ms_per_request'), 1)}); "
+                f"{_cell(proc.get('main_thread_wait_share'), 2)}"
             )
         head = f"| {p['stack']} | {rate_key(float(p['rate']))} | {stages} | "
         lines.append(head + " | ".join(cells) + " |")
@@ -293,7 +295,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if watch:
         lines += ["", "## The router's stages and the CPU of each process during each run", ""]
         lines += [
-            "Cores: CPU seconds of the process and its children over the client's `duration`.",
+            "Cores: CPU seconds of the process and its children over the client's `duration`."
+            " Loop wait: of the time the process's main thread (its event loop) had work, the"
+            " part it spent waiting for a core (the kernel's schedstat).",
             "",
             *watch,
         ]

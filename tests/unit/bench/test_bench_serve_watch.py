@@ -22,6 +22,16 @@ def test_shares_are_cpu_over_the_run_duration_and_per_completed_request() -> Non
     assert shares["prefill"]["cores"] == 1.0
     empty = process_shares({"router": 1.0}, duration_s=0.0, completed=0)["router"]
     assert empty["cores"] is None and empty["cpu_ms_per_request"] is None
+    assert "main_thread_wait_share" not in empty
+
+
+def test_main_thread_wait_share_is_wait_over_run_plus_wait() -> None:
+    shares = process_shares({"router": 1.0}, 10.0, 10, {"router": (3.0, 1.0)})
+    row = shares["router"]
+    assert (row["main_thread_run_s"], row["main_thread_wait_s"]) == (3.0, 1.0)
+    assert row["main_thread_wait_share"] == 0.25
+    idle = process_shares({"router": 0.0}, 10.0, 10, {"router": (0.0, 0.0)})["router"]
+    assert idle["main_thread_wait_share"] is None
 
 
 def test_router_stages_are_the_mean_between_two_scrapes() -> None:
@@ -44,3 +54,5 @@ def test_watched_times_the_processes_over_the_run() -> None:
     assert seen["router_stages_ms"] == {}
     assert seen["processes"]["router"]["cpu_s"] > 0
     assert seen["processes"]["gone"]["cpu_s"] == 0.0  # a pid that does not exist reads 0
+    assert seen["processes"]["router"]["main_thread_run_s"] > 0  # the busy loop ran on a CPU
+    assert seen["processes"]["gone"]["main_thread_wait_share"] is None

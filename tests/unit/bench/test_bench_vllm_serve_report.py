@@ -226,7 +226,12 @@ def test_the_report_lists_the_router_stages_and_process_cores_of_watched_points(
         **point_from_result("ours", float("inf"), json.loads(RESULT.read_text())),
         "router_stages_ms": {"accept_to_legs_sent": 108.04, "prefill": 50.0},
         "processes": {
-            "router": {"cpu_s": 3.0, "cores": 0.5, "cpu_ms_per_request": 7.81},
+            "router": {
+                "cpu_s": 3.0,
+                "cores": 0.5,
+                "cpu_ms_per_request": 7.81,
+                "main_thread_wait_share": 0.4,
+            },
             "prefill": {"cpu_s": 6.0, "cores": 1.0, "cpu_ms_per_request": 15.6},
         },
     }
@@ -234,4 +239,5 @@ def test_the_report_lists_the_router_stages_and_process_cores_of_watched_points(
     report = build_report({"recipe": recipe, "points": [row], "errors": {}}, None)
     text = render_markdown(report)
     assert "at inf req/s, at most 128 in flight." in text
-    assert "| ours | inf | 108.0 / 50.0 / - | 0.50 (7.8) | 1.00 (15.6) | - (-) |" in text
+    row_line = "| ours | inf | 108.0 / 50.0 / - | 0.50 (7.8); 0.40 | 1.00 (15.6); - | - (-); - |"
+    assert row_line in text
