@@ -22,7 +22,10 @@ The parts (each selectable):
   ``p_hit_rate_kv_aware_over_vllm_router_kv_aware``, ``router_cpu_kv_aware_over_round_robin``.
 - ``workers`` (fakes, as ``uneven``): ``least_in_flight`` for P with ``serve --workers``
   ``workers`` (2) vs one worker at the same load; in-flight counts are per worker, so each
-  worker sees part of the legs. Key: ``p99_ttft_least_in_flight_workers_over_one``.
+  worker sees part of the legs. Key: ``p99_ttft_least_in_flight_workers_over_one``. Then
+  (:mod:`bench.workers_throughput`, zero-delay fakes) the closed-loop throughput of
+  ``workers`` workers vs one, ``workers_rounds`` alternating rounds. Key:
+  ``throughput_workers_over_one``.
 - ``light`` (real vLLM CPU, same stack plus one aggregated instance on one core): short prompts
   at a light rate; our router with conditional disaggregation (every prompt under the threshold,
   so D serves alone on its one core) vs the aggregated instance directly. Key:
@@ -54,6 +57,7 @@ from bench.routing_kv import (
     p_cache_counters,
     run_kv,
 )
+from bench.workers_throughput import ThroughputSpec, run_workers_throughput
 from devstack.fake_vllm import (
     FakeBehavior,
     FakeVllmServer,
@@ -76,6 +80,8 @@ class RoutingBenchSpec:
     uneven_rate: float = 8.0
     uneven_requests: int = 240
     workers: int = 2  # the workers part: serve --workers this many vs one
+    workers_rounds: int = 3  # its closed-loop throughput: alternating rounds per router
+    workers_requests: int = 1000  # requests per round and router (concurrency 32)
     conversations: int = 6
     turns: int = 3
     system_len: int = 3072
@@ -210,11 +216,18 @@ def run_workers(spec: RoutingBenchSpec, logs: Path) -> dict[str, Any]:
                 load = _load(spec.uneven_rate, spec.seed)
                 url = f"http://127.0.0.1:{port}"
                 runs[f"workers_{workers}"] = _run(url, FAKE_MODEL, requests, load)
+    if spec.workers_rounds:
+        shape = ThroughputSpec(spec.workers, spec.workers_rounds, spec.workers_requests)
+        throughput = run_workers_throughput(shape, logs)
+    else:
+        throughput = {"throughput_workers_over_one": None}
     return {
         "runs": runs,
         "p99_ttft_least_in_flight_workers_over_one": _ratio(
             runs[f"workers_{spec.workers}"], runs["workers_1"], "p99_ttft_ms"
         ),
+        "throughput": throughput,
+        "throughput_workers_over_one": throughput["throughput_workers_over_one"],
     }
 
 
@@ -368,6 +381,7 @@ SUMMARY_KEYS = {
     "p_hit_rate_kv_aware_over_vllm_router_kv_aware": "kv",
     "router_cpu_kv_aware_over_round_robin": "kv",
     "p99_ttft_least_in_flight_workers_over_one": "workers",
+    "throughput_workers_over_one": "workers",
 }
 
 

@@ -57,9 +57,31 @@ def render_markdown(result: dict[str, Any], command: str) -> str:
     goals |= {"p_hit_rate_kv_aware_over_vllm_router_kv_aware": ">= 1.0"}
     goals |= {"router_cpu_kv_aware_over_round_robin": "-"}
     goals |= {"p99_ttft_least_in_flight_workers_over_one": "-"}
+    goals |= {"throughput_workers_over_one": "-"}
     for key, value in routing_summary(result).items():
         lines.append(f"| `{key}` | {_fmt(value, 3)} | {goals[key]} |")
-    return "\n".join(lines) + "\n" + _kv_markdown(result.get("kv"))
+    workers = _workers_markdown(result.get("workers", {}).get("throughput"))
+    return "\n".join(lines) + "\n" + workers + _kv_markdown(result.get("kv"))
+
+
+def _workers_markdown(throughput: dict[str, Any] | None) -> str:
+    """The workers part's closed loop: per round and router, req/s and router CPU ms/request."""
+    if not throughput or not throughput.get("rounds"):
+        return ""
+    spec = throughput["spec"]
+    lines = ["", "## workers: closed-loop throughput, zero-delay fakes", ""]
+    lines += [f"{spec['requests']} requests per round at concurrency {spec['concurrency']}:", ""]
+    lines += ["| round | router | req/s | router CPU ms/request | failed |"]
+    lines += ["|---|---|---|---|---|"]
+    for index, row in enumerate(throughput["rounds"], start=1):
+        for name, run in row.items():
+            lines.append(
+                f"| {index} | {name} | {_fmt(run['rps'])} | "
+                f"{_fmt(run['router_cpu_ms_per_request'], 2)} | {run['failed']} |"
+            )
+    ratios = ", ".join(_fmt(r, 2) for r in throughput["per_round_workers_over_one"])
+    lines += ["", f"Per round, {spec['workers']} workers / 1: {ratios}."]
+    return "\n".join(lines) + "\n"
 
 
 def _kv_markdown(kv: dict[str, Any] | None) -> str:

@@ -330,10 +330,16 @@ _IDLE_POLL_S = 0.2
 
 
 def targets_for_group(
-    group: str, stack_obj: Any, wanted: tuple[str, ...], logs: Path, es: ExitStack, cpus: str | None
+    group: str,
+    stack_obj: Any,
+    wanted: tuple[str, ...],
+    logs: Path,
+    es: ExitStack,
+    cpus: str | None,
+    pids: dict[str, int] | None = None,
 ) -> dict[str, Target]:
     """Start the routers of ``group`` (on ``cpus`` when given) over the running instances;
-    return the targets."""
+    return the targets (and, into ``pids`` when given, each router's pid by stack)."""
     model = str(stack_obj.model_name)
     targets: dict[str, Target] = {}
     if group == "aggregated":
@@ -356,6 +362,8 @@ def targets_for_group(
             proc = our_router(config, port, logs, ready_timeout_s=180.0, cpus=cpus)
             metrics = (("router", f"http://127.0.0.1:{port}/metrics"), *instances)
         es.enter_context(proc)
+        if pids is not None and proc.pid is not None:
+            pids[stack] = proc.pid
         targets[stack] = Target(f"http://127.0.0.1:{port}", model, metrics=metrics)
     return targets
 

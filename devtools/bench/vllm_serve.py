@@ -36,6 +36,7 @@ from bench.loadgen import LoadSpec, make_client, run_load
 from bench.results import write_json
 from bench.scenarios import GROUPS, InstanceGroup, instance_metrics, start_devstack, wait_idle
 from bench.scenarios import targets_for_group as start_routers
+from bench.serve_watch import PointWatch, watched
 from bench.vllm_serve_report import failed_point, point_from_result, rate_key, trim_result
 from devstack.process import ChildProcess, ProcessSpec, ProcessStartError
 from devstack.tiny_model import VOCAB_SIZE
@@ -57,7 +58,9 @@ class ServeRecipe:
     output tokens, 100 requests at each of 1, 2 and 4 req/s, temperature 0) unless scaled.
 
     ``point_time_limit_s`` bounds one client run (its start, about 20 s of imports on 2 busy
-    cores, included); a run past it is stopped and recorded as failed.
+    cores, included); a run past it is stopped and recorded as failed. ``max_concurrency``
+    caps the requests in flight (the client's ``--max-concurrency``; with a rate of ``inf``, a
+    burst: every request sent at once, at most that many at a time).
     """
 
     input_len: int = 2048
@@ -69,6 +72,7 @@ class ServeRecipe:
     num_warmups: int = 1
     point_time_limit_s: float = 900.0
     idle_timeout_s: float = 60.0
+    max_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         if not self.rates or any(r <= 0 for r in self.rates):
@@ -77,6 +81,8 @@ class ServeRecipe:
             raise ValueError("num_prompts, input_len and output_len must be >= 1")
         if self.num_warmups < 0 or self.point_time_limit_s <= 0:
             raise ValueError("num_warmups must be >= 0 and point_time_limit_s > 0")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class ClientRun:
             *("--label", self.stack, "--save-result", "--save-detailed", "--disable-tqdm"),
             *("--result-dir", str(self.result_file.parent)),
             *("--result-filename", self.result_file.name),
+            *(("--max-concurrency", str(c)) if (c := recipe.max_concurrency) else ()),
         ]
 
 
@@ -162,17 +169,24 @@ async def _warm_up(target: Target, recipe: ServeRecipe, what: str) -> None:
         raise RuntimeError(f"warm-up failed: {failed[0][:500]}")
 
 
-def run_point(run: ClientRun, recipe: ServeRecipe, out_dir: Path, log_file: Path) -> dict[str, Any]:
+def run_point(
+    run: ClientRun,
+    recipe: ServeRecipe,
+    out_dir: Path,
+    log_file: Path,
+    watch: PointWatch | None = None,
+) -> dict[str, Any]:
     """Warm up, run the client once, keep the trimmed result in ``out_dir/runs/``; returns the
-    report row (a failed row, with the reason, when the client failed)."""
+    report row (a failed row, with the reason, when the client failed) with what ``watch``
+    saw during the client run (:func:`bench.serve_watch.watched`)."""
     asyncio.run(_warm_up(run.target, recipe, f"warm/{run.stack}/{rate_key(run.rate)}"))
     print(f"vllm-serve: {run.stack} at {rate_key(run.rate)} req/s", file=sys.stderr)
     try:
-        data = run_client(run, recipe, log_file)
+        data, seen = watched(watch or PointWatch(), lambda: run_client(run, recipe, log_file))
     except ClientFailed as exc:
         return failed_point(run.stack, run.rate, str(exc)[:2000])
     write_json(out_dir / "runs" / f"{run.stack}_rate{rate_key(run.rate)}.json", trim_result(data))
-    return point_from_result(run.stack, run.rate, data)
+    return {**point_from_result(run.stack, run.rate, data), **seen}
 
 
 StartStack = Callable[[InstanceGroup, Path], Any]
@@ -201,11 +215,13 @@ def run_serve_benchmark(
             with ExitStack() as es:
                 stack_obj = start_stack(group, logs)
                 es.callback(stack_obj.stop)
-                targets = start_routers(group_name, stack_obj, wanted, logs, es, None)
+                pids: dict[str, int] = {}
+                targets = start_routers(group_name, stack_obj, wanted, logs, es, None, pids)
                 for name, target in targets.items():
+                    watch = _watch(target, pids.get(name), stack_obj)
                     try:
                         points += _run_stack(
-                            name, target, stack_obj.model_dir, recipe, out_dir, logs
+                            name, target, stack_obj.model_dir, recipe, (out_dir, logs), watch
                         )
                     except (OSError, RuntimeError, ValueError) as exc:
                         errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -215,12 +231,31 @@ def run_serve_benchmark(
     return {"points": points, "errors": errors}
 
 
+def _watch(target: Target, router_pid: int | None, stack_obj: Any) -> PointWatch:
+    """The router's ``/metrics`` and the pids of the router, P and D (those the stack has)."""
+    pids = [("router", router_pid)] if router_pid else []
+    for role in ("prefill", "decode"):
+        for inst in getattr(stack_obj, role, [])[:1]:
+            server = getattr(inst, "server", None)
+            if server is not None and server.pid is not None:
+                pids.append((role, server.pid))
+    url = dict(target.metrics).get("router")
+    return PointWatch(url, tuple((name, pid) for name, pid in pids if pid))
+
+
 def _run_stack(
-    stack: str, target: Target, model_dir: Path, recipe: ServeRecipe, out_dir: Path, logs: Path
+    stack: str,
+    target: Target,
+    model_dir: Path,
+    recipe: ServeRecipe,
+    dirs: tuple[Path, Path],
+    watch: PointWatch,
 ) -> list[dict[str, Any]]:
+    """Every rate of ``recipe`` on one stack; ``dirs``: the report's and the logs' folders."""
+    out_dir, logs = dirs
     rows = []
     for index, rate in enumerate(recipe.rates):
         name = f"{stack}_rate{rate_key(rate)}"
         run = ClientRun(stack, target, model_dir, rate, recipe.seed + index, logs / f"{name}.json")
-        rows.append(run_point(run, recipe, out_dir, logs / f"{name}.log"))
+        rows.append(run_point(run, recipe, out_dir, logs / f"{name}.log", watch))
     return rows

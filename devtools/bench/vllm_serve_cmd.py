@@ -52,6 +52,12 @@ def add_vllm_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds per client run; a run past it is stopped and counts as failed",
     )
     parser.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s)
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=d.max_concurrency,
+        help="requests in flight at most (the client's flag); with --rates inf, a burst",
+    )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--disagg-bench-dir",
@@ -76,6 +82,7 @@ def _recipe(args: argparse.Namespace) -> ServeRecipe:
         num_warmups=args.num_warmups,
         point_time_limit_s=args.point_time_limit,
         idle_timeout_s=args.idle_timeout,
+        max_concurrency=args.max_concurrency,
     )
 
 

@@ -221,7 +221,8 @@ def _recipe_line(report: Mapping[str, Any]) -> str:
         f"{report.get('vllm_version', '?')}), backend `openai-chat`, random dataset "
         f"{r['input_len']} input / {r['output_len']} output tokens (`--ignore-eos`), "
         f"temperature {r['temperature']:g}, {r['num_prompts']} requests per rate, Poisson "
-        f"arrivals at {', '.join(rate_key(x) for x in r['rates'])} req/s."
+        f"arrivals at {', '.join(rate_key(x) for x in r['rates'])} req/s"
+        + (f", at most {c} in flight." if (c := r.get("max_concurrency")) else ".")
     )
 
 
@@ -235,6 +236,38 @@ def _disagg_line(disagg: Mapping[str, Any] | None) -> str:
         "of its own measured capacity, mean TTFT with failed requests counted at the limit; "
         "range over its repetitions."
     )
+
+
+def _cell(value: Any, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def watch_table(points: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per point that recorded them (:mod:`bench.serve_watch`): the router's TTFT stages (mean
+    ms) and the cores each process kept busy, with its CPU ms per request; [] when none did."""
+    rows = [p for p in points if p.get("processes")]
+    if not rows:
+        return []
+    names = ("router", "prefill", "decode")
+    lines = ["| stack | rate | router stages ms: accept_to_legs_sent / prefill / relay_to_client "]
+    lines[0] += "| " + " | ".join(f"{n} cores (CPU ms/request); loop wait" for n in names)
+    lines[0] += " |"
+    lines.append("|---|---|---|" + "---|" * len(names))
+    for p in rows:
+        st = p.get("router_stages_ms") or {}
+        stages = " / ".join(
+            _cell(st.get(k), 1) for k in ("accept_to_legs_sent", "prefill", "relay_to_client")
+        )
+        cells = []
+        for name in names:
+            proc = p["processes"].get(name) or {}
+            cells.append(
+                f"{_cell(proc.get('cores'), 2)} ({_cell(proc.get('cpu_ms_per_request'), 1)}); "
+                f"{_cell(proc.get('main_thread_wait_share'), 2)}"
+            )
+        head = f"| {p['stack']} | {rate_key(float(p['rate']))} | {stages} | "
+        lines.append(head + " | ".join(cells) + " |")
+    return lines
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:
@@ -258,6 +291,16 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "",
         _disagg_line(report.get("disagg_bench")),
     ]
+    watch = watch_table(report.get("points", []))
+    if watch:
+        lines += ["", "## The router's stages and the CPU of each process during each run", ""]
+        lines += [
+            "Cores: CPU seconds of the process and its children over the client's `duration`."
+            " Loop wait: of the time the process's main thread (its event loop) had work, the"
+            " part it spent waiting for a core (the kernel's schedstat).",
+            "",
+            *watch,
+        ]
     errors = report.get("errors") or {}
     failed = [p for p in report.get("points", []) if p.get("errors")]
     if errors or failed:

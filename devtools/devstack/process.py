@@ -142,6 +142,23 @@ def group_cpu_seconds(pgid: int) -> float:
     return total
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, seconds) used so far by ``pid`` and its live descendants, in
+    whatever process group they run (``serve --workers N``'s workers each lead one of their own);
+    0.0 when ``pid`` is gone."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def read_log_tail(path: Path, lines: int = 40) -> str:
     """The last ``lines`` lines of ``path`` (reads at most the last 64 KiB); "" if unreadable."""
     try:

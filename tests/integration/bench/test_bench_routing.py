@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.routing import (
     RoutingBenchSpec,
     conversation_requests,
@@ -35,7 +37,12 @@ def test_uneven_part_runs_both_policies_on_the_same_requests(tmp_path: Path) -> 
 
 def test_workers_part_runs_one_and_two_workers_on_the_same_requests(tmp_path: Path) -> None:
     spec = RoutingBenchSpec(
-        parts=("workers",), uneven_prefill_s=0.02, uneven_rate=20.0, uneven_requests=16
+        parts=("workers",),
+        uneven_prefill_s=0.02,
+        uneven_rate=20.0,
+        uneven_requests=16,
+        workers_rounds=1,
+        workers_requests=40,
     )
     result = run_workers(spec, tmp_path)
     runs = result["runs"]
@@ -47,6 +54,15 @@ def test_workers_part_runs_one_and_two_workers_on_the_same_requests(tmp_path: Pa
     table = render_markdown({"workers": result}, "disagg-bench routing --parts workers")
     assert "| workers | workers_2 | 16/16 | " in table
     assert f"| `{key}` |" in table
+    # the closed loop through serve --workers 2 vs one worker, same fakes
+    rounds = result["throughput"]["rounds"]
+    assert len(rounds) == 1 and set(rounds[0]) == {"workers_1", "workers_2"}
+    assert all(r["completed"] == 40 and r["failed"] == 0 for r in rounds[0].values())
+    # each worker leads a process group of its own: their CPU counts too
+    assert all(r["router_cpu_ms_per_request"] > 0 for r in rounds[0].values())
+    ratio = rounds[0]["workers_2"]["rps"] / rounds[0]["workers_1"]["rps"]
+    assert result["throughput_workers_over_one"] == pytest.approx(ratio)
+    assert "| 1 | workers_2 |" in table
 
 
 def test_conversations_grow_turn_by_turn_on_their_own_system_prompt() -> None:

@@ -90,6 +90,9 @@ def test_vllm_bench_serve_runs_through_our_router_on_fakes(tmp_path: Path) -> No
     # --ignore-eos and the usage chunk: every request produced exactly the recipe's tokens
     assert row["output_lens"] == {"min": 6, "max": 6} and row["total_output_tokens"] == 24
     assert row["mean_ttft_ms"] > 0 and row["p99_tpot_ms"] > 0 and row["median_e2el_ms"] > 0
+    # what the point saw beside the client: our router's stages and its CPU over the run
+    assert row["router_stages_ms"]["accept_to_legs_sent"] > 0
+    assert row["processes"]["router"]["cpu_s"] > 0
     kept = json.loads((out / "runs" / "ours_rate20.json").read_text())
     assert kept["request_rate"] == 20.0 and kept["label"] == "ours" and kept["num_prompts"] == 4
     assert kept["tokenizer_id"] == "tiny" and "ttfts" not in kept  # trimmed, no local path

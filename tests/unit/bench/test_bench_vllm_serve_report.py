@@ -208,3 +208,36 @@ def test_a_stack_that_fails_to_start_is_recorded_and_the_others_still_run(tmp_pa
     assert result["points"] == []
     assert result["errors"]["pull"] == "RuntimeError: no vLLM for vllm-pull"
     assert set(result["errors"]) == {"ours", "pull", "vllm-push"}
+
+
+def test_a_burst_caps_the_client_in_flight_and_the_default_does_not() -> None:
+    target = Target("http://127.0.0.1:9", "tiny")
+    run = ClientRun("ours", target, Path("model"), float("inf"), 0, Path("res") / "x.json")
+    burst = " ".join(run.argv(ServeRecipe(max_concurrency=128, num_prompts=384)))
+    assert "--num-prompts 384 --request-rate inf" in burst
+    assert burst.endswith("--max-concurrency 128")
+    assert "--max-concurrency" not in run.argv(ServeRecipe())
+    with pytest.raises(ValueError, match="max_concurrency"):
+        ServeRecipe(max_concurrency=0)
+
+
+def test_the_report_lists_the_router_stages_and_process_cores_of_watched_points() -> None:
+    row = {
+        **point_from_result("ours", float("inf"), json.loads(RESULT.read_text())),
+        "router_stages_ms": {"accept_to_legs_sent": 108.04, "prefill": 50.0},
+        "processes": {
+            "router": {
+                "cpu_s": 3.0,
+                "cores": 0.5,
+                "cpu_ms_per_request": 7.81,
+                "main_thread_wait_share": 0.4,
+            },
+            "prefill": {"cpu_s": 6.0, "cores": 1.0, "cpu_ms_per_request": 15.6},
+        },
+    }
+    recipe = {**asdict(ServeRecipe(max_concurrency=128)), "rates": [float("inf")]}
+    report = build_report({"recipe": recipe, "points": [row], "errors": {}}, None)
+    text = render_markdown(report)
+    assert "at inf req/s, at most 128 in flight." in text
+    row_line = "| ours | inf | 108.0 / 50.0 / - | 0.50 (7.8); 0.40 | 1.00 (15.6); - | - (-); - |"
+    assert row_line in text
