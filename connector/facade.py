@@ -22,7 +22,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConnectorConfig
 from connector.metadata import PushConnectorMetadata
-from connector.setup_checks import refuse_unsupported
+from connector.setup_checks import connector_kv_heads, refuse_unsupported
 from connector.stats import PushPromMetrics, PushTransferStats
 
 try:  # vLLM >= 0.32
@@ -128,7 +128,7 @@ class DisaggPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 kv_cache_layout=str(getattr(kv_cache_config, "kv_cache_layout", None) or ""),
                 tp_rank=_tp_rank(vllm_config),
                 tp_size=_tp_size(vllm_config),
-                total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+                total_kv_heads=connector_kv_heads(vllm_config.model_config),
                 pp_rank=_pp_rank(vllm_config),
                 pp_size=_pp_size(vllm_config),
             )

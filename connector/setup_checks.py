@@ -1,6 +1,7 @@
 """Start-up refusals: the vLLM setups the connector does not support fail at once, with a reason.
 
-Who calls it: the facade, once per role, before anything is registered. It reads vLLM's config
+Who calls it: the facade, once per role, before anything is registered (and for the KV head
+count of a worker's layout, :func:`connector_kv_heads`). It reads vLLM's config
 objects by attribute (no vLLM import), so it is unit-tested with plain stand-ins.
 """
 
@@ -11,9 +12,25 @@ from typing import Any
 from connector.errors import UnsupportedSetupError
 
 
+def connector_kv_heads(model_config: Any) -> int:
+    """The KV heads of the model as the connector counts them (all TP ranks together).
+
+    Who calls it: the facade, for the worker's layout (``total_kv_heads``, which decides what
+    each P rank writes into which D rank). The engine shape the legs report keeps vLLM's own
+    count. An MLA model counts 1: its latent cache is one "head" that every TP rank holds whole
+    (vLLM's ``get_num_kv_heads`` is 1 per rank for MLA, while ``get_total_num_kv_heads`` reports
+    the attention's KV heads, which no rank's cache is split by).
+    Fewer heads than ranks means replicas: P's TP rank 0 is the one source of every D rank and
+    P's other ranks send nothing (:func:`connector.layout.head_sources`).
+    """
+    if bool(getattr(model_config, "use_mla", False)):
+        return 1
+    return int(model_config.get_total_num_kv_heads())
+
+
 def refuse_unsupported(vllm_config: Any, kv_cache_config: Any = None) -> None:
-    """Raise :class:`UnsupportedSetupError` for PP > 1 on a consumer (D), MLA with TP or PP > 1,
-    or more than one KV cache group; each message names the setting, its value and why.
+    """Raise :class:`UnsupportedSetupError` for PP > 1 on a consumer (D), MLA with PP > 1, or
+    more than one KV cache group; each message names the setting, its value and why.
 
     Tensor parallelism on P and on D is supported, equal or different when one size divides the
     other (each P rank writes its KV heads into the D ranks holding them; see the README,
@@ -21,18 +38,18 @@ def refuse_unsupported(vllm_config: Any, kv_cache_config: Any = None) -> None:
     layers into D's regions of the same layers, "Pipeline parallelism"). Hybrid sliding-window
     + full attention models (e.g. Gemma-3) pass: this connector does not implement
     ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off and keeps every layer in one
-    full-attention KV cache group. MLA models pass with TP = PP = 1 (one latent tensor per
-    layer, moved like any other region).
+    full-attention KV cache group. MLA models pass with PP 1 and any TP size: one latent
+    tensor per layer, moved like any other region, and with TP > 1 the latent cache is one KV
+    head replicated on every rank (:func:`connector_kv_heads`).
     """
     parallel = vllm_config.parallel_config
-    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
     model = getattr(vllm_config, "model_config", None)
-    if (tp != 1 or pp != 1) and model is not None and bool(getattr(model, "use_mla", False)):
+    if pp != 1 and model is not None and bool(getattr(model, "use_mla", False)):
         raise UnsupportedSetupError(
-            f"the model uses MLA with tensor_parallel_size={tp}, pipeline_parallel_size={pp}: "
-            "every TP rank holds the whole latent KV cache, and DisaggPushConnector moves MLA "
-            "caches with TP 1 and PP 1 only (MLA with pipeline parallel is not verified)"
+            f"the model uses MLA with pipeline_parallel_size={pp}: DisaggPushConnector moves "
+            "MLA caches with pipeline parallel size 1 only (any tensor parallel size); MLA with "
+            "pipeline parallel is not verified"
         )
     role = str(getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", ""))
     if pp != 1 and role != "kv_producer":

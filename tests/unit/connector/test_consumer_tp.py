@@ -51,6 +51,20 @@ def test_d_tp1_registers_with_both_p_ranks_and_finishes_after_both() -> None:
     assert state.take_records()[0].ok
 
 
+def test_an_mla_d_registers_with_p_rank_0_only_at_any_tp() -> None:
+    """MLA (one latent head on every rank): P rank 0 is each D rank's one source, so D waits on
+    it alone; P's other ranks are never asked."""
+    clock = FakeClock()
+    for d_tp, p_tp in ((1, 2), (2, 1), (2, 2)):
+        for rank in range(d_tp):
+            state = ConsumerState(CFG, rank_layout(1, d_tp, rank), f"d-{rank}", b"m", clock)
+            asks = state.register(spec(p_tp))
+            assert [(a.port, a.p_rank) for a in asks] == [(5600, 0)]
+            state.answer(asks[0], Reply("accepted"))
+            state.notifications([done(0)])
+            assert state.take_results() == ({"d-1"}, set())
+
+
 def test_d_tp2_ranks_each_register_with_their_p_rank() -> None:
     clock = FakeClock()
     for rank, p_tp, ports in ((0, 1, [5600]), (1, 1, [5600]), (0, 2, [5600]), (1, 2, [5601])):

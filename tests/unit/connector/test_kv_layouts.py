@@ -16,6 +16,7 @@ import functools
 import re
 from collections.abc import Callable
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,10 +30,12 @@ from connector.layout import (
     descriptor_ids,
     descriptors,
     head_transfer,
+    is_source_rank,
     kv_memory,
     layout_from_kv_caches,
     memory_spans,
 )
+from connector.setup_checks import connector_kv_heads
 
 NUM_BLOCKS = 10
 LAYERS = 3
@@ -322,6 +325,44 @@ def test_different_tp_with_heads_inside_a_block_is_refused_with_the_reason() -> 
     assert isinstance(why, str) and "not contiguous inside a block on P" in why
     _, p2 = rank_caches("LBNHC", 2, 0)
     assert isinstance(head_transfer(p2, d), HeadTransfer)  # equal TP: whole blocks
+
+
+MLA_MODEL = SimpleNamespace(use_mla=True, get_total_num_kv_heads=lambda: 16)
+"""A DeepSeek-V2-like model config as the facade reads it (16 attention KV heads, MLA)."""
+
+
+def mla_rank(tp: int, rank: int) -> tuple[Caches, LayoutSpec]:
+    """One TP rank's latent cache (vLLM's MLA views, 576 wide) with values of its own, and its
+    layout with the KV head count the facade states for an MLA model."""
+    caches = vllm_caches("LBNHC", mla=True)
+    for t in caches.values():
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(t.dtype))
+    layout = layout_from_kv_caches(caches, NUM_BLOCKS, block_size=16)
+    heads = connector_kv_heads(MLA_MODEL)
+    return caches, replace(layout, tp_rank=rank, tp_size=tp, total_kv_heads=heads)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (2, 2), (4, 2)])
+def test_mla_latent_cache_goes_from_p_rank_0_alone_into_every_d_rank(p_tp: int, d_tp: int) -> None:
+    """Every TP rank holds the whole latent cache: P rank 0 writes whole blocks into every D
+    rank, byte for byte, and P's other ranks (replicas, here with different bytes) write none."""
+    torch.manual_seed(0)
+    ps = [mla_rank(p_tp, r) for r in range(p_tp)]
+    ds = [mla_rank(d_tp, r) for r in range(d_tp)]
+    assert [is_source_rank(1, p_tp, r) for r in range(p_tp)] == [True] + [False] * (p_tp - 1)
+    for d_caches, d in ds:
+        for t in d_caches.values():
+            t.zero_()
+        writers = [p.tp_rank for _, p in ps if isinstance(head_transfer(p, d), HeadTransfer)]
+        assert writers == [0]
+        assert head_transfer(ps[0][1], d) == HeadTransfer(
+            0, 0, d.regions[0].block_bytes, frozenset(range(d_tp))
+        )
+        tp_write(ps[0], (d_caches, d))
+        for name, d_view in d_caches.items():
+            want = ps[0][0][name][[3, 1]].view(torch.uint8)
+            assert torch.equal(d_view[[0, 9]].view(torch.uint8), want)
+            assert not d_view[[b for b in range(NUM_BLOCKS) if b not in (0, 9)]].any()
 
 
 def stage_caches(

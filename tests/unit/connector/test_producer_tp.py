@@ -63,6 +63,22 @@ def test_p_tp1_keeps_its_blocks_until_both_d_ranks_had_their_head() -> None:
     assert [r.num_bytes for r in state.take_records()] == [2 * 2 * HEAD] * 2  # 2 blocks, 2 layers
 
 
+def test_an_mla_p_rank_0_writes_whole_latent_blocks_into_both_d_ranks() -> None:
+    """MLA at P TP 2 -> D TP 2: rank 0 holds the one latent head and serves both D ranks with
+    whole blocks; rank 1 is a replica that frees at once."""
+    clock = FakeClock()
+    state = p_state(rank_layout(1, 2, 0), clock)
+    state.add_finished(SendSpec("p-1", "k", (5, 6)))
+    for d_rank in (0, 1):
+        assert state.register(reg(rank_layout(1, 2, d_rank))).status == "accepted"
+    assert sorted(run_writes(state, clock.now)) == ["d-agent-0", "d-agent-1"]
+    assert state.take_released() == {"p-1"}
+    assert [r.num_bytes for r in state.take_records()] == [2 * 2 * HEAD] * 2  # whole blocks
+    replica = p_state(rank_layout(1, 2, 1), clock)
+    replica.add_finished(SendSpec("p-1", "k", (5, 6)))
+    assert replica.take_released() == {"p-1"}
+
+
 def test_a_d_rank_that_never_registers_frees_p_after_the_lease_and_is_refused_later() -> None:
     clock = FakeClock()
     state = p_state(rank_layout(2, 1, 0), clock)

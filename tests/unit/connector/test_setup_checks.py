@@ -14,7 +14,7 @@ from connector.errors import UnsupportedSetupError
 from connector.layout import LayoutSpec
 from connector.producer_state import ProducerState
 from connector.protocol import decode_request, registration_from_body
-from connector.setup_checks import refuse_unsupported
+from connector.setup_checks import connector_kv_heads, refuse_unsupported
 from connector.specs import RecvSpec
 from tests.unit.connector.core_support import LAYOUT, FakeClock
 
@@ -43,6 +43,21 @@ def test_an_mla_model_with_one_worker_passes() -> None:
 
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_an_mla_model_with_tensor_parallel_passes(role: str) -> None:
+    """Every TP rank holds the whole latent cache: one KV head, replicated (P rank 0 is the one
+    source; tests/e2e/test_connector_mla_tp_e2e runs it on real vLLM CPU)."""
+    refuse_unsupported(vllm_config(tp=2, mla=True, role=role), kv_cache_config())
+
+
+def test_an_mla_model_counts_one_kv_head_for_the_layout() -> None:
+    """vLLM's total KV head count of an MLA model is not what its ranks hold: each holds the
+    whole latent cache, so the worker's layout states 1 head (replicated on every rank)."""
+    mla = SimpleNamespace(use_mla=True, get_total_num_kv_heads=lambda: 16)
+    gqa = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 8)
+    assert (connector_kv_heads(mla), connector_kv_heads(gqa)) == (1, 8)
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
 def test_tensor_parallel_is_allowed_on_p_and_d(role: str) -> None:
     refuse_unsupported(vllm_config(tp=2, role=role), kv_cache_config())
     refuse_unsupported(vllm_config(tp=8, role=role), None)
@@ -59,8 +74,8 @@ def test_pipeline_parallel_is_allowed_on_p_only() -> None:
     [
         (vllm_config(pp=4, role="kv_consumer"), 1, "pipeline_parallel_size=4 with kv_role"),
         (vllm_config(pp=2, role="kv_both"), 1, "pipeline parallel size must be 1 on D"),
-        (vllm_config(tp=2, mla=True), 1, "MLA with tensor_parallel_size=2"),
-        (vllm_config(pp=2, mla=True), 1, "MLA with .*pipeline_parallel_size=2"),
+        (vllm_config(pp=2, mla=True), 1, "MLA with pipeline_parallel_size=2"),
+        (vllm_config(tp=2, pp=2, mla=True), 1, "MLA with pipeline_parallel_size=2"),
         (vllm_config(), 2, "2 KV cache groups: .* does not implement SupportsHMA"),
     ],
 )

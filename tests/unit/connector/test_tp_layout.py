@@ -143,3 +143,20 @@ def test_head_bytes_from_cpu_and_nhd_tensors() -> None:
     assert layout_from_kv_caches({"l0": one}, 8).head_bytes == 16 * 64 * 2
     nhd = torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16).permute(0, 2, 1, 3)
     assert layout_from_kv_caches({"l0": nhd}, 8).head_bytes == 0
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (2, 2), (4, 2)])
+def test_an_mla_cache_is_one_head_that_p_rank_0_alone_sends(p_tp: int, d_tp: int) -> None:
+    """MLA: every rank holds the one latent "head" (total 1); P rank 0 serves every D rank with
+    whole blocks, P's other ranks are replicas that serve none."""
+    for d_rank in range(d_tp):
+        assert head_sources(1, p_tp, d_tp, d_rank) == (HeadCopy(0, range(0, 1)),)
+        d = rank_layout(1, d_tp, d_rank)
+        assert head_transfer(rank_layout(1, p_tp, 0), d) == HeadTransfer(
+            0, 0, HEAD, frozenset(range(d_tp))
+        )
+        for p_rank in range(1, p_tp):
+            why = head_transfer(rank_layout(1, p_tp, p_rank), d)
+            assert isinstance(why, str) and "takes no KV heads from P rank" in why
+    assert served_d_ranks(1, p_tp, d_tp, 0) == frozenset(range(d_tp))
+    assert all(not served_d_ranks(1, p_tp, d_tp, r) for r in range(1, p_tp))

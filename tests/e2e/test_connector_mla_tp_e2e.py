@@ -1,0 +1,54 @@
+"""MLA with tensor parallelism, end to end: real vLLM CPU, a DeepSeek-V2-shaped model at TP 1/2.
+
+One stack of four instances of the tiny ``deepseek_v2`` model (vLLM's CPU MLA backend, one
+latent KV tensor per layer): ``p0`` (P, TP 1), ``p1`` (P, TP 2), ``d0`` (D, TP 1), ``d1`` (D,
+TP 2); a TP 2 instance runs two workers on its instance's core. Every TP rank of an MLA model
+holds the whole latent cache, so the connector states it as one KV head replicated on every
+rank: P rank 0 writes whole blocks into every D rank and P rank 1 sends nothing. Each pair (P
+TP 2 -> D TP 1, P TP 1 -> D TP 2, TP 2 -> TP 2) runs the cases of ``parallel_cases``: greedy
+output equal to an aggregated request at D's TP size with no recompute on D, and KV back to 0
+everywhere after a P abort, a D abort and a client disconnect. Run under
+``flock /tmp/vllm-e2e.lock``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devstack.stack import Stack, StackOptions
+from tests.e2e.e2e_support import module_stack
+from tests.e2e.parallel_cases import CASES, EXTRA, named
+
+pytestmark = [pytest.mark.vllm]
+
+PAIRS = [("p1", "d0"), ("p0", "d1"), ("p1", "d1")]  # TP 2 -> 1, 1 -> 2, 2 -> 2
+MLA_BACKEND = "Using CPU_MLA backend"
+
+
+@pytest.fixture(scope="module")
+def stack(e2e_dir: Path) -> Iterator[Stack]:
+    options = StackOptions(
+        kind="ours",
+        topology="2p2d",
+        model_shape="deepseek_v2",
+        tensor_parallel={"p1": 2, "d1": 2},
+        connector_extra_config=EXTRA,
+    )
+    with module_stack(options, e2e_dir) as s:
+        yield s
+
+
+def test_every_instance_runs_the_mla_backend(stack: Stack) -> None:
+    """The model is served as MLA on every instance (else the pairs below prove nothing)."""
+    for inst in stack.instances:
+        assert MLA_BACKEND in inst.server.log_path.read_text(errors="replace"), inst.name
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("p_name", "d_name"), PAIRS)
+async def test_mla_tensor_parallel_pair(stack: Stack, p_name: str, d_name: str, case: str) -> None:
+    p, d = named(stack, p_name), named(stack, d_name)
+    await CASES[case](stack, p, d, f"mla-tp-{p_name}-{d_name}")
