@@ -1,7 +1,8 @@
 """The connector's cases for parallel shapes, written once for every stack that runs them.
 
-Who calls it: ``test_connector_tp_e2e.py`` (P and D at TP 1 and 2) and
-``test_connector_pp_e2e.py`` (P at PP 2). Each case takes a stack, a P and a D instance and a
+Who calls it: ``test_connector_tp_e2e.py`` (P and D at TP 1 and 2),
+``test_connector_mla_tp_e2e.py`` (the same on an MLA model) and ``test_connector_pp_e2e.py``
+(P at PP 2). Each case takes a stack, a P and a D instance and a
 tag that keeps its prompts apart from every other case's (so D's prefix cache never holds them).
 The two-leg client is the one of ``test_connector_e2e.py`` (both legs at once, same
 ``X-Request-Id`` and ``transfer_id``, the D leg naming P's ``tp_size`` and ``pp_size``), so the
