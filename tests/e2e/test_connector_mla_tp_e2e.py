@@ -36,6 +36,9 @@ def stack(e2e_dir: Path) -> Iterator[Stack]:
         model_shape="deepseek_v2",
         tensor_parallel={"p1": 2, "d1": 2},
         connector_extra_config=EXTRA,
+        # vLLM CPU compiles the MLA model per TP worker at start-up (over a minute alone on one
+        # core; two TP 2 instances share their cores with the TP 1 ones).
+        startup_timeout_s=900.0,
     )
     with module_stack(options, e2e_dir) as s:
         yield s
