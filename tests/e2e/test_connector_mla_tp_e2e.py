@@ -7,8 +7,10 @@ holds the whole latent cache, so the connector states it as one KV head replicat
 rank: P rank 0 writes whole blocks into every D rank and P rank 1 sends nothing. Each pair (P
 TP 2 -> D TP 1, P TP 1 -> D TP 2, TP 2 -> TP 2) runs the cases of ``parallel_cases``: greedy
 output equal to an aggregated request at D's TP size with no recompute on D, and KV back to 0
-everywhere after a P abort, a D abort and a client disconnect. Run under
-``flock /tmp/vllm-e2e.lock``.
+everywhere after a D abort and a client disconnect. Not the P abort case: vLLM CPU turns chunked
+prefill off for MLA, so P's 16,000-token prefill is one engine step that P's abort cannot
+interrupt; P finishes it and writes the KV (or D's ``transfer_timeout_s`` ends first), which is
+not the mid-prefill abort that case asserts. Run under ``flock /tmp/vllm-e2e.lock``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from tests.e2e.parallel_cases import CASES, EXTRA, named
 pytestmark = [pytest.mark.vllm]
 
 PAIRS = [("p1", "d0"), ("p0", "d1"), ("p1", "d1")]  # TP 2 -> 1, 1 -> 2, 2 -> 2
+MLA_CASES = [case for case in CASES if case != "p_abort_frees_every_rank"]
+"""Every case but the P abort (see the module docstring: no chunked prefill for MLA on CPU)."""
 MLA_BACKEND = "Using CPU_MLA backend"
 
 
@@ -50,7 +54,7 @@ def test_every_instance_runs_the_mla_backend(stack: Stack) -> None:
         assert MLA_BACKEND in inst.server.log_path.read_text(errors="replace"), inst.name
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", MLA_CASES)
 @pytest.mark.parametrize(("p_name", "d_name"), PAIRS)
 async def test_mla_tensor_parallel_pair(stack: Stack, p_name: str, d_name: str, case: str) -> None:
     p, d = named(stack, p_name), named(stack, d_name)
