@@ -8,9 +8,11 @@ rank: P rank 0 writes whole blocks into every D rank and P rank 1 sends nothing.
 TP 2 -> D TP 1, P TP 1 -> D TP 2, TP 2 -> TP 2) runs the cases of ``parallel_cases``: greedy
 output equal to an aggregated request at D's TP size with no recompute on D, and KV back to 0
 everywhere after a D abort and a client disconnect. Not the P abort case: vLLM CPU turns chunked
-prefill off for MLA, so P's 16,000-token prefill is one engine step that P's abort cannot
-interrupt; P finishes it and writes the KV (or D's ``transfer_timeout_s`` ends first), which is
-not the mid-prefill abort that case asserts. Run under ``flock /tmp/vllm-e2e.lock``.
+prefill off for MLA, so P's 16,000-token prefill is one engine step of over a minute here, P's
+running count (which that case waits on before aborting) is published only after it, and an
+abort cannot interrupt it (P finishes and writes the KV, or D's ``transfer_timeout_s`` ends
+first): a mid-prefill P abort does not exist for MLA on vLLM CPU. Run under
+``flock /tmp/vllm-e2e.lock``.
 """
 
 from __future__ import annotations
