@@ -61,3 +61,11 @@ def test_every_instance_runs_the_mla_backend(stack: Stack) -> None:
 async def test_mla_tensor_parallel_pair(stack: Stack, p_name: str, d_name: str, case: str) -> None:
     p, d = named(stack, p_name), named(stack, d_name)
     await CASES[case](stack, p, d, f"mla-tp-{p_name}-{d_name}")
+
+
+def test_only_p_rank_0_of_the_tp_2_p_wrote(stack: Stack) -> None:
+    """After the pairs above: every WRITE of ``p1`` (P TP 2) came from its TP rank 0 (vLLM
+    prefixes a worker's log lines with its ``Worker_TP<rank>``); rank 1 is a replica."""
+    log = named(stack, "p1").server.log_path.read_text(errors="replace")
+    writers = [line.split(" ", 1)[0] for line in log.splitlines() if "side=writer" in line]
+    assert writers and set(writers) == {"(Worker_TP0"}, sorted(set(writers))
