@@ -56,12 +56,6 @@ class WorkerSetup:
     """This worker's pipeline stage (P only: start-up refuses PP > 1 on D)."""
     pp_size: int = 1
 
-    @property
-    def rank(self) -> int:
-        """vLLM's rank of this worker, ``pp_rank * tp_size + tp_rank`` (P: its side channel
-        listens on the base port + it)."""
-        return self.pp_rank * self.tp_size + self.tp_rank
-
 
 @dataclass
 class WorkerStep:
@@ -106,18 +100,19 @@ class PushWorker:
             pp_rank=s.pp_rank,
             pp_size=s.pp_size,
         )
-        name = f"dpc-{s.engine_id}-r{s.rank}-{uuid.uuid4().hex[:8]}"
+        rank = layout.global_rank  # P: its side channel listens on the base port + it
+        name = f"dpc-{s.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
         self.endpoint = NixlEndpoint(name, layout, progress_thread=self.config.nixl_progress_thread)
         if s.is_producer:
             self.producer = PushProducer(
                 faults.wrap(self.endpoint, self.config),
                 s.engine_id,
-                self._rank_config(),
+                self._rank_config(rank),
                 health=self.health,
             )
             logger.info(
                 "P side channel of rank %d (PP stage %d, TP rank %d) on %s:%d",
-                s.rank,
+                rank,
                 s.pp_rank,
                 s.tp_rank,
                 self.config.side_channel_host,
@@ -142,12 +137,13 @@ class PushWorker:
             layout.head_bytes,
         )
 
-    def _rank_config(self) -> ConnectorConfig:
-        """P: each worker's side channel listens on the base port + its rank (0: any port)."""
+    def _rank_config(self, rank: int) -> ConnectorConfig:
+        """P: each worker's side channel listens on the base port + its vLLM ``rank`` (0: any
+        port)."""
         port = self.config.side_channel_port
         if not port:
             return self.config
-        return replace(self.config, side_channel_port=port + self.setup.rank)
+        return replace(self.config, side_channel_port=port + rank)
 
     def start_step(self, meta: PushConnectorMetadata) -> None:
         """Hand this step's decisions to the transfer core (non-blocking)."""

@@ -30,9 +30,12 @@ def positions(ids: Sequence[int]) -> Positions:
     return np.asarray(ids, dtype=np.int32)
 
 
-def contiguous_descs(addr: int, desc_bytes: int, num_descs: int) -> list[tuple[int, int, int]]:
-    """One DRAM buffer at ``addr`` split into ``num_descs`` equal descriptors."""
-    return [(addr + i * desc_bytes, desc_bytes, 0) for i in range(num_descs)]
+def contiguous_descs(
+    addr: int, desc_bytes: int, num_descs: int, device_id: int = 0
+) -> list[tuple[int, int, int]]:
+    """One buffer at ``addr`` (on ``device_id``; 0 for DRAM) split into ``num_descs`` equal
+    descriptors."""
+    return [(addr + i * desc_bytes, desc_bytes, device_id) for i in range(num_descs)]
 
 
 class BareNixlEndpoint:

@@ -154,10 +154,6 @@ class _Memory:
         return out
 
 
-def _descs(addr: int, size: int, count: int, device_id: int) -> list[Descriptor]:
-    return [(addr + i * size, size, device_id) for i in range(count)]
-
-
 class _Rank:
     """One P rank's endpoint, connected to D; :meth:`write` posts its share and waits."""
 
@@ -168,10 +164,10 @@ class _Rank:
         name = f"bench-p{rank}-{kind}"
         self.impl: Any
         if kind == "bare":
-            from bench.bare_nixl import BareNixlEndpoint
+            from bench.bare_nixl import BareNixlEndpoint, contiguous_descs
 
             spans = [(mem.addr, n * spec.share_bytes, dev)]
-            local = _descs(mem.addr, spec.share_bytes, n, dev)
+            local = contiguous_descs(mem.addr, spec.share_bytes, n, dev)
             self.impl = BareNixlEndpoint(name, local, mem.memory[0], spans=spans)
             remote = bare_remote_descs(spec, rank, hello["addr"], hello["memory"][1])
             self.impl.connect(hello["metadata"], remote, hello["memory"][0])
@@ -235,9 +231,9 @@ def _target_main(
     layout = d_layout(spec, mem.addr, mem.memory)
     impl: Any
     if kind == "bare":
-        from bench.bare_nixl import BareNixlEndpoint
+        from bench.bare_nixl import BareNixlEndpoint, contiguous_descs
 
-        descs = _descs(mem.addr, block, n, mem.memory[1])
+        descs = contiguous_descs(mem.addr, block, n, mem.memory[1])
         impl = BareNixlEndpoint(
             name, descs, mem.memory[0], spans=[(mem.addr, n * block, mem.memory[1])]
         )
