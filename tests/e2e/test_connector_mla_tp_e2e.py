@@ -1,11 +1,14 @@
-"""MLA with tensor parallelism, end to end: real vLLM CPU, a DeepSeek-V2-shaped model at TP 1/2.
+"""MLA through the connector, end to end: real vLLM CPU, a DeepSeek-V2-shaped model at TP 1 and 2.
 
 One stack of four instances of the tiny ``deepseek_v2`` model (vLLM's CPU MLA backend, one
 latent KV tensor per layer): ``p0`` (P, TP 1), ``p1`` (P, TP 2), ``d0`` (D, TP 1), ``d1`` (D,
 TP 2); a TP 2 instance runs two workers on its instance's core. Every TP rank of an MLA model
 holds the whole latent cache, so the connector states it as one KV head replicated on every
-rank: P rank 0 writes whole blocks into every D rank and P rank 1 sends nothing. Each pair (P
-TP 2 -> D TP 1, P TP 1 -> D TP 2, TP 2 -> TP 2) runs the cases of ``parallel_cases``: greedy
+rank: P rank 0 writes whole blocks into every D rank and P rank 1 sends nothing. vLLM CPU's MLA
+backend keeps one latent tensor per layer (``[blocks, 16 tokens, 576]``, no K/V split), which
+the connector moves as one region per layer, and turns prefix caching off for MLA, so every
+request moves its whole prompt. Each pair (TP 1 -> TP 1, P TP 2 -> D TP 1, P TP 1 -> D TP 2,
+TP 2 -> TP 2) runs the cases of ``parallel_cases``: greedy
 output equal to an aggregated request at D's TP size with no recompute on D, and KV back to 0
 everywhere after a D abort and a client disconnect. Not the P abort case: vLLM CPU turns chunked
 prefill off for MLA, so P's 16,000-token prefill is one engine step of over a minute here, P's
@@ -28,7 +31,7 @@ from tests.e2e.parallel_cases import CASES, EXTRA, named
 
 pytestmark = [pytest.mark.vllm]
 
-PAIRS = [("p1", "d0"), ("p0", "d1"), ("p1", "d1")]  # TP 2 -> 1, 1 -> 2, 2 -> 2
+PAIRS = [("p0", "d0"), ("p1", "d0"), ("p0", "d1"), ("p1", "d1")]  # 1 -> 1, 2 -> 1, 1 -> 2, 2 -> 2
 MLA_CASES = [case for case in CASES if case != "p_abort_frees_every_rank"]
 """Every case but the P abort (see the module docstring: no chunked prefill for MLA on CPU)."""
 MLA_BACKEND = "Using CPU_MLA backend"
@@ -42,8 +45,9 @@ def stack(e2e_dir: Path) -> Iterator[Stack]:
         model_shape="deepseek_v2",
         tensor_parallel={"p1": 2, "d1": 2},
         connector_extra_config=EXTRA,
-        # vLLM CPU compiles the MLA model per TP worker at start-up (over a minute alone on one
-        # core; two TP 2 instances share their cores with the TP 1 ones).
+        # vLLM CPU compiles the MLA model in every worker at start-up (about 5 min for the six
+        # workers on two cores). --enforce-eager would skip it, but with it D's answers differ
+        # from the reference even at TP 1 (connector/README.md, "Model shapes": cause not found).
         startup_timeout_s=900.0,
     )
     with module_stack(options, e2e_dir) as s:

@@ -1,6 +1,6 @@
-"""Model shapes through the connector on real vLLM CPU: hybrid attention and MLA.
+"""A hybrid-attention model through the connector on real vLLM CPU.
 
-One small stack per shape: P and D with our connector, plus one aggregated instance ``a0``
+One small stack: P and D with our connector, plus one aggregated instance ``a0``
 without a connector. D's greedy answer (tokens, log-probabilities) must equal ``a0``'s, and D
 must have taken the whole prompt from P
 (``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``).
@@ -11,11 +11,9 @@ must have taken the whole prompt from P
   kept), all layers form one KV cache group and P's WRITE carries every layer of every block.
   ``a0`` keeps the hybrid manager (two groups; blocks outside the window are dropped), so its
   answer is the model's own hybrid-mode output.
-* ``deepseek_v2`` (MLA): vLLM's CPU MLA backend keeps one latent tensor per layer
-  (``[blocks, 16 tokens, 576]``, no K/V split), which the connector moves as one region per layer;
-  vLLM CPU turns prefix caching off for MLA, so every request moves its whole prompt.
 
-Three requests per shape; run under ``flock /tmp/vllm-e2e.lock``.
+MLA (``deepseek_v2``) runs at TP 1 and 2 in ``test_connector_mla_tp_e2e.py``. Two requests; run
+under ``flock /tmp/vllm-e2e.lock``.
 """
 
 from __future__ import annotations
@@ -45,10 +43,9 @@ from tests.e2e.test_connector_e2e import (
 pytestmark = [pytest.mark.vllm]
 
 HMA_OFF = "Hybrid KV cache manager is disabled for this hybrid model"
-MLA_BACKEND = "Using CPU_MLA backend"
 
 
-@pytest.fixture(scope="module", params=["gemma3", "deepseek_v2"])
+@pytest.fixture(scope="module", params=["gemma3"])
 def stack(request: pytest.FixtureRequest, e2e_dir: Path) -> Iterator[Stack]:
     options = StackOptions(
         kind="ours",
@@ -91,14 +88,10 @@ def log(instance: StackInstance) -> str:
 
 
 def test_the_shape_runs_as_claimed(stack: Stack) -> None:
-    """gemma3: vLLM promoted the sliding-window layer on P and D (one KV cache group), not on
-    ``a0``; deepseek_v2: every instance runs vLLM's CPU MLA backend."""
+    """vLLM promoted the sliding-window layer on P and D (one KV cache group), not on ``a0``."""
     p, d, a0 = stack.prefill[0], stack.decode[0], stack.aggregated[0]
-    if stack.options.model_shape == "gemma3":
-        assert HMA_OFF in log(p) and HMA_OFF in log(d)
-        assert HMA_OFF not in log(a0)
-    else:
-        assert all(MLA_BACKEND in log(i) for i in (p, d, a0))
+    assert HMA_OFF in log(p) and HMA_OFF in log(d)
+    assert HMA_OFF not in log(a0)
 
 
 @pytest.mark.parametrize("length", [300, 5 * BLOCK + 17], ids=["unaligned", "many"])

@@ -37,8 +37,8 @@ def test_a_plain_single_worker_setup_passes() -> None:
 
 
 def test_an_mla_model_with_one_worker_passes() -> None:
-    """One latent KV tensor per layer is a region like any other (tests/e2e/test_model_shapes_e2e
-    moves a DeepSeek-V2-shaped model's KV on real vLLM CPU)."""
+    """One latent KV tensor per layer is a region like any other (tests/e2e/
+    test_connector_mla_tp_e2e moves a DeepSeek-V2-shaped model's KV on real vLLM CPU)."""
     refuse_unsupported(vllm_config(mla=True), kv_cache_config())
 
 
