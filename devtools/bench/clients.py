@@ -10,7 +10,9 @@ rounds so drift hits all alike. Reported per client: this process's CPU time per
 Clients: ``httpx`` (its own httpcore pool), ``httpx-aiohttp`` (httpx's API over aiohttp's
 connections: :class:`router.upstream.client.UpstreamClient` over
 :class:`router.upstream.client.AiohttpTransport`, what the router uses) and ``aiohttp``
-(aiohttp alone; its SSE lines are split here, a stand-in for a reader the router would need).
+(aiohttp alone; its SSE lines are split here, a stand-in for a reader the router would need)
+and ``h1`` (the router's own leg connections, :mod:`router.upstream.h1`, read by the router's
+:class:`router.upstream.sse.EventReader`: how a leg goes out since they replaced aiohttp there).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from bench.overhead import MODEL, cpu_split, fake_process
 from bench.results import log_folder, write_outputs
 from devstack.ports import free_port
 from router.upstream.client import AiohttpTransport, UpstreamClient, send_leg
-from router.upstream.sse import aiter_data
+from router.upstream.h1 import ConnectionPool
+from router.upstream.sse import EventReader, aiter_data
 
-KINDS = ("httpx", "httpx-aiohttp", "aiohttp")
+KINDS = ("httpx", "httpx-aiohttp", "aiohttp", "h1")
 HEADERS = {"Content-Type": "application/json"}
 
 
@@ -87,6 +90,8 @@ async def _round(kind: str, url: str, body: bytes, spec: ClientsSpec) -> dict[st
 
             await _closed_loop(send_aiohttp, ClientsSpec(requests=50, concurrency=8))
             return await _closed_loop(send_aiohttp, spec)
+    if kind == "h1":
+        return await _h1_round(url, body, spec)
     client = (
         UpstreamClient(AiohttpTransport(limits=limits), timeout, limits)
         if kind == "httpx-aiohttp"
@@ -108,6 +113,29 @@ async def _round(kind: str, url: str, body: bytes, spec: ClientsSpec) -> dict[st
 
         await _closed_loop(send_httpx, ClientsSpec(requests=50, concurrency=8))
         return await _closed_loop(send_httpx, spec)
+
+
+async def _h1_round(url: str, body: bytes, spec: ClientsSpec) -> dict[str, float]:
+    target = httpx.URL(url)
+    origin = (target.host, target.port or 80)
+    head = (
+        f"POST {target.raw_path.decode()} HTTP/1.1\r\nHost: {origin[0]}:{origin[1]}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    pool = ConnectionPool(30.0, 30.0, 4.0, 4096)
+
+    async def send_h1() -> int:
+        batches = 0
+        async with pool.post(origin, head, body) as answer:
+            async for _ in EventReader(answer.read_chunk, answer.content_type):
+                batches += 1
+        return batches
+
+    try:
+        await _closed_loop(send_h1, ClientsSpec(requests=50, concurrency=8))
+        return await _closed_loop(send_h1, spec)
+    finally:
+        await pool.close()
 
 
 def run_clients(spec: ClientsSpec, log_dir: Path | None = None) -> dict[str, Any]:

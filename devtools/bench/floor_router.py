@@ -7,8 +7,9 @@ error handling beyond closing what it opened. Per request it does only what any 
 router must: read the client's body, send the P leg (the router's own ``prefill_body``) and the
 D leg with P's identity (``decode_body_push``) at once, and relay D's bytes as they arrive,
 unparsed. It runs on the router's stack (uvicorn with httptools and uvloop, a bare ASGI app,
-one aiohttp session), so its CPU per request bounds from below what the router could reach by
-trimming its own work without changing those libraries.
+the router's own leg connections, :mod:`router.upstream.h1`), so its CPU per request bounds
+from below what the router could reach by trimming its own work without changing those
+libraries.
 """
 
 from __future__ import annotations
@@ -19,26 +20,26 @@ import json
 import uuid
 from typing import Any
 
-import aiohttp
+import httpx
 import uvicorn
 
 from router.config import PushIdentity
 from router.dispatch.rewrite import decode_body_push, prefill_body
 from router.upstream import codec
+from router.upstream.h1 import ConnectionPool, Origin
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
-_JSON = {"Content-Type": "application/json"}
 
 
 class FloorApp:
     """The ASGI app: ``/health`` answers 200; a POST elsewhere is relayed as described above."""
 
     def __init__(self, prefill_url: str, decode_url: str, identity: PushIdentity) -> None:
-        self.prefill_url = prefill_url
-        self.decode_url = decode_url
+        self.prefill = _origin(prefill_url)
+        self.decode = _origin(decode_url)
         self.identity = identity
-        self.session: aiohttp.ClientSession | None = None
+        self.pool: ConnectionPool | None = None
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -53,38 +54,50 @@ class FloorApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                connector = aiohttp.TCPConnector(limit=4096)
-                self.session = aiohttp.ClientSession(connector=connector)
+                self.pool = ConnectionPool(5.0, 600.0, 4.0, 4096)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if self.session is not None:
-                    await self.session.close()
+                if self.pool is not None:
+                    await self.pool.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
     async def _relay(self, path: str, raw: bytes, send: Any) -> None:
-        assert self.session is not None
+        assert self.pool is not None
         body = codec.loads(raw)
         rid = f"floor-{uuid.uuid4().hex}"
         p_body = codec.dumps(prefill_body(body, False, rid))
         d_body = codec.dumps(decode_body_push(body, self.identity, rid, rid))
-        prefill = asyncio.create_task(self._prefill(self.prefill_url + path, p_body))
+        prefill = asyncio.create_task(self._prefill(path, p_body))
         try:
-            post = self.session.post(self.decode_url + path, data=d_body, headers=_JSON)
-            async with post as resp:
-                headers = [(b"content-type", resp.headers["Content-Type"].encode())]
+            d_head = _head(self.decode, path, d_body)
+            async with self.pool.post(self.decode, d_head, d_body) as resp:
+                headers = [(b"content-type", resp.content_type.encode())]
                 start = {"type": "http.response.start", "status": resp.status, "headers": headers}
                 await send(start)
-                async for chunk in resp.content.iter_any():
+                while chunk := await resp.read_chunk():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         finally:
             await prefill
 
-    async def _prefill(self, url: str, body: bytes) -> None:
-        assert self.session is not None
-        async with self.session.post(url, data=body, headers=_JSON) as resp:
+    async def _prefill(self, path: str, body: bytes) -> None:
+        assert self.pool is not None
+        async with self.pool.post(self.prefill, _head(self.prefill, path, body), body) as resp:
             await resp.read()
+
+
+def _origin(url: str) -> Origin:
+    parsed = httpx.URL(url)
+    return parsed.host, parsed.port or 80
+
+
+def _head(origin: Origin, path: str, body: bytes) -> bytes:
+    """A POST's request head: what the router's legs send, less the ids and trace context."""
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {origin[0]}:{origin[1]}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode("latin-1")
 
 
 async def _body(receive: Any) -> bytes:

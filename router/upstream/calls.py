@@ -4,7 +4,7 @@ Who calls it: the dispatch (:mod:`router.dispatch.legs`, P and D legs), the pass
 (:mod:`router.http.exchange`: :func:`send_raw` and its helpers), the health monitor
 (:mod:`router.health.monitor`, :mod:`router.health.model_info`) and the load-signal scraper
 (:mod:`router.health.load_signals`). Uses the app's one shared ``httpx.AsyncClient``: the router's
-:class:`UpstreamClient` sends a leg straight to aiohttp (:meth:`UpstreamClient.send_direct`), any
+:class:`UpstreamClient` sends a leg on its own connections (:meth:`UpstreamClient.send_direct`), any
 other client (tests' mock upstreams) through httpx; both go out with the same headers and body and
 end the same way. Streams are always closed (context manager, or :func:`close_quietly` for
 :func:`send_raw`'s answers). Translating an error has no side effect: what a failure means for the
@@ -22,8 +22,6 @@ from typing import Any, Protocol
 
 import httpx
 from httpx_sse import SSEError
-from multidict import CIMultiDict
-from yarl import URL
 
 from router.errors import (
     UpstreamConnectTimeout,
@@ -35,7 +33,7 @@ from router.errors import (
     UpstreamUnreachable,
 )
 from router.upstream import codec
-from router.upstream.client import LegAnswer, UpstreamClient, send_leg
+from router.upstream.client import LegAnswer, LegTarget, UpstreamClient, send_leg
 from router.upstream.sse import EventReader, StreamEndedEarly
 
 
@@ -140,27 +138,42 @@ class _HttpxAnswer:
         return await anext(self._chunks, b"")
 
 
-def _direct_target(
-    client: UpstreamClient,
-    backend: Instance,
-    path: str,
-    request_id: str,
-    extra: Mapping[str, str] | None,
-) -> tuple[URL, CIMultiDict[str]]:
-    """The URL and headers of a leg sent with :meth:`UpstreamClient.send_direct`: those of
-    :func:`_leg_request` (aiohttp adds ``Content-Length``), from the parts that do not change
-    between legs, prepared once per instance and path in ``client.leg_targets``."""
+def _leg_target(client: UpstreamClient, backend: Instance, path: str) -> LegTarget:
+    """What every direct leg to ``backend`` at ``path`` shares (see :data:`LegTarget`), kept in
+    ``client.leg_targets``: the request line and the headers of :func:`_leg_request` but the
+    per-leg ones and ``Accept-Encoding`` (the leg connections decode no compression, so none is
+    asked for). Its origin is ``None`` for an ``https`` instance: its legs go through httpx."""
     key = (backend.url, backend.api_key, path)
     found = client.leg_targets.get(key)
-    if found is None or found[0] is not client.headers:
-        base = CIMultiDict(leg_headers(client, backend, "").multi_items())
-        del base["X-Request-Id"]
-        found = client.leg_targets[key] = (client.headers, URL(str(backend.endpoint(path))), base)
-    fields = found[2].copy()
-    for name, value in (extra or {}).items():
-        fields[name] = value
-    fields["X-Request-Id"] = request_id
-    return found[1], fields
+    if found is not None and found[0] is client.headers:
+        return found
+    url = backend.endpoint(path)
+    if url.scheme != "http":
+        target: LegTarget = (client.headers, None, b"")
+        client.leg_targets[key] = target
+        return target
+    fields = leg_headers(client, backend, "")
+    del fields["X-Request-Id"]
+    del fields["Accept-Encoding"]
+    lines = [f"POST {url.raw_path.decode('ascii')} HTTP/1.1\r\n"]
+    lines += [f"{name}: {value}\r\n" for name, value in fields.multi_items()]
+    target = (client.headers, (url.host, url.port or 80), "".join(lines).encode("latin-1"))
+    client.leg_targets[key] = target
+    return target
+
+
+def _direct_head(
+    shared: bytes, request_id: str, extra: Mapping[str, str] | None, length: int
+) -> bytes:
+    """A direct leg's request head: ``shared`` (:func:`_leg_target`), then ``extra`` (trace
+    context), ``X-Request-Id`` and ``Content-Length``. Raises ``ValueError`` for a header with a
+    line break (it would end the head early or add a header)."""
+    lines = len(extra) + 3 if extra else 3
+    tail = "".join(f"{name}: {value}\r\n" for name, value in extra.items()) if extra else ""
+    tail += f"X-Request-Id: {request_id}\r\nContent-Length: {length}\r\n\r\n"
+    if tail.count("\n") != lines or tail.count("\r") != lines:
+        raise ValueError("a leg header holds a line break")
+    return shared + tail.encode("latin-1")
 
 
 def _call(
@@ -175,8 +188,10 @@ def _call(
     (the caller translates them), ``RuntimeError`` once the client is closed."""
     content = codec.dumps(body)
     if isinstance(client, UpstreamClient) and client.direct:
-        url, fields = _direct_target(client, backend, path, request_id, headers)
-        return client.send_direct(url, fields, content)
+        _, origin, shared = _leg_target(client, backend, path)
+        if origin is not None:
+            head = _direct_head(shared, request_id, headers, len(content))
+            return client.send_direct(origin, head, content)
     return _httpx_call(client, backend, path, content, request_id, headers)
 
 

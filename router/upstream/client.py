@@ -9,11 +9,13 @@ its errors the ones httpx's own transport raises for the same failure (the packa
 refused or dropped connection a connect timeout), so callers see no difference.
 :class:`UpstreamClient` keeps no cookies (a public cookie policy that accepts none): a proxy
 must not carry one upstream answer's ``Set-Cookie`` into the next request, and parsing them was a
-few per cent of a loaded router's CPU. The legs, the router's hot path, go to aiohttp directly
-(:meth:`UpstreamClient.send_direct`) when the client runs over :class:`AiohttpTransport`: httpx's
-request and response objects around each leg cost about as much CPU as aiohttp itself
-(docs/benchmarks/speed/profile.md). Everything else (health checks, probes, scrapes) and every
-client over another transport (the tests' mock upstreams) keeps httpx's API.
+few per cent of a loaded router's CPU. The legs, the router's hot path, go out on the client's
+own keep-alive connections (:mod:`router.upstream.h1`, :meth:`UpstreamClient.send_direct`) when
+the client runs over :class:`AiohttpTransport`: httpx's request and response objects around each
+leg cost about as much CPU as aiohttp itself, and aiohttp's client about as much as the rest of
+the router's own work (docs/benchmarks/speed/profile.md). Everything else (health checks,
+probes, scrapes, pass-through requests) and every client over another transport (the tests'
+mock upstreams) keeps httpx's API.
 """
 
 from __future__ import annotations
@@ -25,8 +27,13 @@ from typing import Protocol
 import aiohttp
 import httpx
 import httpx_aiohttp
-from multidict import CIMultiDict
-from yarl import URL
+
+from router.upstream.h1 import Call, ConnectionPool, Origin
+
+DEFAULT_CONNECT_S = 5.0
+"""Connect timeout of the leg connections when the client's has none."""
+DEFAULT_MAX_CONNECTIONS = 4096
+"""Open leg connections at most when the client's limits set none."""
 
 
 def httpx_error(exc: BaseException) -> httpx.TransportError | None:
@@ -69,7 +76,7 @@ class _Stream(httpx.AsyncByteStream):
 
 class AiohttpTransport(httpx_aiohttp.AiohttpTransport):
     """``httpx_aiohttp.AiohttpTransport`` raising httpx's own errors (see the module doc), over
-    an aiohttp session that keeps no cookies; :meth:`session` hands that session to the legs."""
+    an aiohttp session that keeps no cookies."""
 
     def get_client(self) -> aiohttp.ClientSession:
         """The session the transport makes on first use (the package's own connector settings:
@@ -82,13 +89,6 @@ class AiohttpTransport(httpx_aiohttp.AiohttpTransport):
             keepalive_timeout=self.limits.keepalive_expiry, ssl=self.ssl_context, limit=limit
         )
         return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
-
-    def session(self) -> aiohttp.ClientSession:
-        """The aiohttp session every request of this transport goes out on (made on first use;
-        call it on the event loop that uses it)."""
-        if not isinstance(self.client, aiohttp.ClientSession):
-            self.client = self.get_client()
-        return self.client
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         try:
@@ -120,58 +120,10 @@ class LegAnswer(Protocol):
         ...
 
 
-LegTarget = tuple[httpx.Headers, URL, CIMultiDict[str]]
-
-
-class _DirectAnswer:
-    """A :class:`LegAnswer` over an aiohttp response."""
-
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self.status = response.status
-        self.content_type = response.headers.get("Content-Type", "")
-        self._response = response
-
-    async def read(self) -> bytes:
-        try:
-            return await self._response.read()
-        except aiohttp.ClientError as exc:
-            raise (httpx_error(exc) or exc) from exc
-
-    async def read_chunk(self) -> bytes:
-        try:
-            return await self._response.content.readany()
-        except aiohttp.ClientError as exc:
-            raise (httpx_error(exc) or exc) from exc
-
-
-class DirectCall:
-    """One POST on an aiohttp session as an async context manager (see
-    :meth:`UpstreamClient.send_direct`); a class, not a generator, as it runs for every leg."""
-
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        url: URL,
-        headers: CIMultiDict[str],
-        content: bytes,
-        timeout: aiohttp.ClientTimeout,
-    ) -> None:
-        self._call = (session, url, headers, content, timeout)
-        self._response: aiohttp.ClientResponse | None = None
-
-    async def __aenter__(self) -> LegAnswer:
-        session, url, headers, content, timeout = self._call
-        try:
-            self._response = await session.post(
-                url, data=content, headers=headers, timeout=timeout, allow_redirects=False
-            )
-        except aiohttp.ClientError as exc:
-            raise (httpx_error(exc) or exc) from exc
-        return _DirectAnswer(self._response)
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._response is not None:
-            self._response.release()  # never awaits: a cancellation cannot skip it
+LegTarget = tuple[httpx.Headers, Origin | None, bytes]
+"""What every direct leg to one instance and path shares: the client's headers it was made
+from, the instance's (host, port) and the request head up to the per-leg headers; the origin is
+``None`` where legs cannot go direct (an ``https`` instance)."""
 
 
 def no_cookies() -> CookieJar:
@@ -203,9 +155,12 @@ class UpstreamClient(httpx.AsyncClient):
         self._direct = transport if isinstance(transport, AiohttpTransport) else None
         self.leg_targets: dict[tuple[str, str | None, str], LegTarget] = {}
         """(instance URL, API key, path) -> what every direct leg there shares (the client's
-        headers it was made from, the URL, the headers); kept by :mod:`router.upstream.calls`."""
-        self._direct_timeout = aiohttp.ClientTimeout(
-            sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
+        headers it was made from, the origin, the head); kept by :mod:`router.upstream.calls`."""
+        self._pool = ConnectionPool(
+            connect_timeout=timeout.connect or DEFAULT_CONNECT_S,
+            read_timeout=timeout.read,
+            keepalive_s=limits.keepalive_expiry or 0.0,
+            max_connections=limits.max_connections or DEFAULT_MAX_CONNECTIONS,
         )
 
     @property
@@ -213,19 +168,26 @@ class UpstreamClient(httpx.AsyncClient):
         """Whether :meth:`send_direct` can be used: the transport is :class:`AiohttpTransport`."""
         return self._direct is not None
 
-    def send_direct(self, url: URL, headers: CIMultiDict[str], content: bytes) -> DirectCall:
-        """POST ``content`` to ``url`` with exactly ``headers`` on the transport's aiohttp session
-        (only when :attr:`direct`): what :meth:`send_leg` sends, without httpx's request and
-        response objects. The client's timeouts apply as the transport applies them; no redirect
-        is followed and no cookie kept. Use it as ``async with``: the answer's body is read
-        inside the block; on exit the connection goes back to the pool, or is closed if the body
-        was not read to its end. Entering raises ``RuntimeError`` once the client is closed, and
-        httpx's transport errors."""
+    def send_direct(self, origin: Origin, head: bytes, content: bytes) -> Call:
+        """POST ``content`` to ``origin`` with the request head ``head`` (request line and every
+        header, ``Content-Length`` included, up to the blank line) on the client's own leg
+        connections (:mod:`router.upstream.h1`; only when :attr:`direct`): what
+        :meth:`send_leg` sends, without httpx's request and response objects. The client's
+        connect and read timeouts apply; no redirect is followed, no cookie kept, no encoding
+        asked for. Use it as ``async with``: the answer's body is read inside the block; on exit
+        the connection goes back to the pool, or is closed if the body was not read to its end.
+        Entering raises ``RuntimeError`` once the client is closed, and httpx's transport
+        errors."""
         if self._direct is None:
             raise RuntimeError("send_direct needs the client's transport to be AiohttpTransport")
         if self.is_closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")
-        return DirectCall(self._direct.session(), url, headers, content, self._direct_timeout)
+        return self._pool.post(origin, head, content)
+
+    async def aclose(self) -> None:
+        """Close the leg connections, then httpx's client and its transport."""
+        await self._pool.close()
+        await super().aclose()
 
     async def send_leg(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
         """Send a leg's ``request`` as httpx's ``send`` would for this client: the client's

@@ -95,7 +95,7 @@ async def test_a_leg_goes_out_with_the_headers_and_body_httpx_would_send() -> No
 
 
 async def test_a_direct_leg_goes_out_with_the_headers_and_body_httpx_would_send() -> None:
-    """The same through the router's client, which sends a leg straight to aiohttp."""
+    """The same through the router's client, which sends a leg on its own connections."""
     client = _upstream_client()
     assert client.direct
     await _leg_headers_as_httpx_sends_them(client)

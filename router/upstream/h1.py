@@ -1,0 +1,385 @@
+"""The legs' HTTP/1.1 connections: keep-alive sockets on asyncio protocols, answers parsed by
+httptools.
+
+Who uses it: :class:`router.upstream.client.UpstreamClient` sends every P and D leg through one
+:class:`ConnectionPool` (:meth:`UpstreamClient.send_direct`); health checks, probes, scrapes and
+pass-through requests keep httpx. A leg is one ``POST`` with a body in memory, answered by a
+vLLM instance's uvicorn; aiohttp's client spent about as much CPU on each as the rest of the
+router's own per-request work (docs/benchmarks/speed/profile.md, "Third round"), for features a
+leg never uses (redirects, cookies, compression, multipart, proxies, TLS). Here a connection's
+protocol feeds what it receives to ``httptools.HttpResponseParser`` (uvicorn's parser: chunked
+bodies decoded there) and its reader waits on one future; nothing else runs per chunk.
+
+Errors are httpx's, as httpx's own transport raises them for the same failure (callers translate
+them: :func:`router.upstream.calls._translate`): ``ConnectError`` / ``ConnectTimeout`` before
+the request is written, ``ReadTimeout`` when ``read_timeout`` passes with nothing received,
+``RemoteProtocolError`` when the instance closes the connection before its answer ends or sends
+what is not HTTP/1.1. A connection goes back to the pool only when its answer was read to the
+end and both sides keep it alive; one idle longer than ``keepalive_s`` is closed, not reused
+(vLLM's server closes idle connections after 5 s; writing on one it is closing fails the leg).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import cast
+
+import httptools
+import httpx
+
+Origin = tuple[str, int]
+"""(host, port) of an instance."""
+
+_PAUSE_AT = 1 << 20
+"""Buffered body bytes at which a connection stops reading from its socket until the reader
+catches up (a slow client of the router must not make it buffer a whole answer)."""
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to one origin, serving one request at a time: the answer's
+    head, then its body, to one reader (the leg's task). Made by :class:`ConnectionPool`."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        origin: Origin,
+        read_timeout: float | None,
+        on_lost: Callable[[_Connection], None],
+    ) -> None:
+        self._loop = loop
+        self.origin = origin
+        self.read_timeout = read_timeout
+        self._on_lost = on_lost
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._error: Exception | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.status = 0
+        self.content_type = ""
+        self._headed = False
+        self._complete = False
+        self._keep_alive = False
+        self._active = False
+
+    # asyncio.Protocol: called by the event loop, never by the router.
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        if not self._active:  # bytes nobody asked for: the connection cannot be trusted
+            self._fail(httpx.RemoteProtocolError("data received on an idle connection"))
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"invalid HTTP answer: {exc}"))
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._active and not self._complete and self._error is None:
+            reason = "server disconnected before the answer ended"
+            self._error = httpx.RemoteProtocolError(reason if exc is None else f"{reason}: {exc}")
+        self._wake()
+        self._on_lost(self)
+
+    def pause_writing(self) -> None:  # a request body is written at once; nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # httptools.HttpResponseParser callbacks.
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type":
+            self.content_type = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self._keep_alive = self._parser.should_keep_alive()
+        self._headed = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered >= _PAUSE_AT and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._wake()
+
+    # The leg's side: one request, its head, its body.
+
+    def send(self, head: bytes, body: bytes) -> None:
+        """Write one request (``head`` ends with the blank line); the answer is read next."""
+        assert self._transport is not None and not self._active
+        self._active = True
+        self._headed = self._complete = False
+        self.status, self.content_type = 0, ""
+        self._transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            self._transport.write(body)
+
+    async def head(self, timeout: float | None) -> None:
+        """Wait for the answer's status line and headers (``status``, ``content_type``)."""
+        while not self._headed:
+            await self._wait(timeout)
+
+    async def read(self) -> bytes:
+        """The whole body (what is left of it)."""
+        parts: list[bytes] = []
+        while True:
+            chunk = await self.read_chunk()
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+
+    async def read_chunk(self) -> bytes:
+        """The body's next bytes as they arrive (never empty); ``b""`` once it has ended."""
+        while not self._chunks:
+            if self._complete:
+                return b""
+            await self._wait(self.read_timeout)
+        chunk = self._chunks.popleft()
+        self._buffered -= len(chunk)
+        if self._paused and self._buffered < _PAUSE_AT // 2 and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        return chunk
+
+    def reusable(self) -> bool:
+        """Whether the answer was read to its end on a connection both sides keep alive."""
+        return self._complete and self._keep_alive and not self.closed and not self._chunks
+
+    def finish(self) -> None:
+        """The request is over (read or not): ready for the next, or closed by :meth:`close`."""
+        self._active = False
+
+    def close(self) -> None:
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()
+
+    async def _wait(self, timeout: float | None) -> None:
+        if self._error is not None:
+            raise self._error
+        waiter = self._waiter = self._loop.create_future()
+        timer = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+        if self._error is not None:
+            raise self._error
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: Exception) -> None:
+        if self._error is None:
+            self._error = error
+        self.close()
+        self._wake()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(httpx.ReadTimeout("timed out waiting for the answer"))
+
+
+class ConnectionPool:
+    """Idle keep-alive connections per origin, at most ``max_connections`` open in all (a
+    request beyond waits for one to close or come back, up to ``connect_timeout``). Made once per
+    :class:`UpstreamClient`; used on the event loop that made it; :meth:`close` once at the end."""
+
+    def __init__(
+        self,
+        connect_timeout: float,
+        read_timeout: float | None,
+        keepalive_s: float,
+        max_connections: int,
+    ) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.keepalive_s = keepalive_s
+        self.max_connections = max_connections
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self._open: set[_Connection] = set()
+        self._count = 0
+        """Open connections and connections being opened (at most ``max_connections``)."""
+        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.closed = False
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a connection (``max_connections`` are open)."""
+        return sum(not waiter.done() for waiter in self._slot_waiters)
+
+    def post(self, origin: Origin, head: bytes, body: bytes) -> Call:
+        """One request as an async context manager (see :class:`Call`)."""
+        return Call(self, origin, head, body)
+
+    async def acquire(self, origin: Origin) -> _Connection:
+        """An idle connection to ``origin`` still fresh, else a new one (waiting, up to the
+        connect timeout, while ``max_connections`` are open). Raises ``RuntimeError`` once
+        closed, ``httpx.ConnectError`` / ``httpx.ConnectTimeout``."""
+        if self.closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
+        conn = self._take_idle(origin)
+        if conn is not None:
+            return conn
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                return await self._open_one(origin)
+        except TimeoutError as exc:
+            raise httpx.ConnectTimeout(f"connect to {origin[0]}:{origin[1]} timed out") from exc
+
+    def release(self, conn: _Connection) -> None:
+        """``conn``'s request is over: back to the pool if reusable (a request waiting for a
+        connection is woken), else closed."""
+        conn.finish()
+        if conn.reusable() and not self.closed:
+            conn.idle_since = time.monotonic()
+            self._idle.setdefault(conn.origin, []).append(conn)
+            self._wake_one()
+        else:
+            self._discard(conn)
+
+    async def close(self) -> None:
+        """Close every connection; a request after this raises ``RuntimeError``."""
+        self.closed = True
+        for conn in list(self._open):
+            self._discard(conn)
+        self._idle.clear()
+
+    def _take_idle(self, origin: Origin) -> _Connection | None:
+        """The most recently used idle connection to ``origin`` still fresh; the stale ones
+        met on the way are closed."""
+        idle = self._idle.get(origin)
+        if not idle:
+            return None
+        oldest = time.monotonic() - self.keepalive_s
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.idle_since > oldest:
+                return conn
+            self._discard(conn)
+        return None
+
+    async def _open_one(self, origin: Origin) -> _Connection:
+        """A new connection to ``origin`` once there is room: an idle connection elsewhere is
+        closed to make it, else this waits for one to be closed or come back idle."""
+        loop = asyncio.get_running_loop()
+        while self._count >= self.max_connections:
+            if not self._evict_idle():
+                waiter = loop.create_future()
+                self._slot_waiters.append(waiter)
+                try:
+                    await waiter
+                except BaseException:
+                    if waiter.done() and not waiter.cancelled():
+                        self._wake_one()  # woken, then cancelled: the next one takes the room
+                    raise
+                conn = self._take_idle(origin)
+                if conn is not None:
+                    return conn
+        self._count += 1  # counted while connecting, so concurrent connects keep the limit
+        try:
+            _, conn = await loop.create_connection(
+                lambda: _Connection(loop, origin, self.read_timeout, self._lost), *origin
+            )
+        except OSError as exc:
+            self._count -= 1
+            self._wake_one()
+            raise httpx.ConnectError(f"connect to {origin[0]}:{origin[1]}: {exc}") from exc
+        except BaseException:
+            self._count -= 1
+            self._wake_one()
+            raise
+        self._open.add(conn)
+        return conn
+
+    def _evict_idle(self) -> bool:
+        """Close one idle connection (any origin) to make room; False if none is idle."""
+        for idle in self._idle.values():
+            if idle:
+                self._discard(idle.pop(0))
+                return True
+        return False
+
+    def _discard(self, conn: _Connection) -> None:
+        conn.close()
+        self._lost(conn)
+
+    def _lost(self, conn: _Connection) -> None:
+        """``conn`` is closed (by us, or by the instance while idle): it no longer counts, and
+        one request waiting for a connection may open one."""
+        if conn not in self._open:
+            return
+        self._open.discard(conn)
+        self._count -= 1
+        idle = self._idle.get(conn.origin)
+        if idle and conn in idle:
+            idle.remove(conn)
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
+class Call:
+    """One POST on a pooled connection as an async context manager: entering writes the request
+    and waits for the answer's head (the answer, a :class:`router.upstream.client.LegAnswer`);
+    its body is read inside the block; on exit the connection goes back to the pool if the body
+    was read to its end, else it is closed (never awaits: a cancellation cannot skip it)."""
+
+    def __init__(self, pool: ConnectionPool, origin: Origin, head: bytes, body: bytes) -> None:
+        self._pool = pool
+        self._request = (origin, head, body)
+        self._conn: _Connection | None = None
+
+    async def __aenter__(self) -> _Connection:
+        origin, head, body = self._request
+        conn = self._conn = await self._pool.acquire(origin)
+        try:
+            conn.send(head, body)
+            await conn.head(conn.read_timeout)
+        except BaseException:
+            self._conn = None
+            self._pool.release(conn)  # unread: closed
+            raise
+        return conn
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._conn is not None:
+            self._pool.release(self._conn)

@@ -1,0 +1,277 @@
+"""The legs' HTTP/1.1 connections (:mod:`router.upstream.h1`) over real loopback sockets: answers,
+keep-alive reuse, and httpx's error for each failure."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from devstack.ports import free_port
+from router.upstream.calls import _direct_head
+from router.upstream.h1 import ConnectionPool, Origin
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+BODY = b'{"prompt": [1, 2]}'
+
+
+@asynccontextmanager
+async def _server(handler: Handler) -> AsyncIterator[tuple[Origin, list[int]]]:
+    """A loopback server running ``handler`` per connection; yields its origin and a list that
+    counts the connections it accepted."""
+    accepted: list[int] = []
+
+    async def counted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        await handler(reader, writer)
+
+    server = await asyncio.start_server(counted, "127.0.0.1", 0)
+    try:
+        yield ("127.0.0.1", server.sockets[0].getsockname()[1]), accepted
+    finally:
+        server.close()
+
+
+def _head(origin: Origin, path: str = "/v1/completions") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {origin[0]}:{origin[1]}\r\n"
+        f"Content-Length: {len(BODY)}\r\n\r\n"
+    ).encode()
+
+
+def _pool(
+    read_s: float = 5.0, keepalive_s: float = 5.0, max_connections: int = 8
+) -> ConnectionPool:
+    return ConnectionPool(1.0, read_s, keepalive_s, max_connections)
+
+
+async def _request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return await reader.readexactly(length)
+
+
+def _serving(answer: bytes, requests: list[bytes] | None = None) -> Handler:
+    """Answers every request on a connection with ``answer`` (keep-alive), recording bodies."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                body = await _request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            if requests is not None:
+                requests.append(body)
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    return handler
+
+
+OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"9\r\ndata: a\n\n\r\n9\r\ndata: b\n\n\r\n0\r\n\r\n"
+)
+
+
+async def test_an_answer_is_read_and_the_connection_kept_for_the_next_request() -> None:
+    seen: list[bytes] = []
+    async with _server(_serving(OK, seen)) as (origin, accepted):
+        pool = _pool()
+        for _ in range(3):
+            async with pool.post(origin, _head(origin), BODY) as answer:
+                assert (answer.status, answer.content_type) == (200, "application/json")
+                assert await answer.read() == b'{"ok":true}'
+        await pool.close()
+    assert seen == [BODY] * 3
+    assert len(accepted) == 1
+
+
+async def test_a_chunked_answer_is_read_chunk_by_chunk_then_ends() -> None:
+    async with _server(_serving(CHUNKED)) as (origin, _):
+        pool = _pool()
+        async with pool.post(origin, _head(origin), BODY) as answer:
+            assert answer.content_type == "text/event-stream"
+            parts = []
+            while chunk := await answer.read_chunk():
+                parts.append(chunk)
+            assert b"".join(parts) == b"data: a\n\ndata: b\n\n"
+            assert await answer.read_chunk() == b""
+        await pool.close()
+
+
+async def test_a_large_body_arrives_whole_though_reading_pauses_on_the_way() -> None:
+    big = bytes(range(256)) * (12 * 1024)  # 3 MiB: the reader pauses the socket at 1 MiB
+    answer_bytes = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big
+    async with _server(_serving(answer_bytes)) as (origin, accepted):
+        pool = _pool()
+        for _ in range(2):
+            async with pool.post(origin, _head(origin), BODY) as answer:
+                assert await answer.read() == big
+        await pool.close()
+    assert len(accepted) == 1
+
+
+async def test_an_answer_left_unread_closes_its_connection() -> None:
+    async with _server(_serving(CHUNKED)) as (origin, accepted):
+        pool = _pool()
+        for _ in range(2):
+            async with pool.post(origin, _head(origin), BODY) as answer:
+                assert answer.status == 200  # the body is not read
+        await pool.close()
+    assert len(accepted) == 2
+
+
+async def test_a_connection_idle_past_keepalive_is_not_reused() -> None:
+    async with _server(_serving(OK)) as (origin, accepted):
+        pool = _pool(keepalive_s=0.0)
+        for _ in range(2):
+            async with pool.post(origin, _head(origin), BODY) as answer:
+                await answer.read()
+        await pool.close()
+    assert len(accepted) == 2
+
+
+async def test_an_answer_that_closes_the_connection_is_not_reused() -> None:
+    closing = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
+    async with _server(_serving(closing)) as (origin, accepted):
+        pool = _pool()
+        for _ in range(2):
+            async with pool.post(origin, _head(origin), BODY) as answer:
+                assert await answer.read() == b"ok"
+        await pool.close()
+    assert len(accepted) == 2
+
+
+async def test_a_refused_connection_is_a_connect_error() -> None:
+    origin = ("127.0.0.1", free_port())
+    pool = _pool()
+    with pytest.raises(httpx.ConnectError):
+        async with pool.post(origin, _head(origin), BODY):
+            pass
+
+
+async def test_a_body_cut_short_is_a_remote_protocol_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b")
+        await writer.drain()
+        writer.close()
+
+    async with _server(handler) as (origin, _):
+        pool = _pool()
+        async with pool.post(origin, _head(origin), BODY) as answer:
+            assert answer.status == 200
+            with pytest.raises(httpx.RemoteProtocolError):
+                await answer.read()
+        await pool.close()
+
+
+async def test_a_connection_closed_before_any_answer_is_a_remote_protocol_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        writer.close()
+
+    async with _server(handler) as (origin, _):
+        pool = _pool()
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with pool.post(origin, _head(origin), BODY):
+                pass
+        await pool.close()
+
+
+async def test_what_is_not_http_is_a_remote_protocol_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the client closes
+
+    async with _server(handler) as (origin, _):
+        pool = _pool()
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with pool.post(origin, _head(origin), BODY):
+                pass
+        await pool.close()
+
+
+async def test_no_answer_is_a_read_timeout_and_no_chunk_in_time_too() -> None:
+    release = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await _request(reader)
+        if body == b"head":  # answer the head, then nothing
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await writer.drain()
+        await release.wait()
+        writer.close()
+
+    async with _server(silent) as (origin, _):
+        pool = _pool(read_s=0.1)
+        try:
+            with pytest.raises(httpx.ReadTimeout):
+                async with pool.post(origin, _head(origin), BODY):
+                    pass
+            head = _head(origin).replace(b"Length: %d" % len(BODY), b"Length: 4")
+            async with pool.post(origin, head, b"head") as answer:
+                with pytest.raises(httpx.ReadTimeout):
+                    await answer.read_chunk()
+        finally:
+            release.set()
+            await pool.close()
+
+
+async def test_past_max_connections_a_request_waits_for_one_to_come_back() -> None:
+    """With one connection allowed, a second request is sent once the first ended (on the same
+    connection), not on a second one."""
+    async with _server(_serving(OK)) as (origin, accepted):
+        pool = _pool(max_connections=1)
+        first = pool.post(origin, _head(origin), BODY)
+        answer = await first.__aenter__()
+        second = asyncio.create_task(_read_all(pool, origin))
+        while pool.waiting == 0:  # until the second request waits in the pool
+            await asyncio.sleep(0)
+        assert not second.done()
+        await answer.read()
+        await first.__aexit__(None, None, None)
+        assert await second == b'{"ok":true}'
+        await pool.close()
+    assert len(accepted) == 1
+
+
+async def _read_all(pool: ConnectionPool, origin: Origin) -> bytes:
+    async with pool.post(origin, _head(origin), BODY) as answer:
+        return await answer.read()
+
+
+async def test_a_closed_pool_refuses_requests() -> None:
+    pool = _pool()
+    await pool.close()
+    origin = ("127.0.0.1", free_port())
+    with pytest.raises(RuntimeError, match="closed"):
+        async with pool.post(origin, _head(origin), BODY):
+            pass
+
+
+@pytest.mark.parametrize(
+    ("request_id", "extra"),
+    [("r-1\r\nX-Evil: 1", None), ("r-1", {"traceparent": "00-a\nb"}), ("r\r", None)],
+)
+def test_a_leg_header_with_a_line_break_is_refused(
+    request_id: str, extra: dict[str, str] | None
+) -> None:
+    with pytest.raises(ValueError, match="line break"):
+        _direct_head(b"POST / HTTP/1.1\r\n", request_id, extra, 2)
+
+
+def test_a_leg_head_ends_with_the_per_leg_headers() -> None:
+    head = _direct_head(b"POST /x HTTP/1.1\r\nHost: h\r\n", "r-1", {"traceparent": "t"}, 7)
+    assert head == (
+        b"POST /x HTTP/1.1\r\nHost: h\r\ntraceparent: t\r\nX-Request-Id: r-1\r\n"
+        b"Content-Length: 7\r\n\r\n"
+    )
