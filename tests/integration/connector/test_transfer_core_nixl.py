@@ -178,6 +178,7 @@ def test_registration_before_finish_and_prefix_hit(
     consumer.wait("d-req-2")
     assert "d-req-2" not in consumer.failed
     _expect_blocks(consumer, [7, 8], [23, 24])
+    producer.wait_released("p-req-2")
 
 
 def test_abort_on_p_sends_fail_notification(producer: ProducerProcess, consumer: Consumer) -> None:
@@ -210,11 +211,13 @@ def test_unregistered_prefill_is_freed_after_lease() -> None:
         p.close()
 
 
-def test_timeout_when_p_never_finishes() -> None:
-    p = ProducerProcess()
+def test_timeout_when_p_never_finishes(producer: ProducerProcess) -> None:
+    before = producer.released()  # the shared P: what earlier tests released is not ours
     c = Consumer(transfer_timeout_s=1.0, liveness_interval_s=0.2)
     try:
-        c.register(RecvSpec("d-req-6", "k6", "p-engine", "127.0.0.1", p.port, (1,), first_block=0))
+        c.register(
+            RecvSpec("d-req-6", "k6", "p-engine", "127.0.0.1", producer.port, (1,), first_block=0)
+        )
         rec = c.wait("d-req-6")
         assert "d-req-6" in c.failed
         # D's budget ran out (D's own timeout, or P's matching expiry of the registration).
@@ -224,14 +227,14 @@ def test_timeout_when_p_never_finishes() -> None:
         )
         assert rec.registration_to_write_s >= 1.0  # never before the budget
         # P was told (cancel) and will not WRITE later even if the prefill finishes now.
-        p.call(cmd="finish", key="k6", request_id="p-req-6", blocks=[4])
-        p.wait_released("p-req-6")
-        assert p.released() == {"p-req-6"}
-        assert not [r for r in p.call(cmd="records")["records"] if r["transfer_key"] == "k6"]
+        producer.call(cmd="finish", key="k6", request_id="p-req-6", blocks=[4])
+        producer.wait_released("p-req-6")
+        assert producer.released() - before == {"p-req-6"}
+        records = producer.call(cmd="records")["records"]
+        assert not [r for r in records if r["transfer_key"] == "k6"]
         assert np.all(c.arrays[0][1] == -1.0)
     finally:
         c.close()
-        p.close()
 
 
 def test_p_death_fails_waiting_transfer_fast(consumer: Consumer) -> None:

@@ -123,7 +123,8 @@ def test_models_health_metrics() -> None:
 def test_prefill_slots_queue_requests_and_report_them_waiting() -> None:
     """With one prefill slot the second request waits for the first, and /metrics says so."""
     # the second request must arrive while the first one prefills: 2 s is ample even when loaded
-    state = FakeVllmState(behavior=FakeBehavior(prefill_delay_s=2.0, prefill_slots=1))
+    behavior = FakeBehavior(prefill_delay_s=2.0, prefill_slots=1)
+    state = FakeVllmState(behavior=behavior)
     with fake_vllm(state) as srv:
         body = {"model": "fake-model", "prompt": "x", "max_tokens": 1}
         answers: list[int] = []
@@ -139,6 +140,9 @@ def test_prefill_slots_queue_requests_and_report_them_waiting() -> None:
             t.start()
         assert state.wait_for(lambda s: s.waiting == 1 and s.in_flight == 2)
         gauges = httpx.get(f"{srv.url}/metrics").text
+        # seen waiting: the queued request, once it has the slot, prefills without a delay (the
+        # fake reads the delay then), so the test does not wait out a second 2 s
+        behavior.prefill_delay_s = 0.0
         for t in threads:
             t.join()
     assert 'vllm:num_requests_waiting{model_name="fake-model"} 1.0' in gauges

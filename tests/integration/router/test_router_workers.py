@@ -55,9 +55,10 @@ def _worker_pids(log: str) -> list[int]:
 def test_metrics_of_two_workers_are_one_router(
     fake: dict[str, FakeVllmServer], tmp_path: Path
 ) -> None:
-    """Every scrape, whichever worker answers it, shows the requests of both workers; workers
-    that die leave their counts but not their gauges (a replaced worker's stream in flight is no
-    longer in flight)."""
+    """Both workers serve streams from the config file (every answer the same text); every
+    scrape, whichever worker answers it, shows the requests of both workers; workers that die
+    leave their counts but not their gauges (a replaced worker's stream in flight is no longer
+    in flight)."""
     fake["d0"].state.behavior = FakeBehavior(token_delay_s=0.05)
     config = {
         "models": [MODEL],
@@ -74,8 +75,12 @@ def test_metrics_of_two_workers_are_one_router(
     with ChildProcess(ProcessSpec("router", tuple(argv), tmp_path / "router.log")) as proc:
         wait_until(lambda: _ready(url), timeout=60, what="a worker to be ready")
         wait_until(lambda: len(_worker_pids(proc.log_tail(200))) == 2, 60, "both workers")
+        texts = []
         for _ in range(requests):  # a connection each: the kernel spreads them over the workers
-            assert httpx.post(f"{url}/v1/completions", json=STREAM, timeout=10).is_success
+            resp = httpx.post(f"{url}/v1/completions", json=STREAM, timeout=10)
+            assert resp.status_code == 200
+            texts.append(sse_text(resp.text, chat=False))
+        assert all(t and t == texts[0] for t in texts)
         ok = {"model": MODEL, "outcome": "ok"}
         counts = [_metric(url, "disagg_router_requests_total", **ok) for _ in range(8)]
         assert counts == [requests] * 8
@@ -92,36 +97,6 @@ def test_metrics_of_two_workers_are_one_router(
         wait_until(lambda: _ready(url), timeout=60, what="a new worker to be ready")
         assert _metric(url, in_flight, role="decode") == 0
         assert _metric(url, "disagg_router_requests_total", **ok) == requests
-
-
-def test_two_workers_serve_streams_from_the_config_file(
-    fake: dict[str, FakeVllmServer], tmp_path: Path
-) -> None:
-    config = {
-        "models": [MODEL],
-        "prefill": {"instances": [{"url": fake["p0"].url}]},
-        "decode": {"instances": [{"url": fake["d0"].url}]},
-    }
-    path = tmp_path / "router.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
-    argv += ["--port", str(port), "--workers", "2"]
-    with ChildProcess(ProcessSpec("router", tuple(argv), tmp_path / "router.log")) as proc:
-        wait_until(lambda: _ready(url), timeout=60, what="a worker to be ready")
-        texts = []
-        with httpx.Client(timeout=10) as client:
-            for _ in range(6):
-                resp = client.post(f"{url}/v1/completions", json=STREAM)
-                assert resp.status_code == 200
-                texts.append(sse_text(resp.text, chat=False))
-        wait_until(
-            lambda: proc.log_tail(200).count("Started server process") == 2,
-            timeout=60,
-            what="both workers to start",
-        )
-    assert all(t and t == texts[0] for t in texts)
 
 
 def test_workers_are_replaced_reloaded_and_drained_with_503(
