@@ -172,26 +172,23 @@ async def test_a_body_cut_short_is_a_remote_protocol_error() -> None:
         await pool.close()
 
 
-async def test_a_connection_closed_before_any_answer_is_a_remote_protocol_error() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _request(reader)
-        writer.close()
-
-    async with _server(handler) as (origin, _):
-        pool = _pool()
-        with pytest.raises(httpx.RemoteProtocolError):
-            async with pool.post(origin, _head(origin), BODY):
-                pass
-        await pool.close()
+async def _closes_unanswered(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _request(reader)
+    writer.close()
 
 
-async def test_what_is_not_http_is_a_remote_protocol_error() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _request(reader)
-        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
-        await writer.drain()
-        await reader.read()  # until the client closes
+async def _answers_not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _request(reader)
+    writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+    await writer.drain()
+    await reader.read()  # until the client closes
 
+
+@pytest.mark.parametrize(
+    "handler", [_closes_unanswered, _answers_not_http], ids=["closed-unanswered", "not-http"]
+)
+async def test_no_http_answer_is_a_remote_protocol_error(handler: Handler) -> None:
+    """The instance closes the connection before any answer, or answers what is not HTTP."""
     async with _server(handler) as (origin, _):
         pool = _pool()
         with pytest.raises(httpx.RemoteProtocolError):
