@@ -76,8 +76,8 @@ class _Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def data_received(self, data: bytes) -> None:
-        if not self._active:  # bytes nobody asked for: the connection cannot be trusted
-            self._fail(httpx.RemoteProtocolError("data received on an idle connection"))
+        if not self._active or self._complete:  # bytes nobody asked for: not to be trusted
+            self._fail(httpx.RemoteProtocolError("data received past the answer"))
             return
         try:
             self._parser.feed_data(data)
@@ -102,6 +102,10 @@ class _Connection(asyncio.Protocol):
         pass
 
     # httptools.HttpResponseParser callbacks.
+
+    def on_message_begin(self) -> None:
+        if self._complete:  # a second answer to one request: stop parsing here
+            raise ValueError("bytes past the answer")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() == b"content-type":
@@ -178,6 +182,9 @@ class _Connection(asyncio.Protocol):
             self._transport.close()
 
     async def _wait(self, timeout: float | None) -> None:
+        """Until the protocol has news (or ``timeout``: ``ReadTimeout``). The connection's
+        error is raised only when there is nothing left to read: what arrived before the
+        connection failed is still the caller's."""
         if self._error is not None:
             raise self._error
         waiter = self._waiter = self._loop.create_future()
@@ -188,8 +195,6 @@ class _Connection(asyncio.Protocol):
             self._waiter = None
             if timer is not None:
                 timer.cancel()
-        if self._error is not None:
-            raise self._error
 
     def _wake(self) -> None:
         waiter = self._waiter

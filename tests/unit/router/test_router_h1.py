@@ -272,3 +272,15 @@ def test_a_leg_head_ends_with_the_per_leg_headers() -> None:
         b"POST /x HTTP/1.1\r\nHost: h\r\ntraceparent: t\r\nX-Request-Id: r-1\r\n"
         b"Content-Length: 7\r\n\r\n"
     )
+
+
+async def test_bytes_past_the_answer_close_the_connection() -> None:
+    """An instance that sends more than its answer (here a second, unasked answer) gets a new
+    connection for the next request, not the one with stray bytes on it."""
+    async with _server(_serving(OK + OK)) as (origin, accepted):
+        pool = _pool()
+        for _ in range(2):
+            async with pool.post(origin, _head(origin), BODY) as answer:
+                assert await answer.read() == b'{"ok":true}'
+        await pool.close()
+    assert len(accepted) == 2
