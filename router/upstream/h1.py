@@ -76,8 +76,8 @@ class _Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def data_received(self, data: bytes) -> None:
-        if not self._active or self._complete:  # bytes nobody asked for: not to be trusted
-            self._fail(httpx.RemoteProtocolError("data received past the answer"))
+        if not self._active:  # bytes nobody asked for (past an answer: on_message_begin)
+            self._fail(httpx.RemoteProtocolError("data received on an idle connection"))
             return
         try:
             self._parser.feed_data(data)
@@ -137,14 +137,16 @@ class _Connection(asyncio.Protocol):
         self._active = True
         self._headed = self._complete = False
         self.status, self.content_type = 0, ""
-        self._transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
+        if len(body) < 65536:  # one segment; a large body is not copied onto the head
+            self._transport.write(head + body)
+        else:
+            self._transport.write(head)
             self._transport.write(body)
 
-    async def head(self, timeout: float | None) -> None:
+    async def head(self) -> None:
         """Wait for the answer's status line and headers (``status``, ``content_type``)."""
         while not self._headed:
-            await self._wait(timeout)
+            await self._wait(self.read_timeout)
 
     async def read(self) -> bytes:
         """The whole body (what is left of it)."""
@@ -373,7 +375,7 @@ class Call:
         conn = self._conn = await self._pool.acquire(origin)
         try:
             conn.send(head, body)
-            await conn.head(conn.read_timeout)
+            await conn.head()
         except BaseException:
             self._conn = None
             self._pool.release(conn)  # unread: closed
