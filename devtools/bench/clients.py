@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from bench.floor_router import origin_of, post_head
 from bench.overhead import MODEL, cpu_split, fake_process
 from bench.results import log_folder, write_outputs
 from devstack.ports import free_port
@@ -116,12 +117,8 @@ async def _round(kind: str, url: str, body: bytes, spec: ClientsSpec) -> dict[st
 
 
 async def _h1_round(url: str, body: bytes, spec: ClientsSpec) -> dict[str, float]:
-    target = httpx.URL(url)
-    origin = (target.host, target.port or 80)
-    head = (
-        f"POST {target.raw_path.decode()} HTTP/1.1\r\nHost: {origin[0]}:{origin[1]}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
+    origin = origin_of(url)
+    head = post_head(origin, httpx.URL(url).raw_path.decode(), body)
     pool = ConnectionPool(30.0, 30.0, 4.0, 4096)
 
     async def send_h1() -> int:

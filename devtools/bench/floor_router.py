@@ -36,8 +36,8 @@ class FloorApp:
     """The ASGI app: ``/health`` answers 200; a POST elsewhere is relayed as described above."""
 
     def __init__(self, prefill_url: str, decode_url: str, identity: PushIdentity) -> None:
-        self.prefill = _origin(prefill_url)
-        self.decode = _origin(decode_url)
+        self.prefill = origin_of(prefill_url)
+        self.decode = origin_of(decode_url)
         self.identity = identity
         self.pool: ConnectionPool | None = None
 
@@ -70,7 +70,7 @@ class FloorApp:
         d_body = codec.dumps(decode_body_push(body, self.identity, rid, rid))
         prefill = asyncio.create_task(self._prefill(path, p_body))
         try:
-            d_head = _head(self.decode, path, d_body)
+            d_head = post_head(self.decode, path, d_body)
             async with self.pool.post(self.decode, d_head, d_body) as resp:
                 headers = [(b"content-type", resp.content_type.encode())]
                 start = {"type": "http.response.start", "status": resp.status, "headers": headers}
@@ -83,16 +83,17 @@ class FloorApp:
 
     async def _prefill(self, path: str, body: bytes) -> None:
         assert self.pool is not None
-        async with self.pool.post(self.prefill, _head(self.prefill, path, body), body) as resp:
+        async with self.pool.post(self.prefill, post_head(self.prefill, path, body), body) as resp:
             await resp.read()
 
 
-def _origin(url: str) -> Origin:
+def origin_of(url: str) -> Origin:
+    """``url``'s (host, port)."""
     parsed = httpx.URL(url)
     return parsed.host, parsed.port or 80
 
 
-def _head(origin: Origin, path: str, body: bytes) -> bytes:
+def post_head(origin: Origin, path: str, body: bytes) -> bytes:
     """A POST's request head: what the router's legs send, less the ids and trace context."""
     return (
         f"POST {path} HTTP/1.1\r\nHost: {origin[0]}:{origin[1]}\r\n"
