@@ -117,33 +117,31 @@ async def test_a_large_body_arrives_whole_though_reading_pauses_on_the_way() -> 
     assert len(accepted) == 1
 
 
-async def test_an_answer_left_unread_closes_its_connection() -> None:
-    async with _server(_serving(CHUNKED)) as (origin, accepted):
-        pool = _pool()
+CLOSING = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
+
+
+@pytest.mark.parametrize(
+    ("answer", "keepalive_s", "body"),
+    [
+        (CHUNKED, 5.0, None),  # the answer left unread
+        (OK, 0.0, b'{"ok":true}'),  # idle past keep-alive
+        (CLOSING, 5.0, b"ok"),  # the instance closes the connection after its answer
+        (OK + OK, 5.0, b'{"ok":true}'),  # bytes past the answer (a second, unasked answer)
+    ],
+    ids=["unread", "idle-past-keepalive", "connection-close", "bytes-past-the-answer"],
+)
+async def test_the_next_request_gets_a_new_connection_when(
+    answer: bytes, keepalive_s: float, body: bytes | None
+) -> None:
+    """The connection of an answer not read to its end, idle too long, closed by the instance
+    or carrying stray bytes is not reused: the instance accepts a second connection."""
+    async with _server(_serving(answer)) as (origin, accepted):
+        pool = _pool(keepalive_s=keepalive_s)
         for _ in range(2):
-            async with pool.post(origin, _head(origin), BODY) as answer:
-                assert answer.status == 200  # the body is not read
-        await pool.close()
-    assert len(accepted) == 2
-
-
-async def test_a_connection_idle_past_keepalive_is_not_reused() -> None:
-    async with _server(_serving(OK)) as (origin, accepted):
-        pool = _pool(keepalive_s=0.0)
-        for _ in range(2):
-            async with pool.post(origin, _head(origin), BODY) as answer:
-                await answer.read()
-        await pool.close()
-    assert len(accepted) == 2
-
-
-async def test_an_answer_that_closes_the_connection_is_not_reused() -> None:
-    closing = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
-    async with _server(_serving(closing)) as (origin, accepted):
-        pool = _pool()
-        for _ in range(2):
-            async with pool.post(origin, _head(origin), BODY) as answer:
-                assert await answer.read() == b"ok"
+            async with pool.post(origin, _head(origin), BODY) as got:
+                assert got.status == 200
+                if body is not None:
+                    assert await got.read() == body
         await pool.close()
     assert len(accepted) == 2
 
@@ -272,15 +270,3 @@ def test_a_leg_head_ends_with_the_per_leg_headers() -> None:
         b"POST /x HTTP/1.1\r\nHost: h\r\ntraceparent: t\r\nX-Request-Id: r-1\r\n"
         b"Content-Length: 7\r\n\r\n"
     )
-
-
-async def test_bytes_past_the_answer_close_the_connection() -> None:
-    """An instance that sends more than its answer (here a second, unasked answer) gets a new
-    connection for the next request, not the one with stray bytes on it."""
-    async with _server(_serving(OK + OK)) as (origin, accepted):
-        pool = _pool()
-        for _ in range(2):
-            async with pool.post(origin, _head(origin), BODY) as answer:
-                assert await answer.read() == b'{"ok":true}'
-        await pool.close()
-    assert len(accepted) == 2
