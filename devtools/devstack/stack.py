@@ -38,9 +38,9 @@ from devstack.vllm_server import (
     stop_servers,
 )
 
-Topology = Literal["1p1d", "2p1d", "2p2d", "aggregated"]
+Topology = Literal["1p1d", "2p1d", "2p2d", "3p2d", "aggregated"]
 InstanceRole = Literal["prefill", "decode", "aggregated"]
-TOPOLOGIES: tuple[Topology, ...] = ("1p1d", "2p1d", "2p2d", "aggregated")
+TOPOLOGIES: tuple[Topology, ...] = ("1p1d", "2p1d", "2p2d", "3p2d", "aggregated")
 MODEL_NAME = "tiny"
 PREFILL_CORE = 0
 DECODE_CORE = 1
@@ -102,6 +102,13 @@ class StackOptions:
     pin_processes: bool = False
     """Confine each instance's whole process to its core (:attr:`VllmServerSpec.pin_process`)."""
     extra_args: Sequence[str] = ()
+    enforce_eager: bool = False
+    """Run vLLM without torch.compile (``--enforce-eager``) on every instance that allows it: a
+    tiny-model instance is then ready after about 20 s of CPU instead of 37 (one instance alone on
+    this 2-core machine), and nothing the router or connector does depends on the compiled
+    graph. Pipeline-parallel instances keep the compiled mode: vLLM CPU 0.32's eager path never
+    allocates a later stage's intermediate tensors (the first request fails an assertion in
+    ``sync_and_gather_intermediate_tensors``)."""
     kv_events: bool = False
     """Every instance publishes its KV events (vLLM's ZMQ publisher, with a replay socket)."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
@@ -252,27 +259,17 @@ class Stack:
 
 
 def _plan(options: StackOptions) -> list[tuple[InstanceRole, str, int]]:
-    """(role, name, core) for each instance of the topology."""
-    plan: list[tuple[InstanceRole, str, int]]
-    if options.topology == "1p1d":
-        plan = [("prefill", "p0", PREFILL_CORE), ("decode", "d0", DECODE_CORE)]
-    elif options.topology == "2p1d":
-        plan = [
-            ("prefill", "p0", PREFILL_CORE),
-            ("prefill", "p1", PREFILL_CORE),
-            ("decode", "d0", DECODE_CORE),
-        ]
-    elif options.topology == "2p2d":
-        plan = [
-            ("prefill", "p0", PREFILL_CORE),
-            ("prefill", "p1", PREFILL_CORE),
-            ("decode", "d0", DECODE_CORE),
-            ("decode", "d1", DECODE_CORE),
-        ]
-    elif options.topology == "aggregated":
+    """(role, name, core) for each instance of the topology: ``NpMd`` is P instances ``p0``..
+    on P's core and D instances ``d0``.. on D's core."""
+    if options.topology == "aggregated":
         return [("aggregated", "a0", options.aggregated_core)]
-    else:
+    if options.topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {options.topology!r}; expected one of {TOPOLOGIES}")
+    num_p, num_d = int(options.topology[0]), int(options.topology[2])
+    plan: list[tuple[InstanceRole, str, int]] = [
+        ("prefill", f"p{i}", PREFILL_CORE) for i in range(num_p)
+    ]
+    plan += [("decode", f"d{i}", DECODE_CORE) for i in range(num_d)]
     if options.with_aggregated:
         plan.append(("aggregated", "a0", options.aggregated_core))
     return plan
@@ -317,12 +314,24 @@ def build_specs(
             in_process_worker=options.in_process_worker,
             pin_process=options.pin_processes,
             extra_env=options.extra_env,
-            extra_args=(*options.extra_args, *_kv_events_args(options, ports, per * index)),
+            extra_args=(
+                *options.extra_args,
+                *_eager_args(options, name),
+                *_kv_events_args(options, ports, per * index),
+            ),
             tensor_parallel_size=options.tensor_parallel.get(name, 1),
             pipeline_parallel_size=options.pipeline_parallel.get(name, 1),
         )
         result.append((role, engine_id, spec))
     return result
+
+
+def _eager_args(options: StackOptions, name: str) -> tuple[str, ...]:
+    """``--enforce-eager`` where :attr:`StackOptions.enforce_eager` asks for it and the instance
+    is not pipeline parallel."""
+    if options.enforce_eager and options.pipeline_parallel.get(name, 1) == 1:
+        return ("--enforce-eager",)
+    return ()
 
 
 def _kv_events_args(options: StackOptions, ports: Sequence[int], first: int) -> tuple[str, ...]:

@@ -173,20 +173,37 @@ def test_router_config_can_limit_the_prefill_pool(tmp_path: Path) -> None:
         stack.router_config(prefill_names=["nope"])
 
 
-def test_2p2d_tensor_parallel_instances_get_workers_cores_and_side_channel_runs(
+def test_3p2d_parallel_instances_get_workers_cores_and_side_channel_runs(
     tmp_path: Path,
 ) -> None:
-    options = StackOptions(kind="ours", topology="2p2d", tensor_parallel={"p1": 2, "d1": 2})
+    options = StackOptions(
+        kind="ours",
+        topology="3p2d",
+        tensor_parallel={"p1": 2, "d1": 2},
+        pipeline_parallel={"p2": 2},
+        enforce_eager=True,
+    )
     planned = build_specs(options, tmp_path / "model", tmp_path / "logs")
     specs = {spec.name: spec for _, _, spec in planned}
-    assert [(s.name, s.cpu_core, s.tensor_parallel_size) for s in specs.values()] == [
-        ("p0", 0, 1),
-        ("p1", 0, 2),
-        ("d0", 1, 1),
-        ("d1", 1, 2),
+    # Eager everywhere but on the pipeline-parallel instance (vLLM CPU needs its compiled mode).
+    eager = {name for name, spec in specs.items() if "--enforce-eager" in spec.command()}
+    assert eager == {"p0", "p1", "d0", "d1"}
+    shapes = [
+        (s.name, s.cpu_core, s.tensor_parallel_size, s.pipeline_parallel_size)
+        for s in specs.values()
     ]
+    assert shapes == [
+        ("p0", 0, 1, 1),
+        ("p1", 0, 2, 1),
+        ("p2", 0, 1, 2),
+        ("d0", 1, 1, 1),
+        ("d1", 1, 2, 1),
+    ]
+    assert [role for role, _, _ in planned] == ["prefill"] * 3 + ["decode"] * 2
     p1 = specs["p1"]
-    assert p1.command()[-4:] == [
+    argv = p1.command()
+    at = argv.index("--tensor-parallel-size")
+    assert argv[at : at + 4] == [
         "--tensor-parallel-size",
         "2",
         "--distributed-executor-backend",
