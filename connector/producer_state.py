@@ -240,8 +240,15 @@ class ProducerState:
         with self._lock:
             forget_at = self._clock() + self._cfg.registration_ttl_s
             self._failed[spec.transfer_key] = (spec.reason, forget_at)
-            for entry in self._registered.pop(spec.transfer_key, {}).values():
+            entries = self._registered.pop(spec.transfer_key, {})
+            for entry in entries.values():
                 self._outbox.append((entry.reg, spec.reason))
+        logger.info(
+            "prefill for %s failed (%s): telling D rank(s) %s now, refusing later registrations",
+            spec.transfer_key,
+            spec.reason,
+            sorted(entries),
+        )
 
     def take_released(self) -> set[str]:
         """P request ids whose blocks vLLM may free now (each reported once)."""

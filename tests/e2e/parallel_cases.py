@@ -1,15 +1,14 @@
 """The connector's cases for parallel shapes, written once for every stack that runs them.
 
-Who calls it: ``test_connector_tp_e2e.py`` (P and D at TP 1 and 2),
-``test_connector_mla_tp_e2e.py`` (the same on an MLA model) and ``test_connector_pp_e2e.py``
-(P at PP 2). Each case takes a stack, a P and a D instance and a
-tag that keeps its prompts apart from every other case's (so D's prefix cache never holds them).
-The two-leg client is the one of ``test_connector_e2e.py`` (both legs at once, same
-``X-Request-Id`` and ``transfer_id``, the D leg naming P's ``tp_size`` and ``pp_size``), so the
-cases depend on the connector only. References are plain requests (no ``kv_transfer_params``)
-to the P instance named in :data:`REFERENCE` for D's TP size: an aggregated request of that
-shape; greedy tokens are compared with the suite's near-tie rule. Run under
-``flock /tmp/vllm-e2e.lock``.
+Who calls it: ``test_connector_parallel_e2e.py`` (P and D at TP 1 and 2, P at PP 2) and
+``test_connector_mla_parallel_e2e.py`` (the same on an MLA model). Each case takes a stack, a P
+and a D instance and a tag that keeps its prompts apart from every other case's (so D's prefix
+cache never holds them). The two-leg client is the one of ``test_connector_e2e.py`` (both
+legs at once, same ``X-Request-Id`` and ``transfer_id``, the D leg naming P's ``tp_size`` and
+``pp_size``), so the cases depend on the connector only. References are plain requests (no
+``kv_transfer_params``) to the P instance named in :data:`REFERENCE` for D's TP size: an
+aggregated request of that shape; greedy tokens are compared with the suite's near-tie rule.
+Run under ``flock /tmp/vllm-e2e.lock``.
 """
 
 from __future__ import annotations
@@ -34,7 +33,12 @@ from tests.e2e.e2e_support import (
     load,
     metrics,
 )
-from tests.e2e.test_connector_e2e import tokens, wait_failure_reason, wait_registered
+from tests.e2e.test_connector_e2e import (
+    abort_p_leg_mid_prefill,
+    tokens,
+    wait_failure_reason,
+    wait_registered,
+)
 from tests.support.wait import wait_until
 
 TOP = 5
@@ -45,6 +49,16 @@ EXTRA = {"transfer_timeout_s": 90.0, "max_inflight_s": 60.0, "lease_s": 120.0}
 REFERENCE = {1: "p0", 2: "p1"}
 """The P instance whose plain requests are the aggregated reference for a D of each TP size
 (``p0`` is a TP 1, PP 1 instance in every stack that runs these cases)."""
+
+
+def log_lines(stack: Stack, needle: str) -> str:
+    """Every instance's log lines that mention ``needle`` (a request or transfer id), for a
+    failure message that shows what each side did."""
+    out = []
+    for inst in stack.instances:
+        text = inst.server.log_path.read_text(errors="replace")
+        out += [f"{inst.name}: {line}" for line in text.splitlines() if needle in line]
+    return "\n".join(out)
 
 
 def named(stack: Stack, name: str) -> StackInstance:
@@ -165,19 +179,12 @@ async def p_abort_case(stack: Stack, p: StackInstance, d: StackInstance, tag: st
             )
         )
         await wait_registered(d)
-        p_leg = asyncio.ensure_future(
-            client.post(p.url + "/v1/completions", json=p_body, headers=headers)
-        )
-        await asyncio.to_thread(
-            wait_until, lambda: load(p)[0] >= 1, 60.0, "P to start the prefill", 0.01
-        )
-        p_leg.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await p_leg
+        await abort_p_leg_mid_prefill(client, p, p_body, headers)
         resp_d = await d_leg
     assert resp_d.status_code >= 400
     reason = await wait_failure_reason(d, rid)
-    assert re.search(r"P (failed|refused): prefill ended with status FINISHED_ABORTED", reason)
+    if not re.search(r"P (failed|refused): prefill ended with status FINISHED_ABORTED", reason):
+        pytest.fail(f"D failed the transfer for another reason: {reason}\n{log_lines(stack, rid)}")
     await asyncio.to_thread(wait_all_kv_free, stack)
 
 

@@ -64,7 +64,8 @@ OURS_EXTRA = {"transfer_timeout_s": TRANSFER_TIMEOUT_S, "liveness_interval_s": 0
 def stack(request: pytest.FixtureRequest, e2e_dir: Path) -> Iterator[Stack]:
     kind: str = request.param
     extra = OURS_EXTRA if kind == "ours" else {}
-    with module_stack(StackOptions(kind=kind, connector_extra_config=extra), e2e_dir) as s:
+    options = StackOptions(kind=kind, connector_extra_config=extra, enforce_eager=True)
+    with module_stack(options, e2e_dir) as s:
         yield s
 
 
@@ -207,6 +208,24 @@ async def wait_registered(d: StackInstance) -> None:
     )
 
 
+async def abort_p_leg_mid_prefill(
+    client: httpx.AsyncClient, p: StackInstance, p_body: dict[str, Any], headers: dict[str, str]
+) -> None:
+    """Send the P leg and go away once P runs it: vLLM aborts the request mid-prefill. P must be
+    idle first, so the running request seen is this one (not one still finishing, and never
+    a leg cancelled before P's engine got it, which only D's timeout would end)."""
+    await asyncio.to_thread(wait_idle, p, 60.0, "P to be idle before the prefill to abort")
+    p_leg = asyncio.ensure_future(
+        client.post(p.url + "/v1/completions", json=p_body, headers=headers)
+    )
+    await asyncio.to_thread(
+        wait_until, lambda: load(p)[0] >= 1, 60.0, "P to start the prefill", 0.01
+    )
+    p_leg.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await p_leg
+
+
 def failed_transfer_line(d: StackInstance, rid: str) -> str:
     """The line D's connector logged for the failed transfer of ``rid`` ('' until it did)."""
     text = d.server.log_path.read_text(errors="replace")
@@ -342,15 +361,7 @@ async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> No
             )
         )
         await wait_registered(d)
-        p_leg = asyncio.ensure_future(
-            client.post(p.url + "/v1/completions", json=p_body, headers=headers)
-        )
-        await asyncio.to_thread(
-            wait_until, lambda: load(p)[0] >= 1, 60.0, "P to start the prefill", 0.01
-        )
-        p_leg.cancel()  # the client of the P leg goes away mid-prefill: vLLM aborts the request
-        with pytest.raises(asyncio.CancelledError):
-            await p_leg
+        await abort_p_leg_mid_prefill(client, p, p_body, headers)
         resp_d = await d_leg
     assert resp_d.status_code >= 400  # P told D; D reports the load as failed
     # P's failure ended D's wait (its notification, or its refusal of a late registration),
