@@ -29,8 +29,8 @@ def connector_kv_heads(model_config: Any) -> int:
 
 
 def refuse_unsupported(vllm_config: Any, kv_cache_config: Any = None) -> None:
-    """Raise :class:`UnsupportedSetupError` for PP > 1 on a consumer (D), MLA with PP > 1, or
-    more than one KV cache group; each message names the setting, its value and why.
+    """Raise :class:`UnsupportedSetupError` for PP > 1 on a consumer (D) or more than one KV cache
+    group; each message names the setting, its value and why.
 
     Tensor parallelism on P and on D is supported, equal or different when one size divides the
     other (each P rank writes its KV heads into the D ranks holding them; see the README,
@@ -38,19 +38,12 @@ def refuse_unsupported(vllm_config: Any, kv_cache_config: Any = None) -> None:
     layers into D's regions of the same layers, "Pipeline parallelism"). Hybrid sliding-window
     + full attention models (e.g. Gemma-3) pass: this connector does not implement
     ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off and keeps every layer in one
-    full-attention KV cache group. MLA models pass with PP 1 and any TP size: one latent
-    tensor per layer, moved like any other region, and with TP > 1 the latent cache is one KV
-    head replicated on every rank (:func:`connector_kv_heads`).
+    full-attention KV cache group. MLA models pass at any TP size and, on P, any PP size: one
+    latent tensor per layer, moved like any other region, and with TP > 1 the latent cache is
+    one KV head replicated on every rank (:func:`connector_kv_heads`).
     """
     parallel = vllm_config.parallel_config
     pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
-    model = getattr(vllm_config, "model_config", None)
-    if pp != 1 and model is not None and bool(getattr(model, "use_mla", False)):
-        raise UnsupportedSetupError(
-            f"the model uses MLA with pipeline_parallel_size={pp}: DisaggPushConnector moves "
-            "MLA caches with pipeline parallel size 1 only (any tensor parallel size); MLA with "
-            "pipeline parallel is not verified"
-        )
     role = str(getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", ""))
     if pp != 1 and role != "kv_producer":
         raise UnsupportedSetupError(

@@ -42,7 +42,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def stack(e2e_dir: Path) -> Iterator[Stack]:
-    with module_stack(StackOptions(kind="ours", topology="2p1d"), e2e_dir) as started:
+    options = StackOptions(kind="ours", topology="2p1d", enforce_eager=True)
+    with module_stack(options, e2e_dir) as started:
         yield started
 
 

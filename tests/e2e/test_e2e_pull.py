@@ -28,7 +28,9 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def stack(e2e_dir: Path) -> Iterator[Stack]:
-    options = StackOptions(kind="vllm-pull", topology="1p1d", with_aggregated=True)
+    options = StackOptions(
+        kind="vllm-pull", topology="1p1d", with_aggregated=True, enforce_eager=True
+    )
     with module_stack(options, e2e_dir) as started:
         yield started
 

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.upstream_push]
 # The first transfer of a fresh P/D pair is slow (NIXL handshake, vLLM preparing descriptors for
 # every block of D, a starved core) and can outlive P's 30 s lease (docs/notes/vllm-facts.md,
 # "Latency"), failing that request; the warm-up below absorbs it and retries.
-PUSH_OPTIONS = StackOptions(kind="vllm-push", topology="1p1d")
+PUSH_OPTIONS = StackOptions(kind="vllm-push", topology="1p1d", enforce_eager=True)
 ROUTER_OPTIONS = {"identity_interval_s": 600.0}
 
 

@@ -74,7 +74,9 @@ CONCURRENT_STREAMS = 128
 def stack(e2e_dir: Path) -> Iterator[Stack]:
     # Test-only fault injection, dormant until a case creates the file (connector/faults.py).
     extra = {"fault_injection_file": str(e2e_dir / WRITE_FAULT_FILE)}
-    options = StackOptions(kind="ours", topology="1p1d", connector_extra_config=extra)
+    options = StackOptions(
+        kind="ours", topology="1p1d", connector_extra_config=extra, enforce_eager=True
+    )
     with module_stack(options, e2e_dir) as started:
         yield started
     _write_table(e2e_dir)

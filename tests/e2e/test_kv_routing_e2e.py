@@ -93,6 +93,7 @@ def stack(e2e_dir: Path) -> Iterator[Stack]:
         topology="1p1d",
         kv_events=True,
         extra_args=("--enable-prompt-tokens-details",),
+        enforce_eager=True,
     )
     with module_stack(options, e2e_dir) as started:
         yield started

@@ -12,8 +12,8 @@ must have taken the whole prompt from P
   ``a0`` keeps the hybrid manager (two groups; blocks outside the window are dropped), so its
   answer is the model's own hybrid-mode output.
 
-MLA (``deepseek_v2``) runs at TP 1 and 2 in ``test_connector_mla_tp_e2e.py``. Two requests; run
-under ``flock /tmp/vllm-e2e.lock``.
+MLA (``deepseek_v2``) runs at TP 1 and 2 and PP 2 in ``test_connector_mla_parallel_e2e.py``.
+Two requests; run under ``flock /tmp/vllm-e2e.lock``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def stack(request: pytest.FixtureRequest, e2e_dir: Path) -> Iterator[Stack]:
         with_aggregated=True,
         max_model_len=4096,
         connector_extra_config=OURS_EXTRA,
+        enforce_eager=True,
     )
     with module_stack(options, e2e_dir) as s:
         yield s

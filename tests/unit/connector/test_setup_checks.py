@@ -38,15 +38,22 @@ def test_a_plain_single_worker_setup_passes() -> None:
 
 def test_an_mla_model_with_one_worker_passes() -> None:
     """One latent KV tensor per layer is a region like any other (tests/e2e/
-    test_connector_mla_tp_e2e moves a DeepSeek-V2-shaped model's KV on real vLLM CPU)."""
+    test_connector_mla_parallel_e2e moves a DeepSeek-V2-shaped model's KV on real vLLM CPU)."""
     refuse_unsupported(vllm_config(mla=True), kv_cache_config())
 
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
 def test_an_mla_model_with_tensor_parallel_passes(role: str) -> None:
     """Every TP rank holds the whole latent cache: one KV head, replicated (P rank 0 is the one
-    source; tests/e2e/test_connector_mla_tp_e2e runs it on real vLLM CPU)."""
+    source; tests/e2e/test_connector_mla_parallel_e2e runs it on real vLLM CPU)."""
     refuse_unsupported(vllm_config(tp=2, mla=True, role=role), kv_cache_config())
+
+
+def test_an_mla_model_on_a_pipeline_parallel_p_passes() -> None:
+    """Each stage writes its own layers' latent blocks (tests/e2e/
+    test_connector_mla_parallel_e2e runs P PP 2 -> D TP 1 on real vLLM CPU)."""
+    refuse_unsupported(vllm_config(pp=2, mla=True), kv_cache_config())
+    refuse_unsupported(vllm_config(tp=2, pp=2, mla=True), None)
 
 
 def test_an_mla_model_counts_one_kv_head_for_the_layout() -> None:
@@ -74,8 +81,6 @@ def test_pipeline_parallel_is_allowed_on_p_only() -> None:
     [
         (vllm_config(pp=4, role="kv_consumer"), 1, "pipeline_parallel_size=4 with kv_role"),
         (vllm_config(pp=2, role="kv_both"), 1, "pipeline parallel size must be 1 on D"),
-        (vllm_config(pp=2, mla=True), 1, "MLA with pipeline_parallel_size=2"),
-        (vllm_config(tp=2, pp=2, mla=True), 1, "MLA with pipeline_parallel_size=2"),
         (vllm_config(), 2, "2 KV cache groups: .* does not implement SupportsHMA"),
     ],
 )
