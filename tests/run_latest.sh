@@ -5,6 +5,7 @@
 # router's unit tests and the integration tests that pin the libraries' behaviour the router
 # relies on (uvicorn's protocol, httpx's client, tracing off loading no OpenTelemetry).
 #   bash tests/run_latest.sh          # venv in $LATEST_VENV (default /tmp/disagg-latest-venv)
+#   bash tests/run_latest.sh --prepare  # only install (tests/run.sh does it early)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
@@ -12,6 +13,7 @@ VENV=${LATEST_VENV:-/tmp/disagg-latest-venv}
 [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade --upgrade-strategy eager \
     -e "$ROOT[dev]" -e "$ROOT/devtools"
+[[ "${1:-}" == "--prepare" ]] && exit 0
 "$VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
     | grep -iE '^(fastapi|starlette|uvicorn|httpx|httpx-aiohttp|aiohttp|pydantic|msgspec)=='
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not vllm and not nixl and not docker" \

@@ -4,6 +4,9 @@
 # vLLM 0.33.0 ships only a CUDA wheel; it imports on CPU torch 2.13 when installed --no-deps into
 # a separate venv together with its requirements minus torch and the GPU-only packages.
 #   bash tests/unit/connector/run_vllm033.sh            # venv in $V033 (default /tmp/v33venv)
+#   bash tests/unit/connector/run_vllm033.sh --prepare  # only build the venv (tests/run.sh does
+#                                                       # it early, on the core the fast suite
+#                                                       # leaves idle)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../../.."
 ROOT=$(pwd)
@@ -25,6 +28,7 @@ if [[ ! -x "$V033/bin/python" ]] || ! "$V033/bin/python" -c 'import vllm' 2>/dev
     "$V033/bin/pip" install -q --no-deps "$wheel"
 fi
 "$V033/bin/python" -c 'import vllm; assert vllm.__version__.startswith("0.33"), vllm.__version__'
+[[ "${1:-}" == "--prepare" ]] && exit 0
 PYTHONPATH="$ROOT" "$V033/bin/python" -m pytest -q -p no:cacheprovider \
     tests/unit/connector/test_scheduler.py tests/unit/connector/test_facade_api.py \
     tests/unit/connector/test_protocol.py tests/unit/connector/test_producer.py \
