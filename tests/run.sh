@@ -5,7 +5,7 @@
 # overlap with other vLLM runs on the same machine. Exits non-zero if any step fails; every step
 # runs regardless, so one run reports all failures.
 #
-#   bash tests/run.sh            # the default suites (about 14 min on a fresh 2-core machine)
+#   bash tests/run.sh            # the default suites (about 38 min on a fresh 2-core machine)
 #   SKIP_SETUP=1 bash tests/run.sh   # reuse the existing .venv as is
 #   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm upstream docker vllm033
 #                                    # latest (default: all; upstream = the same e2e cases through
