@@ -100,9 +100,9 @@ fi
 # The side venvs of the vllm033 and latest suites are built in the background while the lint,
 # fast and nixl suites (one process, one core) run; their steps wait for it. A failed build
 # shows up in its step, which builds again and fails with the installer's own output.
-side_log=$(mktemp)
 side_pid=""
 if [[ " $SUITES " == *" vllm033 "* || " $SUITES " == *" latest "* ]]; then
+    side_log=$(mktemp)
     log "building the side venvs in the background (log: $side_log)"
     (
         v033="$ROOT/tests/unit/connector/run_vllm033.sh"
@@ -113,7 +113,11 @@ if [[ " $SUITES " == *" vllm033 "* || " $SUITES " == *" latest "* ]]; then
 fi
 wait_side_venvs() {
     [[ -n "$side_pid" ]] || return 0
-    wait "$side_pid" || echo "(building the side venvs failed; its log: $side_log)"
+    if wait "$side_pid"; then
+        rm -f "$side_log"
+    else
+        echo "(building the side venvs failed; its log: $side_log)"
+    fi
     side_pid=""
 }
 
