@@ -14,7 +14,6 @@ Run under ``flock /tmp/vllm-e2e.lock``.
 from __future__ import annotations
 
 import asyncio
-import re
 import uuid
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -35,8 +34,8 @@ from tests.e2e.e2e_support import (
 )
 from tests.e2e.test_connector_e2e import (
     abort_p_leg_mid_prefill,
+    assert_failed_by_p_abort,
     tokens,
-    wait_failure_reason,
     wait_registered,
 )
 from tests.support.wait import wait_until
@@ -49,16 +48,6 @@ EXTRA = {"transfer_timeout_s": 90.0, "max_inflight_s": 60.0, "lease_s": 120.0}
 REFERENCE = {1: "p0", 2: "p1"}
 """The P instance whose plain requests are the aggregated reference for a D of each TP size
 (``p0`` is a TP 1, PP 1 instance in every stack that runs these cases)."""
-
-
-def log_lines(stack: Stack, needle: str) -> str:
-    """Every instance's log lines that mention ``needle`` (a request or transfer id), for a
-    failure message that shows what each side did."""
-    out = []
-    for inst in stack.instances:
-        text = inst.server.log_path.read_text(errors="replace")
-        out += [f"{inst.name}: {line}" for line in text.splitlines() if needle in line]
-    return "\n".join(out)
 
 
 def named(stack: Stack, name: str) -> StackInstance:
@@ -182,9 +171,7 @@ async def p_abort_case(stack: Stack, p: StackInstance, d: StackInstance, tag: st
         await abort_p_leg_mid_prefill(client, p, p_body, headers)
         resp_d = await d_leg
     assert resp_d.status_code >= 400
-    reason = await wait_failure_reason(d, rid)
-    if not re.search(r"P (failed|refused): prefill ended with status FINISHED_ABORTED", reason):
-        pytest.fail(f"D failed the transfer for another reason: {reason}\n{log_lines(stack, rid)}")
+    await assert_failed_by_p_abort(stack, d, rid)
     await asyncio.to_thread(wait_all_kv_free, stack)
 
 

@@ -235,6 +235,25 @@ def failed_transfer_line(d: StackInstance, rid: str) -> str:
     )
 
 
+def log_lines(stack: Stack, needle: str) -> str:
+    """Every instance's log lines that mention ``needle`` (a request or transfer id), for a
+    failure message that shows what each side did."""
+    out = []
+    for inst in stack.instances:
+        text = inst.server.log_path.read_text(errors="replace")
+        out += [f"{inst.name}: {line}" for line in text.splitlines() if needle in line]
+    return "\n".join(out)
+
+
+async def assert_failed_by_p_abort(stack: Stack, d: StackInstance, rid: str) -> None:
+    """D failed the transfer of ``rid`` with P's abort as the reason (P's notification, or its
+    refusal of a late registration), not by one of D's own bounds; else fail with every
+    instance's log lines for ``rid``."""
+    reason = await wait_failure_reason(d, rid)
+    if not re.search(r"P (failed|refused): prefill ended with status FINISHED_ABORTED", reason):
+        pytest.fail(f"D failed the transfer for another reason: {reason}\n{log_lines(stack, rid)}")
+
+
 async def wait_failure_reason(d: StackInstance, rid: str) -> str:
     """The reason D's connector gave for the failed transfer of ``rid`` (its log line)."""
     line: str = await asyncio.to_thread(
@@ -364,10 +383,8 @@ async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> No
         await abort_p_leg_mid_prefill(client, p, p_body, headers)
         resp_d = await d_leg
     assert resp_d.status_code >= 400  # P told D; D reports the load as failed
-    # P's failure ended D's wait (its notification, or its refusal of a late registration),
-    # not D's 20 s transfer timeout.
-    reason = await wait_failure_reason(d, rid)
-    assert re.search(r"P (failed|refused): prefill ended with status FINISHED_ABORTED", reason)
+    # P's failure ended D's wait, not D's 20 s transfer timeout.
+    await assert_failed_by_p_abort(stack, d, rid)
     await wait_kv_back(d, baseline)
 
 
