@@ -55,6 +55,9 @@ class OverheadSpec:
     saturation_concurrency: int = 32
     saturation_requests: int = 1000
     saturation_seconds: float = 10.0
+    saturation_rounds: int = 1
+    """Closed loops per target, the targets taking turns round by round: the machine's speed
+    drifts within minutes, so CPU per request is pooled over rounds spread across the run."""
     routers: tuple[str, ...] = ("ours", "floor", "vllm-router")
     seed: int = 0
     pin: bool = True
@@ -201,23 +204,49 @@ async def measure(
                 if result.metrics.request_throughput < 0.5 * rate:
                     saturated.add(name)
             out["fixed_rate"].append(row)
-        for name, target in targets.items():
-            print(f"overhead: {name} saturation", file=sys.stderr)
-            load = LoadSpec(max_concurrency=spec.saturation_concurrency, show_progress=False)
-            # A short probe sizes the closed loop to about saturation_seconds of work, capped
-            # by saturation_requests, so a slow target cannot stall the whole benchmark.
-            probe_n = max(2 * spec.saturation_concurrency, 20)
-            probe = make_token_prompts(
-                SyntheticSpec(probe_n, spec.input_len, spec.output_len, seed=2)
-            )
-            probe_rate = (await run_load(client, target, probe, load)).metrics.request_throughput
-            n = min(
-                spec.saturation_requests, max(probe_n, int(probe_rate * spec.saturation_seconds))
-            )
-            requests = make_token_prompts(SyntheticSpec(n, spec.input_len, spec.output_len, seed=1))
-            _, out["saturation"][name] = await _timed_load(
-                client, target, requests, load, pgids.get(name), fakes
-            )
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
+        sizes: dict[str, int] = {}
+        for turn in range(spec.saturation_rounds):
+            for name, target in targets.items():
+                print(f"overhead: {name} saturation ({turn + 1})", file=sys.stderr)
+                load = LoadSpec(max_concurrency=spec.saturation_concurrency, show_progress=False)
+                if name not in sizes:
+                    sizes[name] = await _saturation_size(client, target, spec, load)
+                requests = make_token_prompts(
+                    SyntheticSpec(sizes[name], spec.input_len, spec.output_len, seed=1 + turn)
+                )
+                _, summary = await _timed_load(
+                    client, target, requests, load, pgids.get(name), fakes
+                )
+                rounds[name].append(summary)
+        out["saturation"] = {name: pooled(runs) for name, runs in rounds.items()}
+        out["saturation_rounds"] = rounds
+    return out
+
+
+async def _saturation_size(client: Any, target: Target, spec: OverheadSpec, load: LoadSpec) -> int:
+    """Requests in one closed loop on ``target``: a short probe sizes it to about
+    ``saturation_seconds`` of work, capped by ``saturation_requests``, so a slow target cannot
+    stall the whole benchmark."""
+    probe_n = max(2 * spec.saturation_concurrency, 20)
+    probe = make_token_prompts(SyntheticSpec(probe_n, spec.input_len, spec.output_len, seed=2))
+    probe_rate = (await run_load(client, target, probe, load)).metrics.request_throughput
+    return min(spec.saturation_requests, max(probe_n, int(probe_rate * spec.saturation_seconds)))
+
+
+_PER_REQUEST = ("cpu_ms_per_request", "fakes_cpu_ms_per_request", "client_cpu_ms_per_request")
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One target's closed loops as one: CPU per request over all their requests, counts
+    summed, and the latencies and throughput of the round with the median throughput."""
+    middle = sorted(runs, key=lambda r: r["request_throughput"])[len(runs) // 2]
+    out = dict(middle)
+    done = sum(r["completed"] for r in runs)
+    out["completed"], out["failed"] = done, sum(r["failed"] for r in runs)
+    for key in _PER_REQUEST:
+        if done and all(r.get(key) is not None for r in runs):
+            out[key] = sum(r[key] * r["completed"] for r in runs) / done
     return out
 
 

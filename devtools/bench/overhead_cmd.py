@@ -21,6 +21,12 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--saturation-concurrency", type=int, default=32)
     parser.add_argument("--saturation-requests", type=int, default=1000)
+    parser.add_argument(
+        "--saturation-rounds",
+        type=int,
+        default=1,
+        help="closed loops per target, the targets taking turns (CPU per request pooled)",
+    )
     routers = ",".join(ROUTERS)
     parser.add_argument("--routers", default=routers, help=f"subset of {routers}")
     parser.add_argument("--seed", type=int, default=0)
@@ -53,6 +59,7 @@ def overhead_command(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         saturation_concurrency=args.saturation_concurrency,
         saturation_requests=args.saturation_requests,
+        saturation_rounds=args.saturation_rounds,
         routers=routers,
         seed=args.seed,
         pin=not args.no_pin,

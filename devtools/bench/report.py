@@ -176,6 +176,21 @@ def _cpu_ratio(saturation: dict[str, Any], router: str) -> tuple[float | None, s
     )
 
 
+def _cpu_ratio_spread(raw: dict[str, Any], router: str) -> dict[str, Any] | None:
+    """Low and high of ``router`` / ``vllm-router`` CPU per request over the overhead run's
+    saturation rounds, each ratio within one round (None with fewer than two rounds)."""
+    rounds = raw.get("saturation_rounds") or {}
+    mine, theirs = rounds.get(router) or [], rounds.get("vllm-router") or []
+    ratios = [
+        a["cpu_ms_per_request"] / b["cpu_ms_per_request"]
+        for a, b in zip(mine, theirs, strict=False)
+        if a.get("cpu_ms_per_request") and b.get("cpu_ms_per_request")
+    ]
+    if len(ratios) < 2:
+        return None
+    return {"low": min(ratios), "high": max(ratios), "repetitions": len(ratios)}
+
+
 def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """summary.json contents and, per key, how it was obtained (or why it is null)."""
     notes: dict[str, str] = {}
@@ -263,6 +278,9 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
         ("floor_cpu_over_vllm_router", "floor"),
     ):
         summary[key], notes[key] = _cpu_ratio(saturation, router)
+        band = _cpu_ratio_spread((overhead or {}).get("raw", {}), router)
+        if band is not None:
+            spreads[key] = band
 
     ours = saturation.get("ours") or {}
     ceiling = ours.get("fakes_limit_over_direct")

@@ -8,7 +8,9 @@ opens a dispatch (:func:`router.dispatch.orchestrator.open_dispatch`), then stre
 :class:`~router.errors.RouterError` before the answer becomes OpenAI-style JSON with its status.
 Every request is counted and (with ``logging.requests``) logged once when it ends (an answered
 one also records its TTFT, latency and tokens, once); a client that leaves cancels the work
-where it waits and the dispatch is still closed.
+where it waits and the dispatch is still closed. Every response names the request in
+``X-Request-Id`` (the dispatch's id once one answered, else the request's): the request guard
+(:mod:`router.http.guard`) relies on it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from router.dispatch.attempt import Dispatch
 from router.dispatch.orchestrator import open_dispatch
 from router.errors import ClientDisconnected, RouterError, error_payload, outcome_label
-from router.http.disconnect import ClientWatch
+from router.http.disconnect import ClientWatch, notice_of
 from router.http.stream import DispatchStream
 from router.observability.reqlog import log_request
 from router.request import ClientRequest, RequestContext
@@ -73,7 +75,7 @@ async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
     watch: ClientWatch | None = None
     try:
         rt, req = await admit(request, chat)
-        watch = ClientWatch(request.receive)  # the body is read: receive() is the watch's now
+        watch = ClientWatch(request.receive, notice_of(request.scope))  # the body is read
         opening = open_dispatch(rt, req, request_context(request))
         dispatch = await _unless_disconnected(watch, opening)
     except BaseException as exc:
@@ -82,7 +84,7 @@ async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
         if not isinstance(exc, RouterError):
             raise
         _finish(request, endpoint, outcome_label(exc), exc.status, req)
-        return error_response(exc)
+        return error_response(exc, {"X-Request-Id": request_context(request).request_id})
     # TTFT: D's first token in hand (not streamed: D's whole answer, headers and body at once).
     times = accepted, time.monotonic() - accepted
     m, flag = rt.metrics, "true" if req.stream else "false"

@@ -8,7 +8,9 @@ a request span continuing the client's W3C ``traceparent`` when tracing is on) i
 dispatch id that answered). A ``POST`` to one of the ``direct`` paths (the generation endpoints)
 goes straight to its ASGI app, past the app's exception middleware and router, which do nothing
 for those endpoints but cost CPU on every request (docs/benchmarks/speed/profile.md); an error
-it raises still reaches the app's outermost error handler.
+it raises still reaches the app's outermost error handler. With tracing off, such an app's
+writes go to the server unwrapped: the generation endpoints name the request (``X-Request-Id``)
+on every response they make themselves, so nothing needs to look at each write.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router.config import LimitsConfig
 from router.errors import error_payload
 from router.http.bounds import HeadersTooLarge, check_headers
-from router.observability.tracing import NO_SPAN, Span
+from router.observability.tracing import NO_SPAN, NoTracer, Span
 from router.request import RequestContext, safe_client_id
 
 _REQUEST_ID = b"x-request-id"
@@ -52,22 +54,36 @@ class RequestGuard:
         self.limits = limits
         self.direct = dict(direct or {})
 
-    def _span(self, scope: Scope, headers: Headers) -> Span:
+    def _span(self, scope: Scope, raw: Iterable[tuple[bytes, bytes]]) -> Span:
         runtime = getattr(scope["app"].state, "runtime", None)
-        if runtime is None or not scope["path"].startswith("/v1/"):
+        tracer = None if runtime is None else runtime.tracer
+        if tracer is None or isinstance(tracer, NoTracer) or not scope["path"].startswith("/v1/"):
             return NO_SPAN
-        span: Span = runtime.tracer.request_span(f"{scope['method']} {scope['path']}", headers)
+        name = f"{scope['method']} {scope['path']}"
+        span: Span = tracer.request_span(name, Headers(raw=list(raw)))
         return span
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        span = self._span(scope, headers)
-        ctx = RequestContext(client_id=safe_client_id(headers.get("x-request-id")), trace=span)
-        span.set("request_id", ctx.request_id)
+        raw = scope["headers"]
+        span = self._span(scope, raw)
+        client_id = next((v for k, v in raw if k == _REQUEST_ID), None)
+        ctx = RequestContext(
+            client_id=safe_client_id(None if client_id is None else client_id.decode("latin-1")),
+            trace=span,
+        )
         scope.setdefault("state", {})["ctx"] = ctx
+        app = self.app
+        if scope["method"] == "POST" and not scope.get("root_path"):
+            app = self.direct.get(scope["path"], app)
+        if app is not self.app and span is NO_SPAN:
+            # A generation endpoint names its request on every response it makes, and no span
+            # needs the status: no wrapper around each of its writes.
+            await self._checked(app, scope, receive, send, ctx, span)
+            return
+        span.set("request_id", ctx.request_id)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -75,17 +91,27 @@ class RequestGuard:
                 span.set("http.status_code", str(message["status"]))
             await send(message)
 
+        await self._checked(app, scope, receive, send_with_id, ctx, span)
+
+    async def _checked(
+        self,
+        app: ASGIApp,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ctx: RequestContext,
+        span: Span,
+    ) -> None:
+        """``app`` for the request, unless its headers exceed the bound (a 431 then)."""
         try:
             check_headers(scope["headers"], self.limits)
         except HeadersTooLarge as exc:
-            response = JSONResponse(error_payload(exc), status_code=exc.status)
-            await response(scope, receive, send_with_id)
+            headers = {"X-Request-Id": ctx.request_id}
+            response = JSONResponse(error_payload(exc), status_code=exc.status, headers=headers)
+            await response(scope, receive, send)
             span.end(exc.message)
             return
-        app = self.app
-        if scope["method"] == "POST" and not scope.get("root_path"):
-            app = self.direct.get(scope["path"], app)
         try:
-            await app(scope, receive, send_with_id)
+            await app(scope, receive, send)
         finally:
             span.end()

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from router.dispatch.ids import new_request_id
 from router.dispatch.rewrite import strip_client_fields
 from router.errors import NoBackendAvailable, RouterError, UpstreamError, outcome_label
-from router.http.disconnect import ClientWatch
+from router.http.disconnect import ClientWatch, notice_of
 from router.http.exchange import DrainHandle, Exchange, ProxiedStream, answer_ok, watched
 from router.http.generate import error_response, request_context
 from router.http.validation import parse_passthrough
@@ -109,7 +109,7 @@ class PassthroughEndpoint:
             role = self.role or runtime.model(model).route.passthrough_pool
             headers = {k.lower(): v for k, v in request.headers.items()}
             call = Forward(self.path, model, strip_client_fields(body), role, headers)
-            watch = ClientWatch(request.receive)  # the body is read: receive() is the watch's
+            watch = ClientWatch(request.receive, notice_of(request.scope))  # the body is read
             exchange = await watched(watch, handle, open_exchange(runtime, call, ctx.request_id))
         except BaseException as exc:
             if watch is not None:

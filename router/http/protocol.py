@@ -4,8 +4,9 @@ bounds on client connections, and OpenAI-style errors for what never reaches the
 Who calls it: :func:`router.server.uvicorn_config` hands the class made by
 :func:`protocol_class` to uvicorn (``http=``), for ``serve`` and for every worker of
 ``serve --workers N``. Each method overrides a public callback of
-``uvicorn.protocols.http.httptools_impl.HttpToolsProtocol`` and calls it; nothing here reads or
-writes uvicorn's private state. What a client sees when a bound fires:
+``uvicorn.protocols.http.httptools_impl.HttpToolsProtocol`` and calls it; besides its
+callbacks, only its public ``scope``, ``cycle``, ``transport``, ``loop`` and ``connections`` are
+used, never its private state. What a client sees when a bound fires:
 
 - ``limits.max_connections``: a connection opened while that many are open gets a 503 JSON
   error with ``Retry-After: 1`` and is closed at once (its descriptor is freed immediately);
@@ -19,19 +20,25 @@ writes uvicorn's private state. What a client sees when a bound fires:
   JSON error instead of uvicorn's plain text.
 
 Each of these answers carries a fresh ``X-Request-Id`` and ``Connection: close``.
+
+Each connection also has one :class:`~router.http.disconnect.DisconnectNotice`, put into the
+scope of every request it carries (``extensions``) and told from ``connection_lost``, so a
+request's :class:`~router.http.disconnect.ClientWatch` hears of a leaving client without a task
+of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.config import LimitsConfig
 from router.dispatch.ids import new_request_id
 from router.errors import ClientRequestError, RouterError, RouterNotReady, error_payload
+from router.http.disconnect import NOTICE, DisconnectNotice
 
 _INVALID = "invalid_request_error"
 _REASONS = {
@@ -74,6 +81,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._bound_idle: asyncio.TimerHandle | None = None
         self._bound_header: asyncio.TimerHandle | None = None
         self._bound_header_bytes = 0
+        self._bound_notice = DisconnectNotice()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -87,6 +95,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         super().connection_lost(exc)
+        self._bound_notice.connection_lost()
 
     def data_received(self, data: bytes) -> None:
         if self._bound_idle is not None and data.strip(b"\r\n"):
@@ -100,7 +109,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
                 self._answer(error_answer(RouterError(message, status=431, error_type=_INVALID)))
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        super().on_message_begin()  # the request's scope is made here, its app not yet started
+        scope = cast(dict[str, Any], self.scope)  # uvicorn types extensions' values as dicts
+        scope.setdefault("extensions", {})[NOTICE] = self._bound_notice
         if self._bound_header is None:
             self._bound_header_bytes = 0
             self._arm_header()

@@ -158,17 +158,21 @@ class _Connection(asyncio.Protocol):
             parts.append(chunk)
 
     async def read_chunk(self) -> bytes:
-        """The body's next bytes as they arrive (never empty); ``b""`` once it has ended."""
-        while not self._chunks:
+        """The body bytes received since the last call, all of them (never empty; the chunks
+        of one read from the socket come back together, so a stream's events read at once are
+        handled at once); ``b""`` once the body has ended."""
+        chunks = self._chunks
+        while not chunks:
             if self._complete:
                 return b""
             await self._wait(self.read_timeout)
-        chunk = self._chunks.popleft()
-        self._buffered -= len(chunk)
-        if self._paused and self._buffered < _PAUSE_AT // 2 and self._transport is not None:
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused and self._transport is not None:
             self._paused = False
             self._transport.resume_reading()
-        return chunk
+        return data
 
     def reusable(self) -> bool:
         """Whether the answer was read to its end on a connection both sides keep alive."""

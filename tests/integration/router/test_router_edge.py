@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from devstack.fake_vllm import FakeVllmServer
+from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
 from tests.integration.router.router_fixtures import MODEL
@@ -165,4 +165,41 @@ def test_a_thousand_slow_and_silent_connections_leave_the_router_serving(
     assert refused  # beyond the bound
     assert all(h["retry-after"] == "1" and "x-request-id" in h for _, h, _ in refused)
     assert len(refused) + len(timed_out) + answers.count(b"") == 1000
+    assert after.status_code == 200, after.text
+
+
+def _post(body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+    return f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data
+
+
+def test_a_client_leaving_a_kept_alive_connection_cancels_both_legs(
+    fake: dict[str, FakeVllmServer], tmp_path: Path
+) -> None:
+    """The served router hears of a departure from its connection (no watcher task): the
+    second request of a kept-alive connection, left before its first token, has P's and D's
+    legs cancelled, and the router goes on serving."""
+    p, d = fake["p0"], fake["d0"]
+    with _router(tmp_path, fake, {}) as (_, addr):
+        with socket.create_connection(addr, timeout=10) as sock:
+            sock.sendall(_post({"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}))
+            first = b""
+            while not first.endswith(b"0\r\n\r\n"):  # the first answer, chunked, to its end
+                first += sock.recv(65536)
+            p.state.behavior = FakeBehavior(prefill_delay_s=30)
+            d.state.behavior = FakeBehavior(prefill_delay_s=30)
+            sock.sendall(_post({"model": MODEL, "prompt": "y", "max_tokens": 2, "stream": True}))
+            assert p.state.wait_for(lambda s: s.in_flight == 1)
+            assert d.state.wait_for(lambda s: s.in_flight == 1)
+        assert p.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+        p.state.reset()
+        d.state.reset()
+        after = httpx.post(
+            f"http://{addr[0]}:{addr[1]}/v1/completions",
+            json={"model": MODEL, "prompt": "z", "max_tokens": 2},
+            timeout=10,
+        )
+    assert first.startswith(b"HTTP/1.1 200")
     assert after.status_code == 200, after.text

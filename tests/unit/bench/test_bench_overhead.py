@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from bench.overhead import FAKE_PREFILL_IDENTITY as IDENTITY
-from bench.overhead import _stages_during, derive, fake_process, format_report
+from bench.overhead import _stages_during, derive, fake_process, format_report, pooled
 from bench.routers import router_config
 from router.config import settings_from_mapping
 from router.observability.metrics import RouterMetrics
@@ -142,3 +142,19 @@ async def test_stages_are_the_means_over_exactly_the_load() -> None:
         assert result == "done"
         assert stages == pytest.approx({"prefill": 2.0, "relay_to_client": 0.5})
         assert await _stages_during(client, "ours", None, load()) == ("done", None)
+
+
+def test_rounds_pool_cpu_over_all_requests_and_keep_the_median_rounds_latencies() -> None:
+    """CPU per request weighs each round by its requests (not a mean of means); throughput and
+    latencies are the median-throughput round's, counts are summed."""
+    runs = [
+        {**_m(100, 1.0, 1.0, 1.0, 1.0), "completed": 10, "cpu_ms_per_request": 1.0},
+        {**_m(300, 3.0, 3.0, 3.0, 3.0), "completed": 30, "cpu_ms_per_request": 2.0},
+        {**_m(200, 2.0, 2.0, 2.0, 2.0), "completed": 20, "cpu_ms_per_request": 4.0},
+    ]
+    runs[1]["failed"] = 2
+    out = pooled(runs)
+    assert out["cpu_ms_per_request"] == pytest.approx((10 * 1 + 30 * 2 + 20 * 4) / 60)
+    assert (out["completed"], out["failed"]) == (60, 2)
+    assert (out["request_throughput"], out["median_ttft_ms"]) == (200, 2.0)
+    assert out["fakes_cpu_ms_per_request"] == 0.0

@@ -237,6 +237,30 @@ def test_summary_puts_each_routers_cpu_per_request_over_vllm_routers(tmp_path: P
     assert "| `router_cpu_over_vllm_router` | 3.000 |" in results
 
 
+def test_cpu_ratio_spread_is_each_saturation_rounds_own_ratio(tmp_path: Path) -> None:
+    def run(ms: float) -> dict[str, Any]:
+        return {**_m(0, 300.0), "cpu_ms_per_request": ms}
+
+    rounds = {
+        "direct": [run(0.8)] * 2,
+        "ours": [run(1.2), run(1.5)],
+        "vllm-router": [run(1.0), run(0.6)],
+    }
+    raw = {
+        "fixed_rate": [],
+        "saturation": {
+            k: run(sum(r["cpu_ms_per_request"] for r in v) / 2) for k, v in rounds.items()
+        },
+        "saturation_rounds": rounds,
+    }
+    (tmp_path / "overhead.json").write_text(json.dumps({"raw": raw, "derived": derive(raw)}))
+    summary = render(tmp_path, "disagg-bench overhead")
+    assert summary["router_cpu_over_vllm_router"] == pytest.approx(1.35 / 0.8)
+    band = summary["spread"]["router_cpu_over_vllm_router"]
+    assert (band["low"], band["high"], band["repetitions"]) == (pytest.approx(1.2), 2.5, 2)
+    assert "floor_cpu_over_vllm_router" not in summary["spread"]  # no floor in this run
+
+
 def test_log_folder_is_the_given_one_or_a_new_temporary_one_and_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
