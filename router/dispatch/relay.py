@@ -71,20 +71,21 @@ class Relay:
 
     async def _ready_events(self, item: DecodeItem | None) -> tuple[list[bytes], DecodeItem | None]:
         """Client events for ``item`` and the events queued behind it; returns them with the
-        first item not taken (None: the queue is empty). An event with a usage may wait for P's
-        answer, so it starts a batch of its own: the events before it are not held back."""
+        first item not taken (None: the queue is empty). An event with a usage waits for P's
+        answer while P is still running, so it then starts a batch of its own: the events
+        before it are not held back (P done, the usual case: one batch, one write)."""
         batch: list[bytes] = []
         while isinstance(item, bytes):
             found = item.find(b'"usage"')
             if found >= 0:
                 start = item.rfind(b"\n\n", 0, found) + 2  # where its event starts (-1 + 2: 1st)
                 start = 0 if start == 1 else start
-                if start or batch:  # what comes before the usage event goes out first
-                    if start:
-                        batch.append(item[:start])
+                if start:
+                    batch.append(item[:start])
+                if batch and self._usage_waits():  # what comes before it goes out first
                     return batch, item[start:]
                 end = item.find(b"\n\n", found) + 2
-                batch.append(await self._usage_event(item[:end]))
+                batch.append(await self._usage_event(item[start:end]))
                 item = item[end:]
                 if item:
                     continue
@@ -95,6 +96,11 @@ class Relay:
             except asyncio.QueueEmpty:
                 item = None
         return batch, item
+
+    def _usage_waits(self) -> bool:
+        """Whether merging a usage would wait for P (P's leg still running)."""
+        p_task = self._a.p_task
+        return p_task is not None and not p_task.done()
 
     async def _usage_event(self, event: bytes) -> bytes:
         """``event`` (``data: <chunk>\n\n``) with P's usage merged into its ``usage``."""

@@ -70,9 +70,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     """One client connection (see the module doc); ``limits`` is set by :func:`protocol_class`.
 
     Timers: ``_bound_idle`` runs from the connection's opening to its first non-empty byte;
-    ``_bound_header`` from a request's first byte to the end of its headers. Both are cancelled
-    on ``connection_lost``. Our attributes are prefixed ``_bound_`` so they cannot collide with
-    the base class's. Callbacks run on the event loop and must not block."""
+    ``_bound_header`` from a request's first byte to the end of its headers, armed only when a
+    read ends with the headers incomplete (a request whose headers come in one read, the usual
+    case, makes no timer). Both are cancelled on ``connection_lost``. Our attributes are
+    prefixed ``_bound_`` so they cannot collide with the base class's. Callbacks run on the
+    event loop and must not block."""
 
     limits: LimitsConfig = LimitsConfig()
 
@@ -81,6 +83,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._bound_idle: asyncio.TimerHandle | None = None
         self._bound_header: asyncio.TimerHandle | None = None
         self._bound_header_bytes = 0
+        self._bound_header_pending = False  # a request's headers begun, not yet complete
+        self._bound_header_began = 0.0
         self._bound_notice = DisconnectNotice()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -102,21 +106,26 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._bound_idle.cancel()
             self._bound_idle = None
         super().data_received(data)
-        if self._bound_header is not None:  # headers still incomplete after this chunk
+        if self._bound_header_pending:  # headers still incomplete after this chunk
             self._bound_header_bytes += len(data)
             if self._bound_header_bytes > self.limits.max_header_bytes:
                 message = f"request headers exceed {self.limits.max_header_bytes} bytes"
                 self._answer(error_answer(RouterError(message, status=431, error_type=_INVALID)))
+            elif self._bound_header is None:  # armed only now: most headers come in one read
+                due = self._bound_header_began + self.limits.header_timeout
+                self._bound_header = self.loop.call_at(due, self._header_expired)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()  # the request's scope is made here, its app not yet started
         scope = cast(dict[str, Any], self.scope)  # uvicorn types extensions' values as dicts
         scope.setdefault("extensions", {})[NOTICE] = self._bound_notice
-        if self._bound_header is None:
+        if not self._bound_header_pending:
+            self._bound_header_pending = True
             self._bound_header_bytes = 0
-            self._arm_header()
+            self._bound_header_began = self.loop.time()
 
     def on_headers_complete(self) -> None:
+        self._bound_header_pending = False
         if self._bound_header is not None:
             self._bound_header.cancel()
             self._bound_header = None
@@ -155,6 +164,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             if timer is not None:
                 timer.cancel()
         self._bound_idle = self._bound_header = None
+        self._bound_header_pending = False
 
 
 def protocol_class(limits: LimitsConfig) -> type[BoundedHttpProtocol]:

@@ -57,6 +57,8 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._wait_started = 0.0
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._paused = False
@@ -146,7 +148,7 @@ class _Connection(asyncio.Protocol):
     async def head(self) -> None:
         """Wait for the answer's status line and headers (``status``, ``content_type``)."""
         while not self._headed:
-            await self._wait(self.read_timeout)
+            await self._wait()
 
     async def read(self) -> bytes:
         """The whole body (what is left of it)."""
@@ -165,7 +167,7 @@ class _Connection(asyncio.Protocol):
         while not chunks:
             if self._complete:
                 return b""
-            await self._wait(self.read_timeout)
+            await self._wait()
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         self._buffered = 0
@@ -181,26 +183,51 @@ class _Connection(asyncio.Protocol):
     def finish(self) -> None:
         """The request is over (read or not): ready for the next, or closed by :meth:`close`."""
         self._active = False
+        self._stop_timer()
 
     def close(self) -> None:
         self.closed = True
+        self._stop_timer()
         if self._transport is not None:
             self._transport.close()
 
-    async def _wait(self, timeout: float | None) -> None:
-        """Until the protocol has news (or ``timeout``: ``ReadTimeout``). The connection's
-        error is raised only when there is nothing left to read: what arrived before the
-        connection failed is still the caller's."""
+    async def _wait(self) -> None:
+        """Until the protocol has news (``ReadTimeout`` when ``read_timeout`` passes first).
+        The connection's error is raised only when there is nothing left to read: what arrived
+        before the connection failed is still the caller's.
+
+        One timer per request, not one per wait: it is armed by the first wait and, when it
+        fires, re-armed for what is left of the current wait (:meth:`_check_timeout`)."""
         if self._error is not None:
             raise self._error
         waiter = self._waiter = self._loop.create_future()
-        timer = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
+        if self.read_timeout is not None:
+            self._wait_started = self._loop.time()
+            if self._timer is None:
+                due = self._wait_started + self.read_timeout
+                self._timer = self._loop.call_at(due, self._check_timeout)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _check_timeout(self) -> None:
+        """The read timer: fail the wait under way if it has lasted ``read_timeout``, else wait
+        for what is left of it (no wait under way: the next one arms a new timer)."""
+        self._timer = None
+        waiter, limit = self._waiter, self.read_timeout
+        if waiter is None or waiter.done() or limit is None:
+            return
+        due = self._wait_started + limit
+        if self._loop.time() >= due:
+            waiter.set_exception(httpx.ReadTimeout("timed out waiting for the answer"))
+        else:
+            self._timer = self._loop.call_at(due, self._check_timeout)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -212,11 +239,6 @@ class _Connection(asyncio.Protocol):
             self._error = error
         self.close()
         self._wake()
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(httpx.ReadTimeout("timed out waiting for the answer"))
 
 
 class ConnectionPool:

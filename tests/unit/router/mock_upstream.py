@@ -34,7 +34,8 @@ def answer(text: str, kv: dict[str, Any] | None) -> dict[str, Any]:
 
 class Upstream:
     """Answers like vLLM P and D (health, JSON, SSE); counts generation requests (not probes).
-    A streamed answer carries ``tokens`` events, all in one body."""
+    A streamed answer carries ``tokens`` events, all in one body (and, with
+    ``stream_options.include_usage``, a last event with the usage, as vLLM sends it)."""
 
     def __init__(self, tokens: int = 1) -> None:
         self.generations = 0
@@ -48,6 +49,10 @@ class Upstream:
             self.generations += 1
         if body.get("stream"):
             chunk = {"id": "x", "choices": [{"index": 0, "text": "a", "finish_reason": None}]}
-            sse = f"data: {json.dumps(chunk)}\n\n" * self.tokens + "data: [DONE]\n\n"
+            sse = f"data: {json.dumps(chunk)}\n\n" * self.tokens
+            if (body.get("stream_options") or {}).get("include_usage"):  # vLLM's last chunk
+                usage = {"prompt_tokens": 3, "completion_tokens": self.tokens}
+                sse += f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n"
+            sse += "data: [DONE]\n\n"
             return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
         return httpx.Response(200, json=answer("a", KV))

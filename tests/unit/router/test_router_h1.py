@@ -221,6 +221,34 @@ async def test_no_answer_is_a_read_timeout_and_no_chunk_in_time_too() -> None:
             await pool.close()
 
 
+async def test_the_read_timeout_bounds_each_silence_not_the_whole_answer() -> None:
+    """A body whose chunks keep coming outlasts the read timeout in all and is read to its end;
+    the timeout is one timer re-armed for what is left of each wait, not one per wait."""
+    chunks = 12
+
+    async def steady(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(chunks):
+            await asyncio.sleep(0.1)  # the server's pace: each silence well under 1 s
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with _server(steady) as (origin, _):
+        pool = _pool(read_s=1.0)
+        try:
+            started = asyncio.get_running_loop().time()
+            async with pool.post(origin, _head(origin), BODY) as answer:
+                body = await answer.read()
+            took = asyncio.get_running_loop().time() - started
+        finally:
+            await pool.close()
+    assert body == b"x" * chunks
+    assert took > 1.0  # longer than the read timeout in all, so a timer per request would fire
+
+
 async def test_past_max_connections_a_request_waits_for_one_to_come_back() -> None:
     """With one connection allowed, a second request is sent once the first ended (on the same
     connection), not on a second one."""

@@ -30,27 +30,36 @@ def _app(tokens: int) -> FastAPI:
 
 
 async def test_events_d_sent_together_reach_the_client_in_one_write() -> None:
-    app = _app(tokens=5)
     body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client,
-    ):
-        await app.state.runtime.lifecycle.initial_check_done.wait()
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            writes = [part async for part in resp.aiter_raw() if part]
+    messages = await _messages(_app(tokens=5), body)
+    writes = [m["body"] for m in messages if m["type"] == "http.response.body"]
     assert len(writes) == 1  # one upstream body: one write to the client, not one per event
     events = [e.removeprefix(b"data: ") for e in writes[0].split(b"\n\n") if e]
     assert events[-1] == b"[DONE]"
     assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["a"] * 5
 
 
-async def test_the_stream_s_last_events_end_the_body_in_the_same_message() -> None:
-    """No separate empty message (a write of its own) after the events that end the stream."""
-    app = _app(tokens=3)
-    request_body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True})
-    pending = [{"type": "http.request", "body": request_body.encode(), "more_body": False}]
+async def test_a_usage_event_goes_out_with_the_events_before_it_once_p_has_answered() -> None:
+    """P's usage is in hand when D's events come (P answered first): the usage is merged
+    without holding anything back, so D's one body is still one write."""
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    messages = await _messages(_app(tokens=4), body)
+    [written] = [m["body"] for m in messages if m["type"] == "http.response.body"]
+    events = [e.removeprefix(b"data: ") for e in written.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]" and len(events) == 6
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 4
+
+
+async def _messages(app: FastAPI, body: dict[str, Any]) -> list[MutableMapping[str, Any]]:
+    """What the app sends the server for one request of ``body`` to ``/v1/completions``: each
+    ASGI message is one write to the client's connection."""
+    pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
     messages: list[MutableMapping[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -79,6 +88,13 @@ async def test_the_stream_s_last_events_end_the_body_in_the_same_message() -> No
     async with app.router.lifespan_context(app):
         await app.state.runtime.lifecycle.initial_check_done.wait()
         await app(scope, receive, send)
+    return messages
+
+
+async def test_the_stream_s_last_events_end_the_body_in_the_same_message() -> None:
+    """No separate empty message (a write of its own) after the events that end the stream."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True}
+    messages = await _messages(_app(tokens=3), body)
     bodies = [m for m in messages if m["type"] == "http.response.body"]
     assert messages[0]["status"] == 200
     assert all(m["body"] for m in bodies)
