@@ -56,9 +56,15 @@ class Relay:
         """
         return SseEvents(self)
 
-    def _start_timers(self) -> asyncio.TimerHandle:
-        """Arm the deadline and the stall timer; returns the deadline's."""
+    def _start_timers(self) -> asyncio.TimerHandle | None:
+        """Arm the deadline and the stall timer; returns the deadline's. None when D's leg has
+        already ended: all it sent, and its end, are queued, so there is nothing to time (the
+        wait for P's usage has its own bound)."""
         a = self._a
+        d_task = a.d_task
+        ended = d_task is not None and d_task.done() and not d_task.cancelled()
+        if ended and d_task is not None and d_task.exception() is None:  # its end is queued
+            return None
         loop = asyncio.get_running_loop()
         expiry = loop.call_later(max(a.deadline - time.monotonic(), 0.0), self._expire)
         self._stall_timer = loop.call_later(a.runtime.settings.timeouts.inter_token, self._stall)
@@ -193,11 +199,13 @@ class Relay:
 class SseEvents:
     """:meth:`Relay.sse_events`' iterator: an object, not an async generator, as every
     streamed request makes one (an async generator costs the event loop's bookkeeping).
-    Timers start at the first ``__anext__`` and stop when it ends, fails or ``aclose()``s."""
+    Timers start at the first ``__anext__`` (none if D's leg has ended by then) and stop when
+    it ends, fails or ``aclose()``s."""
 
     def __init__(self, relay: Relay) -> None:
         self._relay = relay
         self._item: DecodeItem | None = relay.attempt.first
+        self._started = False
         self._expiry: asyncio.TimerHandle | None = None
         self._sent: tuple[bool, bool] | None = None  # (had events, ended) of the last chunk
         self._closed = False
@@ -223,7 +231,8 @@ class SseEvents:
 
     async def _next(self) -> bytes:
         relay, a = self._relay, self._relay.attempt
-        if self._expiry is None:
+        if not self._started:
+            self._started = True
             self._expiry = relay._start_timers()
         elif self._sent is not None:  # what follows handing the last chunk over
             had_events, ended = self._sent

@@ -35,8 +35,9 @@ Origin = tuple[str, int]
 """(host, port) of an instance."""
 
 _PAUSE_AT = 1 << 20
-"""Buffered body bytes at which a connection stops reading from its socket until the reader
-catches up (a slow client of the router must not make it buffer a whole answer)."""
+"""Bytes read and not yet taken by the reader (body bytes and their chunk framing) at which a
+connection stops reading from its socket until the reader catches up (a slow client of the
+router must not make it buffer a whole answer)."""
 
 
 class _Connection(asyncio.Protocol):
@@ -55,11 +56,14 @@ class _Connection(asyncio.Protocol):
         self.read_timeout = read_timeout
         self._on_lost = on_lost
         self._transport: asyncio.Transport | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self.on_body: Callable[[bytes], None] = self._chunks.append
+        """The parser's body callback: each decoded chunk straight onto the deque, no Python
+        call per chunk (httptools looks its callbacks up once, when the parser is made)."""
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._wait_started = 0.0
-        self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._paused = False
         self._error: Exception | None = None
@@ -85,6 +89,13 @@ class _Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP answer: {exc}"))
+            return
+        if self._chunks:  # body bytes came: the reader is woken once per read, not per chunk
+            self._buffered += len(data)
+            if self._buffered >= _PAUSE_AT and not self._paused and self._transport is not None:
+                self._paused = True
+                self._transport.pause_reading()
+            self._wake()
 
     def eof_received(self) -> bool:
         return False  # close the transport: connection_lost follows
@@ -117,14 +128,6 @@ class _Connection(asyncio.Protocol):
         self.status = self._parser.get_status_code()
         self._keep_alive = self._parser.should_keep_alive()
         self._headed = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
-        self._buffered += len(body)
-        if self._buffered >= _PAUSE_AT and not self._paused and self._transport is not None:
-            self._paused = True
-            self._transport.pause_reading()
         self._wake()
 
     def on_message_complete(self) -> None:
