@@ -59,6 +59,9 @@ class OverheadSpec:
     """Closed loops per target, the targets taking turns round by round: the machine's speed
     drifts within minutes, so CPU per request is pooled over rounds spread across the run."""
     routers: tuple[str, ...] = ("ours", "floor", "vllm-router")
+    baseline: str | None = None
+    """Another checkout of the router, run beside ours as the target ``baseline`` on the same
+    fakes (two commits compared within one run)."""
     seed: int = 0
     pin: bool = True
     token_delay: float = 0.0
@@ -387,7 +390,7 @@ def _ms(value: float | None) -> str:
 def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start the processes, measure, stop them; returns raw and derived numbers."""
     logs = log_folder(log_dir, "bench-overhead-")
-    p_port, d_port, r_port, v_port, f_port = free_ports(5)
+    p_port, d_port, r_port, v_port, f_port, b_port = free_ports(6)
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     fake_cpus, router_cpus = cpu_split(spec.pin)
     pgids: dict[str, int] = {}
@@ -403,10 +406,15 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
         started("prefill", p_fake)
         started("direct", fake_process("fake-decode", d_port, logs, None, fake_cpus, delay))
         targets = {"direct": Target(d_url, MODEL)}
+        config = router_config(MODEL, p_url, d_url, identity=FAKE_PREFILL_IDENTITY)
         if "ours" in spec.routers:
-            config = router_config(MODEL, p_url, d_url, identity=FAKE_PREFILL_IDENTITY)
             started("ours", our_router(config, r_port, logs, cpus=router_cpus))
             targets["ours"] = Target(f"http://127.0.0.1:{r_port}", MODEL)
+        if spec.baseline is not None:
+            source = Path(spec.baseline)
+            base = our_router(config, b_port, logs, cpus=router_cpus, source=source)
+            started("baseline", base)
+            targets["baseline"] = Target(f"http://127.0.0.1:{b_port}", MODEL)
         if "floor" in spec.routers:
             floor = floor_router(p_url, d_url, FAKE_PREFILL_IDENTITY, f_port, logs, router_cpus)
             started("floor", floor)
@@ -414,7 +422,10 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
         if "vllm-router" in spec.routers:
             started("vllm-router", vllm_router(p_url, d_url, v_port, logs, cpus=router_cpus))
             targets["vllm-router"] = Target(f"http://127.0.0.1:{v_port}", MODEL)
-        stage_metrics = {"ours": f"http://127.0.0.1:{r_port}/metrics"}
+        stage_metrics = {
+            "ours": f"http://127.0.0.1:{r_port}/metrics",
+            "baseline": f"http://127.0.0.1:{b_port}/metrics",
+        }
         raw = asyncio.run(measure(targets, spec, pgids, stage_metrics))
     cpus = {"fakes": fake_cpus, "routers": router_cpus}
     return {

@@ -29,6 +29,12 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     )
     routers = ",".join(ROUTERS)
     parser.add_argument("--routers", default=routers, help=f"subset of {routers}")
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="another checkout of the router (a directory holding router/), run beside ours as "
+        "the target 'baseline' on the same fakes: two commits compared in one run",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--token-delay",
@@ -60,6 +66,7 @@ def overhead_command(args: argparse.Namespace) -> int:
         saturation_concurrency=args.saturation_concurrency,
         saturation_requests=args.saturation_requests,
         saturation_rounds=args.saturation_rounds,
+        baseline=args.baseline,
         routers=routers,
         seed=args.seed,
         pin=not args.no_pin,

@@ -8,6 +8,7 @@ Who calls it: the overhead benchmark and the scenario runner. Each returns an un
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -59,19 +60,25 @@ def our_router(
     ready_timeout_s: float = 60.0,
     cpus: str | None = None,
     workers: int = 1,
+    source: Path | None = None,
 ) -> ChildProcess:
     """Our router as a process (``disagg-router serve``, ``--workers`` when more than one),
-    ready once both pools are usable; pinned to ``cpus`` when given."""
+    ready once both pools are usable; pinned to ``cpus`` when given. ``source``: another
+    checkout whose ``router`` package runs instead of the installed one (put first on
+    ``PYTHONPATH``; its dependencies are this environment's)."""
     path = logs / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
-    argv = [_python(), "-m", "router.cli", "serve", "--config", str(path)]
+    # -P: the working directory is not put first on sys.path, so a checkout it holds cannot
+    # stand in for the router meant (the installed one, or ``source``).
+    argv = [_python(), "-P", "-m", "router.cli", "serve", "--config", str(path)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     if workers > 1:
         argv += ["--workers", str(workers)]
     argv = pinned(argv, cpus)
     ready = f"http://127.0.0.1:{port}/ready"
     log = logs / f"router-{port}.log"
-    return http_process("router", argv, ready, log, ready_timeout_s=ready_timeout_s)
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(source.resolve())}
+    return http_process("router", argv, ready, log, env=env, ready_timeout_s=ready_timeout_s)
 
 
 def floor_router(

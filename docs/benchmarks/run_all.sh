@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=docs/benchmarks
 SWEEP=(--input-lens 512,2048,8192 --fractions 0.3,0.6,0.9,1.2 --repetitions 2 --output-len 64 --point-time-limit 120)
-OVERHEAD=(--rates 100,250,500 --seconds-per-rate 6 --saturation-requests 3000)
+OVERHEAD=(--rates 100,250,500 --seconds-per-rate 6 --saturation-requests 3000 --saturation-rounds 3)
 TRANSFER=(--iterations 50 --rounds 3)
 ROUTING=()
 PINNED=()

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from bench.overhead import FAKE_PREFILL_IDENTITY as IDENTITY
 from bench.overhead import _stages_during, derive, fake_process, format_report, pooled
-from bench.routers import router_config
+from bench.routers import our_router, router_config
 from router.config import settings_from_mapping
 from router.observability.metrics import RouterMetrics
 
@@ -158,3 +158,14 @@ def test_rounds_pool_cpu_over_all_requests_and_keep_the_median_rounds_latencies(
     assert (out["completed"], out["failed"]) == (60, 2)
     assert (out["request_throughput"], out["median_ttft_ms"]) == (200, 2.0)
     assert out["fakes_cpu_ms_per_request"] == 0.0
+
+
+def test_a_baseline_checkout_runs_its_own_router_package(tmp_path: Path) -> None:
+    """``--baseline DIR``: the router process imports ``router`` from DIR first; ours keeps the
+    environment it was given."""
+    config = router_config("m", "http://127.0.0.1:1", "http://127.0.0.1:2", identity=IDENTITY)
+    other = tmp_path / "other-checkout"
+    baseline = our_router(config, 1, tmp_path, source=other).process
+    assert baseline.env is not None and baseline.env["PYTHONPATH"] == str(other.resolve())
+    assert baseline.argv[1:4] == ("-P", "-m", "router.cli")  # the working dir cannot shadow it
+    assert our_router(config, 2, tmp_path).process.env is None
