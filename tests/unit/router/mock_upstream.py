@@ -1,12 +1,16 @@
 """A P/D pair of vLLM instances as an ``httpx.MockTransport`` handler, for app tests without
-servers: the instance URLs, P's ``kv_transfer_params`` and vLLM-shaped answers."""
+servers: the instance URLs, P's ``kv_transfer_params`` and vLLM-shaped answers; and one request
+made of an app as the server would make it (:func:`asgi_messages`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import httpx
+from fastapi import FastAPI
 
 P, D = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
 KV = {
@@ -56,3 +60,45 @@ class Upstream:
             sse += "data: [DONE]\n\n"
             return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
         return httpx.Response(200, json=answer("a", KV))
+
+
+async def asgi_messages(
+    app: FastAPI,
+    body: dict[str, Any],
+    on_message: Callable[[MutableMapping[str, Any]], None] | None = None,
+) -> list[MutableMapping[str, Any]]:
+    """What ``app`` sends the server for one request of ``body`` to ``/v1/completions`` (each
+    ASGI message is one write to the client's connection), the client staying connected;
+    ``on_message`` sees each message as it is sent."""
+    pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    messages: list[MutableMapping[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client stays connected
+        raise AssertionError("unreachable")
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        messages.append(message)
+        if on_message is not None:
+            on_message(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    async with app.router.lifespan_context(app):
+        await app.state.runtime.lifecycle.initial_check_done.wait()
+        await app(scope, receive, send)
+    return messages

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import MutableMapping
-from typing import Any
 
 import httpx
 import pytest
@@ -14,7 +12,7 @@ from fastapi import FastAPI
 from router import create_app
 from router.config import settings_from_mapping
 from router.dispatch.state import END, Mailbox
-from tests.unit.router.mock_upstream import D, P, Upstream
+from tests.unit.router.mock_upstream import D, P, Upstream, asgi_messages
 
 
 def _app(tokens: int) -> FastAPI:
@@ -31,7 +29,7 @@ def _app(tokens: int) -> FastAPI:
 
 async def test_events_d_sent_together_reach_the_client_in_one_write() -> None:
     body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
-    messages = await _messages(_app(tokens=5), body)
+    messages = await asgi_messages(_app(tokens=5), body)
     writes = [m["body"] for m in messages if m["type"] == "http.response.body"]
     assert len(writes) == 1  # one upstream body: one write to the client, not one per event
     events = [e.removeprefix(b"data: ") for e in writes[0].split(b"\n\n") if e]
@@ -49,52 +47,17 @@ async def test_a_usage_event_goes_out_with_the_events_before_it_once_p_has_answe
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    messages = await _messages(_app(tokens=4), body)
+    messages = await asgi_messages(_app(tokens=4), body)
     [written] = [m["body"] for m in messages if m["type"] == "http.response.body"]
     events = [e.removeprefix(b"data: ") for e in written.split(b"\n\n") if e]
     assert events[-1] == b"[DONE]" and len(events) == 6
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 4
 
 
-async def _messages(app: FastAPI, body: dict[str, Any]) -> list[MutableMapping[str, Any]]:
-    """What the app sends the server for one request of ``body`` to ``/v1/completions``: each
-    ASGI message is one write to the client's connection."""
-    pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-    messages: list[MutableMapping[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if pending:
-            return pending.pop()
-        await asyncio.Event().wait()  # the client stays connected
-        raise AssertionError("unreachable")
-
-    async def send(message: MutableMapping[str, Any]) -> None:
-        messages.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
-    async with app.router.lifespan_context(app):
-        await app.state.runtime.lifecycle.initial_check_done.wait()
-        await app(scope, receive, send)
-    return messages
-
-
 async def test_the_stream_s_last_events_end_the_body_in_the_same_message() -> None:
     """No separate empty message (a write of its own) after the events that end the stream."""
     body = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True}
-    messages = await _messages(_app(tokens=3), body)
+    messages = await asgi_messages(_app(tokens=3), body)
     bodies = [m for m in messages if m["type"] == "http.response.body"]
     assert messages[0]["status"] == 200
     assert all(m["body"] for m in bodies)

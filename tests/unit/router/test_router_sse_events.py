@@ -17,7 +17,7 @@ from httpx_sse import EventSource
 from router import create_app
 from router.config import settings_from_mapping
 from router.upstream.sse import EventSplitter
-from tests.unit.router.mock_upstream import KV, D, P, answer
+from tests.unit.router.mock_upstream import KV, D, P, answer, asgi_messages
 
 OPENAI = (
     b"".join(
@@ -120,37 +120,13 @@ async def test_events_before_the_usage_event_are_not_held_back_for_ps_usage() ->
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-    writes: list[bytes] = []
 
-    async def receive() -> dict[str, Any]:
-        if pending:
-            return pending.pop()
-        await asyncio.Event().wait()  # the client stays connected
-        raise AssertionError("unreachable")
-
-    async def send(message: MutableMapping[str, Any]) -> None:
+    def release_p(message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.body":
-            writes.append(message["body"])
             upstream.release.set()  # P answers only once the client has the first write
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
-    async with app.router.lifespan_context(app):
-        await app.state.runtime.lifecycle.initial_check_done.wait()
-        await app(scope, receive, send)
+    messages = await asgi_messages(app, body, release_p)
+    writes = [m["body"] for m in messages if m["type"] == "http.response.body"]
     first = [json.loads(e[6:]) for e in writes[0].split(b"\n\n") if e]
     assert [c["choices"][0]["text"] for c in first] == ["a", "b"]
     events = [e[6:] for e in b"".join(writes[1:]).split(b"\n\n") if e]
