@@ -211,19 +211,42 @@ async def wait_registered(d: StackInstance) -> None:
 async def abort_p_leg_mid_prefill(
     client: httpx.AsyncClient, p: StackInstance, p_body: dict[str, Any], headers: dict[str, str]
 ) -> None:
-    """Send the P leg and go away once P runs it: vLLM aborts the request mid-prefill. P must be
-    idle first, so the running request seen is this one (not one still finishing, and never
-    a leg cancelled before P's engine got it, which only D's timeout would end)."""
+    """Send the P leg and go away once P's engine holds it (running, or queued to run): vLLM
+    aborts the request before its prefill ends. P must be idle first, so the request seen is
+    this one (not one still finishing, and never a leg cancelled before P's engine got it,
+    which only D's timeout would end). Fails at once, with P's answer, if the leg ends before
+    it was seen, and after 60 s with the tail of P's log."""
     await asyncio.to_thread(wait_idle, p, 60.0, "P to be idle before the prefill to abort")
     p_leg = asyncio.ensure_future(
         client.post(p.url + "/v1/completions", json=p_body, headers=headers)
     )
-    await asyncio.to_thread(
-        wait_until, lambda: load(p)[0] >= 1, 60.0, "P to start the prefill", 0.01
-    )
-    p_leg.cancel()
+    try:
+        await wait_engine_holds(p, p_leg)
+    finally:
+        p_leg.cancel()
     with pytest.raises(asyncio.CancelledError):
         await p_leg
+
+
+async def wait_engine_holds(p: StackInstance, p_leg: asyncio.Future[httpx.Response]) -> None:
+    """Poll P's ``/metrics`` until its engine has a running or waiting request, watching the
+    leg between polls; fail with what P said if the leg ends first, or with P's log tail."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60.0
+    while sum(await asyncio.to_thread(load, p)) < 1:
+        done, _ = await asyncio.wait({p_leg}, timeout=0.01)
+        if done:
+            answer = p_leg.result()
+            pytest.fail(f"P answered before it was seen: {answer.status_code} {answer.text[:300]}")
+        if loop.time() >= deadline:
+            pytest.fail(f"P's engine never held the leg within 60 s; P's log:\n{log_tail(p)}")
+
+
+def log_tail(instance: StackInstance, lines: int = 40) -> str:
+    """The last ``lines`` lines of an instance's log, its ``/metrics`` scrapes left out."""
+    text = instance.server.log_path.read_text(errors="replace")
+    kept = [line for line in text.splitlines() if "GET /metrics" not in line]
+    return "\n".join(kept[-lines:])
 
 
 def failed_transfer_line(d: StackInstance, rid: str) -> str:
