@@ -389,7 +389,7 @@ async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> No
     baseline = idle_kv_usage(d)
     rid = uuid.uuid4().hex
     # The longest prompt the instances take: P prefills it in chunks over several steps, and
-    # the client goes away once P reports the request running, i.e. after its first chunk.
+    # the client goes away once P's engine holds the request (queued, or after its first chunk).
     prompt = tokens("p-abort", 16000)
     headers = {"X-Request-Id": rid}
     p_params = prefill_leg_params(rid)
