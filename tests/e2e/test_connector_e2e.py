@@ -243,7 +243,8 @@ async def wait_engine_holds(p: StackInstance, p_leg: asyncio.Future[httpx.Respon
 
 
 def log_tail(instance: StackInstance, lines: int = 40) -> str:
-    """The last ``lines`` lines of an instance's log, its ``/metrics`` scrapes left out."""
+    """The last ``lines`` lines of an instance's log, its ``/metrics`` scrapes left out (after
+    a 60 s poll every 10 ms they fill the tail ``server.log_tail`` would give)."""
     text = instance.server.log_path.read_text(errors="replace")
     kept = [line for line in text.splitlines() if "GET /metrics" not in line]
     return "\n".join(kept[-lines:])
