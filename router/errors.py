@@ -20,6 +20,10 @@ class RouterError(Exception):
     code: str | None = None
     param: str | None = None
     retry_after: int | None = None  # seconds; sent as ``Retry-After`` when set
+    closes_connection: bool = False
+    """True where the client's request stream cannot be trusted after this error (part of the
+    body or headers is unread): the answer says ``Connection: close`` and the server closes the
+    connection after it."""
 
     def __init__(
         self,
@@ -107,6 +111,7 @@ class PayloadTooLarge(RouterError):
 
     status = 413
     error_type = "invalid_request_error"
+    closes_connection = True
 
 
 class BodyTimeout(RouterError):
@@ -114,6 +119,7 @@ class BodyTimeout(RouterError):
 
     status = 408
     error_type = "invalid_request_error"
+    closes_connection = True
 
 
 class UpstreamError(RouterError):
@@ -225,6 +231,7 @@ class ClientDisconnected(RouterError):
 
     status = 499
     error_type = "client_closed_request"
+    closes_connection = True
 
 
 def outcome_label(exc: RouterError) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import resource
 import socket
 from pathlib import Path
@@ -107,7 +108,9 @@ def uvicorn_config(
         proxy_headers=False,
         log_config=None,  # the process's logging (text or JSON) is set up by the CLI
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        timeout_keep_alive=int(settings.limits.keep_alive),
+        # The protocol closes an idle kept-alive connection after exactly limits.keep_alive;
+        # uvicorn's own timer (whole seconds) must not close it earlier (int(0.5) is 0).
+        timeout_keep_alive=math.ceil(settings.limits.keep_alive),
         http=protocol_class(settings.limits),
     )
 

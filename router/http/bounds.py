@@ -20,6 +20,7 @@ from router.errors import BodyTimeout, ClientDisconnected, PayloadTooLarge, Rout
 class HeadersTooLarge(RouterError):
     status = 431
     error_type = "invalid_request_error"
+    closes_connection = True
 
 
 def check_headers(headers: list[tuple[bytes, bytes]], limits: LimitsConfig) -> None:

@@ -48,10 +48,15 @@ def request_context(request: Request) -> RequestContext:
 
 
 def error_response(exc: RouterError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """``exc`` as OpenAI-style JSON with its status (and ``Retry-After`` when it has one)."""
+    """``exc`` as OpenAI-style JSON with its status, ``Retry-After`` when it has one, and
+    ``Connection: close`` when the request stream cannot be trusted after it
+    (:attr:`~router.errors.RouterError.closes_connection`): uvicorn then closes the connection
+    once the answer is sent, whatever of the request is still unread."""
     headers = dict(headers or {})
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
+    if exc.closes_connection:
+        headers["Connection"] = "close"
     return JSONResponse(error_payload(exc), status_code=exc.status, headers=headers)
 
 

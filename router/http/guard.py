@@ -1,7 +1,7 @@
 """The outermost layer of every HTTP request: header bound, request id, trace span.
 
 Who calls it: the app (:mod:`router.http.app`) wraps itself in one :class:`RequestGuard`. For each
-request it checks the header size (431 in OpenAI error form), builds the
+request it checks the header size (431 in OpenAI error form, ``Connection: close``), builds the
 :class:`~router.request.RequestContext` (router's id, the client's ``X-Request-Id`` when safe,
 a request span continuing the client's W3C ``traceparent`` when tracing is on) into
 ``request.state.ctx``, and puts ``X-Request-Id`` on the response unless the handler set one (the
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.config import LimitsConfig
-from router.errors import error_payload
 from router.http.bounds import HeadersTooLarge, check_headers
+from router.http.generate import error_response
 from router.observability.tracing import NO_SPAN, NoTracer, Span
 from router.request import RequestContext, safe_client_id
 
@@ -106,8 +105,7 @@ class RequestGuard:
         try:
             check_headers(scope["headers"], self.limits)
         except HeadersTooLarge as exc:
-            headers = {"X-Request-Id": ctx.request_id}
-            response = JSONResponse(error_payload(exc), status_code=exc.status, headers=headers)
+            response = error_response(exc, {"X-Request-Id": ctx.request_id})
             await response(scope, receive, send)
             span.end(exc.message)
             return

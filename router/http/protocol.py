@@ -12,6 +12,9 @@ used, never its private state. What a client sees when a bound fires:
   error with ``Retry-After: 1`` and is closed at once (its descriptor is freed immediately);
 - ``limits.idle_connection_timeout``: a connection that sends nothing (empty lines do not count)
   is closed without an answer;
+- ``limits.keep_alive``: a connection that has had its answer and begins no new request in that
+  time is closed without an answer (what trails the answered request, the rest of its body or
+  empty lines, does not count);
 - ``limits.header_timeout``: a request whose line and headers are not complete this many seconds
   after its first byte gets a 408 JSON error and the connection is closed;
 - ``limits.max_header_bytes``: headers still incomplete past that size get a 431 JSON error
@@ -19,7 +22,10 @@ used, never its private state. What a client sees when a bound fires:
 - a request the HTTP parser rejects (``Content-Length: -1``, a broken request line) gets a 400
   JSON error instead of uvicorn's plain text.
 
-Each of these answers carries a fresh ``X-Request-Id`` and ``Connection: close``.
+Each of these answers carries a fresh ``X-Request-Id`` and ``Connection: close``. The app's own
+answers after which the request stream cannot be trusted (413, 408 on a slow body, 431 on complete
+headers) say ``Connection: close`` too (:func:`router.http.generate.error_response`), and uvicorn
+closes the connection once they are sent.
 
 Each connection also has one :class:`~router.http.disconnect.DisconnectNotice`, put into the
 scope of every request it carries (``extensions``) and told from ``connection_lost``, so a
@@ -69,7 +75,9 @@ def error_answer(exc: RouterError) -> bytes:
 class BoundedHttpProtocol(HttpToolsProtocol):
     """One client connection (see the module doc); ``limits`` is set by :func:`protocol_class`.
 
-    Timers: ``_bound_idle`` runs from the connection's opening to its first non-empty byte;
+    Timers: ``_bound_idle`` runs while the connection waits for a request: from its opening
+    (``idle_connection_timeout``) or from an answer's end (``keep_alive``) to the next request's
+    first byte (``on_message_begin``);
     ``_bound_header`` from a request's first byte to the end of its headers, armed only when a
     read ends with the headers incomplete (a request whose headers come in one read, the usual
     case, makes no timer). Both are cancelled on ``connection_lost``. Our attributes are
@@ -102,9 +110,6 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._bound_notice.connection_lost()
 
     def data_received(self, data: bytes) -> None:
-        if self._bound_idle is not None and data.strip(b"\r\n"):
-            self._bound_idle.cancel()
-            self._bound_idle = None
         super().data_received(data)
         if self._bound_header_pending:  # headers still incomplete after this chunk
             self._bound_header_bytes += len(data)
@@ -116,6 +121,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
                 self._bound_header = self.loop.call_at(due, self._header_expired)
 
     def on_message_begin(self) -> None:
+        if self._bound_idle is not None:  # a request begins: the connection is no longer idle
+            self._bound_idle.cancel()
+            self._bound_idle = None
         super().on_message_begin()  # the request's scope is made here, its app not yet started
         scope = cast(dict[str, Any], self.scope)  # uvicorn types extensions' values as dicts
         scope.setdefault("extensions", {})[NOTICE] = self._bound_notice
@@ -130,6 +138,19 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._bound_header.cancel()
             self._bound_header = None
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        """An answer is sent: unless the connection is closing or another request is already
+        under way (pipelined), it has ``limits.keep_alive`` seconds to begin its next request.
+        uvicorn's own keep-alive timer is not enough: any byte received after the answer (the
+        rest of the answered request's body, an empty line) cancels it for good."""
+        super().on_response_complete()
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if self.transport.is_closing() or busy or self._bound_header_pending:
+            return
+        if self._bound_idle is not None:
+            self._bound_idle.cancel()
+        self._bound_idle = self.loop.call_later(self.limits.keep_alive, self._idle_expired)
 
     def send_400_response(self, msg: str) -> None:
         """The parser rejected the request: a 400 in OpenAI error form (not uvicorn's text)."""

@@ -7,8 +7,9 @@ import json
 import os
 import socket
 import sys
+import threading
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +204,153 @@ def test_a_client_leaving_a_kept_alive_connection_cancels_both_legs(
         )
     assert first.startswith(b"HTTP/1.1 200")
     assert after.status_code == 200, after.text
+
+
+@pytest.fixture(scope="module")
+def strict(
+    fakes: dict[str, FakeVllmServer], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, int]]:
+    """One router with small bounds (1 KiB body and headers, 0.5 s to send them) and at most 8
+    client connections; the default keep-alive (75 s), so a closed connection was closed for its
+    answer, not for being idle."""
+    limits = {
+        "max_body_bytes": 1024,
+        "max_header_bytes": 1024,
+        "body_timeout": 0.5,
+        "header_timeout": 0.5,
+        "max_connections": 8,
+    }
+    with _router(tmp_path_factory.mktemp("strict"), fakes, limits) as (_, addr):
+        yield addr
+
+
+def _head(length: int | None, extra: bytes = b"") -> bytes:
+    size = b"" if length is None else b"Content-Length: %d\r\n" % length
+    return b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n" + size + extra + b"\r\n"
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """Everything the router sends until it closes the connection; a connection still open 5 s
+    after the request fails the test (a bound on the wait, the router's keep-alive is 75 s)."""
+    sock.settimeout(5)
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except TimeoutError:
+        pytest.fail(f"the router kept the connection open after {b''.join(chunks)[:80]!r}")
+    return b"".join(chunks)
+
+
+def _one_answer(sock: socket.socket) -> tuple[int, dict[str, str], Any]:
+    """The first answer on ``sock``, read to the end of its body (the connection left open)."""
+    sock.settimeout(10)
+    raw = b""
+    while b"\r\n\r\n" not in raw or len(raw.partition(b"\r\n\r\n")[2]) < _length(raw):
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a whole answer: {raw!r}"
+        raw += chunk
+    return _parse(raw)
+
+
+def _length(raw: bytes) -> int:
+    head = raw.partition(b"\r\n\r\n")[0].lower()
+    return int(head.partition(b"content-length: ")[2].partition(b"\r\n")[0] or 0)
+
+
+_CHUNKED = b"Transfer-Encoding: chunked\r\n"
+_UNTRUSTED_STREAM = {
+    "400 unparsable request": (400, _head(None, b"Content-Length: -1\r\n")),
+    "400 malformed chunked body": (400, _head(None, _CHUNKED) + b"2\r\n{}\r\nzz\r\n"),
+    "408 stalled body": (408, _head(100) + b"{}"),
+    "408 stalled headers": (408, b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n"),
+    "413 declared body sent in full": (413, _head(2048) + b"x" * 2048),
+    "413 declared body still being sent": (413, _head(1 << 20) + b"x" * 512),
+    "413 chunked body sent in full": (413, _head(None, _CHUNKED) + b"800\r\n" + b"x" * 2048),
+    "431 complete headers": (431, _head(2, b"X-Big: " + b"y" * 1100 + b"\r\n") + b"{}"),
+    "431 incomplete headers": (431, b"POST /v1/completions HTTP/1.1\r\nX-Big: " + b"y" * 2000),
+}
+
+
+@pytest.mark.parametrize("case", list(_UNTRUSTED_STREAM))
+def test_an_answer_after_which_the_stream_is_untrusted_closes_the_connection(
+    strict: tuple[str, int], case: str
+) -> None:
+    """The client keeps its socket open; the router says ``Connection: close`` and closes it
+    (its keep-alive of 75 s would not)."""
+    status, raw = _UNTRUSTED_STREAM[case]
+    with socket.create_connection(strict, timeout=10) as sock:
+        sock.sendall(raw)
+        got, headers, body = _parse(_until_closed(sock))
+    assert (got, headers.get("connection")) == (status, "close"), body
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "x-request-id" in headers
+
+
+def test_a_client_still_sending_its_body_gets_413_and_the_connection_ends(
+    strict: tuple[str, int],
+) -> None:
+    """A client that goes on sending a body over the bound (16 MiB declared, sent in 64 KiB
+    writes) while it reads gets the 413 with ``Connection: close``, then the connection ends:
+    the router stops reading (the unread rest resets it), so its sends fail."""
+    failed: list[OSError] = []
+    with socket.create_connection(strict, timeout=10) as sock:
+
+        def send_body() -> None:
+            try:
+                sock.sendall(_head(1 << 24))
+                for _ in range(256):
+                    sock.sendall(b"x" * 65536)
+            except OSError as exc:
+                failed.append(exc)
+
+        sender = threading.Thread(target=send_body)
+        sender.start()
+        sock.settimeout(5)
+        raw = b""
+        try:
+            while chunk := sock.recv(65536):
+                raw += chunk
+        except ConnectionResetError:  # the unread rest of the body resets the connection
+            pass
+        except TimeoutError:
+            pytest.fail(f"the router kept the connection open after {raw[:80]!r}")
+        finally:
+            with suppress(OSError):  # ends a sender still blocked on a full buffer
+                sock.shutdown(socket.SHUT_RDWR)
+            sender.join(10)
+    status, headers, body = _parse(raw)
+    assert (status, headers.get("connection")) == (413, "close"), body
+    assert failed, "the router read the whole 16 MiB body after answering 413"
+
+
+def test_eight_clients_refused_for_their_body_leave_room_for_a_ninth(
+    strict: tuple[str, int],
+) -> None:
+    """``max_connections: 8``: eight clients each get 413 and keep their sockets open; the
+    router has closed them, so a ninth client is served, not refused with 503."""
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.create_connection(strict)) for _ in range(8)]
+        for sock in socks:
+            sock.sendall(_head(2048) + b"x" * 2048)
+        refused = [_one_answer(sock) for sock in socks]
+        ninth = httpx.get(f"http://{strict[0]}:{strict[1]}/health", timeout=10)
+    assert [status for status, _, _ in refused] == [413] * 8
+    assert ninth.status_code == 200, ninth.text
+
+
+def test_a_kept_alive_connection_is_closed_after_keep_alive_whatever_trails_the_answer(
+    fake: dict[str, FakeVllmServer], tmp_path: Path
+) -> None:
+    """After an answer, neither the rest of the answered request's body (sent after its 404)
+    nor empty lines keep an idle connection open beyond ``limits.keep_alive`` (1 s here)."""
+    with _router(tmp_path, fake, {"keep_alive": 1}) as (_, addr):
+        closed = []
+        for after_answer in (b"{}", b"\r\n"):
+            with socket.create_connection(addr, timeout=10) as sock:
+                head = b"POST /v1/nowhere HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n\r\n"
+                sock.sendall(head)
+                status, _, _ = _one_answer(sock)
+                sock.sendall(after_answer)
+                closed.append((status, _until_closed(sock)))
+    assert closed == [(404, b""), (404, b"")]
