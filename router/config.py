@@ -479,6 +479,16 @@ class KvEventsConfig(_Frozen):
     max_blocks_per_instance: int = Field(
         default=131072, ge=1, description="index bound per instance (oldest blocks forgotten)"
     )
+    max_message_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="largest KV event message taken from a publisher (bigger ones are skipped)",
+    )
+    max_blocks_per_event: int = Field(
+        default=32768,
+        ge=1,
+        description="most block hashes one KV event may carry (a bigger event is skipped)",
+    )
     probe_interval: float = Field(
         default=5.0, gt=0, description="seconds of silence before the replay socket is probed"
     )

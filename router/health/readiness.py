@@ -14,7 +14,8 @@ breaker admitting legs and (P in push mode) its identity known. The router is re
 model is unavailable and it is not draining: readiness means "can serve", so a Kubernetes
 readiness probe keeps the replica in rotation exactly when the fallback carries the traffic.
 ``degraded`` lists what is wrong while it serves: models served by D alone, refused pairs,
-failing discovery, background tasks that crashed and wait to restart.
+failing discovery, background tasks that crashed and wait to restart, KV event streams that are
+degraded (the same state as ``disagg_router_kv_stream_degraded``).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def readiness(
     models = {name: _model(found) for name, found in runtime.routing.table.models.items()}
     draining = runtime.lifecycle.draining
     ready = not draining and all(m.state != "unavailable" for m in models.values())
-    degraded = _degraded(models, discovery, tasks)
+    degraded = _degraded(models, discovery, tasks) + tuple(runtime.kv.degraded())
     first = next(iter(models.values()))  # top-level prefill/decode: the first model's
     body: dict[str, object] = {
         "ready": ready,

@@ -503,10 +503,11 @@ class KvMetrics:
             ["model", "instance", "kind"],
             registry=registry,
         )
-        self.bad_batches = Counter(
-            "disagg_router_kv_bad_batches",
-            "KV event messages that could not be decoded (skipped)",
-            instance,
+        self.bad_events = Counter(
+            "disagg_router_kv_bad_events",
+            "KV event messages and events skipped, by reason: frames, sequence, too_large, "
+            "undecodable (whole messages); invalid, unknown_type, too_many_blocks (one event)",
+            ["model", "instance", "reason"],
             registry=registry,
         )
         self.resyncs = Counter(
@@ -563,8 +564,9 @@ class KvMetrics:
                 self.events.labels(target.model, target.label, kind).inc(count)
         self.index_blocks.labels(target.model, target.label).set(blocks)
 
-    def count_bad(self, target: KvTarget) -> None:
-        self.bad_batches.labels(target.model, target.label).inc()
+    def count_bad(self, target: KvTarget, reason: str) -> None:
+        """Count one skipped message or event (``reason``: see ``bad_events``)."""
+        self.bad_events.labels(target.model, target.label, reason).inc()
 
     def count_resync(self, target: KvTarget, reason: str) -> None:
         self.resyncs.labels(target.model, target.label, reason).inc()

@@ -1,9 +1,10 @@
 """Which instance holds which KV cache blocks, from vLLM's KV events; longest cached prefix.
 
-Who calls it: each instance's event stream (:mod:`router.routing.kv_events`) applies decoded
-event batches (:meth:`KvIndex.apply`) and clears an instance on a resync; the ``kv_aware`` policy
-asks :meth:`KvIndex.matched_blocks` on the request path. Everything runs on the router's event
-loop; nothing here blocks or does I/O.
+Who calls it: each instance's event stream (:mod:`router.routing.kv_events`) applies typed,
+range-checked events (:meth:`KvIndex.apply`) and clears an instance on a resync; the
+``kv_aware`` policy asks :meth:`KvIndex.matched_blocks` on the request path. Everything runs on
+the router's event loop; nothing here blocks or does I/O. The event types are those of
+:mod:`router.routing.kv_wire`.
 
 Per instance the index keeps vLLM's block hash -> the router's block key
 (:func:`router.routing.block_keys.chain_keys` of the event's ``token_ids``, chained from the key
@@ -20,11 +21,11 @@ block is forgotten (again only an under-statement). docs/router.md gives the mea
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from router.routing.block_keys import ROOT_KEY, chain_keys
+from router.routing.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 BlockHash = bytes | int
 
@@ -66,14 +67,22 @@ class ApplyResult:
     skipped: int = 0
     cleared: bool = False
 
+    def plus(self, other: ApplyResult) -> ApplyResult:
+        """Both results together (the stream applies a batch in parts)."""
+        return ApplyResult(
+            self.stored + other.stored,
+            self.removed + other.removed,
+            self.skipped + other.skipped,
+            self.cleared or other.cleared,
+        )
 
-def _indexable(event: Mapping[str, Any]) -> bool:
-    if event.get("lora_id") is not None or event.get("lora_name"):
+
+def _indexable(event: BlockStored) -> bool:
+    if event.lora_id is not None or event.lora_name:
         return False
-    extra = event.get("extra_keys")
-    if extra and any(k is not None for k in extra):
+    if event.extra_keys and any(k is not None for k in event.extra_keys):
         return False
-    return event.get("group_idx") in (None, 0) and event.get("medium") in (None, "GPU")
+    return event.group_idx in (None, 0) and event.medium in (None, "GPU")
 
 
 class KvIndex:
@@ -97,40 +106,34 @@ class KvIndex:
         """Forget everything ``label`` holds (a resync, a restart, the instance left)."""
         self._instances.pop(label, None)
 
-    def apply(self, label: str, events: Iterable[Mapping[str, Any]]) -> ApplyResult:
-        """Apply one batch's decoded events (``type``: BlockStored, BlockRemoved,
-        AllBlocksCleared; other types are ignored) to ``label``, in order."""
+    def apply(self, label: str, events: Iterable[KvEvent]) -> ApplyResult:
+        """Apply typed events (:mod:`router.routing.kv_wire`) to ``label``, in order."""
         blocks = self._instances.setdefault(label, InstanceBlocks())
         stored = removed = skipped = 0
         cleared = False
         for event in events:
-            kind = event.get("type")
-            if kind == "BlockStored":
+            if isinstance(event, BlockStored):
                 added, left_out = self._store(blocks, event)
                 stored, skipped = stored + added, skipped + left_out
-            elif kind == "BlockRemoved" and event.get("medium") in (None, "GPU"):
-                for block_hash in event.get("block_hashes") or ():
-                    blocks.remove(_hashable(block_hash))
-                    removed += 1
-            elif kind == "AllBlocksCleared":
+            elif isinstance(event, BlockRemoved) and event.medium in (None, "GPU"):
+                for block_hash in event.block_hashes:
+                    blocks.remove(block_hash)
+                removed += len(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
                 blocks = self._instances[label] = InstanceBlocks()
                 cleared = True
         return ApplyResult(stored, removed, skipped, cleared)
 
-    def _store(self, blocks: InstanceBlocks, event: Mapping[str, Any]) -> tuple[int, int]:
-        hashes = [_hashable(h) for h in event.get("block_hashes") or ()]
-        if not _indexable(event):
+    def _store(self, blocks: InstanceBlocks, event: BlockStored) -> tuple[int, int]:
+        hashes, size = event.block_hashes, event.block_size
+        if not _indexable(event) or len(event.token_ids) // size != len(hashes):
             return 0, len(hashes)
-        parent_hash = event.get("parent_block_hash")
-        parent = ROOT_KEY if parent_hash is None else blocks.by_hash.get(_hashable(parent_hash))
-        size = event.get("block_size")
-        tokens = event.get("token_ids") or []
-        if parent is None or not isinstance(size, int) or size <= 0:
+        parent_hash = event.parent_block_hash
+        parent = ROOT_KEY if parent_hash is None else blocks.by_hash.get(parent_hash)
+        if parent is None:
             return 0, len(hashes)
         self.block_size = size
-        keys = chain_keys(tokens, size, parent)
-        if len(keys) != len(hashes):
-            return 0, len(hashes)
+        keys = chain_keys(event.token_ids, size, parent)
         for block_hash, key in zip(hashes, keys, strict=True):
             blocks.add(block_hash, key)
             if len(blocks.by_hash) > self._max_blocks:
@@ -149,12 +152,3 @@ class KvIndex:
                 break
             count += 1
         return count
-
-
-def _hashable(value: Any) -> BlockHash:
-    """A block hash as a dict key (msgpack may decode bytes as a list of ints in old encoders)."""
-    if isinstance(value, (bytes, int)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return bytes(value)
-    return bytes(str(value), "utf-8")

@@ -8,10 +8,13 @@ the orchestrator asks once per request for a :class:`KvRequest` (``request``), r
 :meth:`KvRouting.run` reconciles every ``RECONCILE_INTERVAL`` seconds with the routing table in
 force, so it follows discovery (instances that join get a stream, those that leave lose theirs
 and their index entries) and hot reload (a model whose ``kv_events`` changed starts over) with
-no hook in either. A stream task that fails is logged, counted
-(``disagg_router_kv_stream_failures_total``), its instance marked degraded, and restarted at the
-next reconcile. A tokenizer that cannot be loaded is logged and retried after
-``TOKENIZER_RETRY`` seconds; until it loads, the model routes approximately.
+no hook in either. A stream task that fails (a ZMQ error: nothing a publisher sends makes it
+fail) is logged, counted (``disagg_router_kv_stream_failures_total``), its index entries
+dropped, and restarted at the next reconcile as a stream that starts ``degraded`` with the
+failure as its reason. :meth:`KvRouting.degraded` lists the degraded streams for ``/ready``,
+from the same state the ``disagg_router_kv_stream_degraded`` gauge follows. A tokenizer that
+cannot be loaded is logged and retried after ``TOKENIZER_RETRY`` seconds; until it loads, the
+model routes approximately.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from router.config import InstanceConfig, KvEventsConfig
 from router.observability.metrics import KvMetrics
 from router.routing.backends import BackendState
 from router.routing.block_keys import PromptTokenizer, load_tokenizer, request_keys
-from router.routing.kv_events import EventStream, StreamTarget, StreamTiming
+from router.routing.kv_events import EventStream, StreamLimits, StreamTarget, StreamTiming
 from router.routing.kv_index import KvIndex
 
 if TYPE_CHECKING:
@@ -249,22 +252,31 @@ class KvRouting:
             if stream is not None and stream.target != target:
                 self._drop(model, label)
                 task = None
+            failed = None
             if task is not None and task.done():
-                self._failed(model, label, task)
+                failed = self._failed(model, label, task)
                 task = None
             if task is None:
-                timing = StreamTiming(model.config.probe_interval, model.config.probe_timeout)
-                stream = EventStream(target, model.index, timing, model.metrics)
+                stream = _stream(model, target, failed)
                 model.streams[label] = stream
                 model.tasks[label] = asyncio.ensure_future(stream.run(ctx))
 
-    def _failed(self, model: KvModel, label: str, task: asyncio.Task[None]) -> None:
+    def _failed(self, model: KvModel, label: str, task: asyncio.Task[None]) -> str:
+        """Count and log a finished stream task; returns why it stopped."""
         error = None if task.cancelled() else task.exception()
-        stream = model.streams[label]
         log.error("kv events %s/%s: subscriber failed (%r); restarting", model.name, label, error)
         model.metrics.stream_failures.labels(model.name, label).inc()
-        model.metrics.set_degraded(stream.target, True)
         model.index.clear(label)
+        return repr(error)[:200]
+
+    def degraded(self) -> list[str]:
+        """One line per degraded stream (model, instance, reason): ``/ready``'s entries."""
+        return [
+            f"kv events {name}/{label}: {stream.reason}"
+            for name, model in self.models.items()
+            for label, stream in model.streams.items()
+            if stream.state == "degraded"
+        ]
 
     def _drop(self, model: KvModel, label: str) -> None:
         task = model.tasks.pop(label, None)
@@ -282,6 +294,13 @@ class KvRouting:
         if model.loading is not None:
             model.loading.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _stream(model: KvModel, target: StreamTarget, failed: str | None) -> EventStream:
+    config = model.config
+    timing = StreamTiming(config.probe_interval, config.probe_timeout)
+    limits = StreamLimits(config.max_message_bytes, config.max_blocks_per_event)
+    return EventStream(target, model.index, timing, model.metrics, limits, failed=failed)
 
 
 def _prompt_tokenizer(config: KvEventsConfig) -> PromptTokenizer:

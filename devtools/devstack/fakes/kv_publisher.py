@@ -54,7 +54,8 @@ class FakeKvPublisher:
         self._next += 1
         self._buffer.append((seq, payload))
         if live:
-            await self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
+            frames = [self._topic, seq.to_bytes(8, "big"), payload]
+            await self._pub.send_multipart(frames, copy=False)  # large payloads: not copied
         return seq
 
     def restart(self) -> None:
@@ -78,9 +79,8 @@ class FakeKvPublisher:
             self.replays_served += 1
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    await self._router.send_multipart(
-                        [identity, b"", self._topic, seq.to_bytes(8, "big"), payload]
-                    )
+                    frames = [identity, b"", self._topic, seq.to_bytes(8, "big"), payload]
+                    await self._router.send_multipart(frames, copy=False)
             await self._router.send_multipart([identity, b"", b"", END_SEQ, b""])
 
     async def close(self) -> None:

@@ -1,6 +1,7 @@
 """kv_aware through a real router on loopback: fake vLLM instances, each with the fake vLLM's KV
 event publisher; the router follows the events, routes P by what each instance holds, shows the
-streams in /ready and falls back to affinity when a stream goes silent."""
+streams in /ready and falls back to affinity when a stream goes silent; a hostile publisher
+changes nothing."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ import msgspec
 import pytest
 
 from devstack.fake_vllm import FakeVllmServer
+from devstack.fakes.kv_hostile import SHAPES, good, hostile
 from devstack.fakes.kv_publisher import FakeKvPublisher
 from devstack.tiny_model import make_tiny_model
 from router.config import settings_from_mapping
+from router.routing.kv_index import KvIndex
+from router.routing.kv_wire import typed_events
 from tests.integration.router.router_fixtures import MODEL, running_router
 from tests.support.wait import wait_until
 
@@ -156,3 +160,55 @@ def test_prefill_follows_the_cache_and_a_silent_stream_falls_back(
         body = {"model": MODEL, "prompt": prompts["p1"], "max_tokens": 2}
         assert httpx.post(f"{router.url}/v1/completions", json=body).status_code == 200
         assert "disagg_router_kv_stream_degraded" in httpx.get(f"{router.url}/metrics").text
+
+
+def test_a_hostile_publisher_leaves_the_router_as_its_good_events_alone(
+    fake: dict[str, FakeVllmServer],
+    publishers: tuple[PublisherLoop, dict[str, FakeKvPublisher]],
+    tokenizer_dir: Path,
+) -> None:
+    """Every hostile shape, 10 times among good batches into p0's stream: p0 stays live with
+    the good batches' blocks, its task never restarts, /ready and the metrics agree."""
+    loop, pubs = publishers
+    settings = settings_from_mapping(
+        {
+            "models": [MODEL],
+            "prefill": {"instances": [_instance(fake["p0"], "p0", pubs["p0"])]},
+            "decode": {"instances": [_instance(fake["d0"], "d0", pubs["d0"])]},
+            "kv_events": {"enabled": True, "tokenizer": str(tokenizer_dir), "probe_interval": 0.3},
+            "health": {"interval": 3600},
+        }
+    )
+    limit = settings.kv_events.max_message_bytes
+    shapes = [s for s in SHAPES if s != "10 million hashes"]  # tests/unit: test_kv_hostile.py
+    with running_router(settings) as router:
+        wait_until(lambda: _states(router.url).get("p0") == "live", what="p0 live")
+        wait_until(lambda: pubs["p0"].subscriptions > 0, what="p0 subscribed")
+        good_only = KvIndex(max_blocks=100_000)
+        for n in range(10):
+            for shape in shapes:
+                loop.run(pubs["p0"].publish(good(n * 100 + len(shape))))
+                good_only.apply("p0", typed_events(good(n * 100 + len(shape)), 65536))
+                loop.run(pubs["p0"].publish(hostile(shape, limit)))
+        loop.run(pubs["p0"].publish(good(10_000)))
+        good_only.apply("p0", typed_events(good(10_000), 65536))
+        bad = f'disagg_router_kv_bad_events_total{{instance="p0",model="{MODEL}",reason='
+        wait_until(
+            lambda: _metric_sum(router.url, bad) == 10 * len(shapes),
+            what="every hostile batch counted",
+        )
+        wait_until(
+            lambda: _kv_state(router.url)["instances"]["p0"]["blocks"] == good_only.blocks("p0"),
+            what="p0's index as with the good batches alone",
+        )
+        ready = httpx.get(f"{router.url}/ready", timeout=5).json()
+        assert _states(router.url)["p0"] == "live" and ready["degraded"] == []
+        metrics = httpx.get(f"{router.url}/metrics").text
+        assert _metric_sum(router.url, "disagg_router_kv_stream_failures_total{") == 0
+        assert f'disagg_router_kv_stream_degraded{{instance="p0",model="{MODEL}"}} 0.0' in metrics
+        assert "disagg_router_degraded 0.0" in metrics
+
+
+def _metric_sum(url: str, prefix: str) -> float:
+    lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))

@@ -7,7 +7,6 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import zmq.asyncio
@@ -15,12 +14,14 @@ from prometheus_client import CollectorRegistry
 
 from devstack.fakes.kv_publisher import FakeKvPublisher
 from router.observability.metrics import KvMetrics
-from router.routing.kv_events import EventStream, StreamTarget, StreamTiming, decode_batch
+from router.routing.kv_events import EventStream, StreamLimits, StreamTarget, StreamTiming
 from router.routing.kv_index import KvIndex
+from router.routing.kv_wire import KvEvent, typed_events
 from tests.support.wait import wait_until
 
 RECORDING = Path(__file__).parent / "recorded" / "vllm_kv_events.json"
 TIMING = StreamTiming(probe_interval=0.2, probe_timeout=2.0)
+LIMITS = StreamLimits(max_message_bytes=4 * 1024 * 1024, max_blocks=65536)
 
 
 def _stores() -> list[bytes]:
@@ -37,7 +38,7 @@ class Running:
         self.index = KvIndex(max_blocks=10_000)
         self.registry = CollectorRegistry()
         target = StreamTarget("tiny", "p0", publisher.endpoint, publisher.replay_endpoint, "")
-        self.stream = EventStream(target, self.index, timing, KvMetrics(self.registry))
+        self.stream = EventStream(target, self.index, timing, KvMetrics(self.registry), LIMITS)
         self.ctx = zmq.asyncio.Context()
         self.task = asyncio.ensure_future(self.stream.run(self.ctx))
 
@@ -93,10 +94,8 @@ async def test_a_gap_is_filled_from_the_replay_socket(publisher: FakeKvPublisher
         await running.stop()
 
 
-def _decoded(payload: bytes) -> list[dict[str, Any]]:
-    found = decode_batch(payload)
-    assert found is not None
-    return found[1]
+def _decoded(payload: bytes) -> list[KvEvent]:
+    return typed_events(payload, LIMITS.max_blocks)
 
 
 async def test_a_restarted_publisher_clears_the_instance(publisher: FakeKvPublisher) -> None:
@@ -138,7 +137,7 @@ async def test_a_stream_with_no_publisher_never_becomes_live() -> None:
     async with FakeKvPublisher() as pub:
         target = StreamTarget("tiny", "p0", pub.endpoint, pub.replay_endpoint, "")
     running_index = KvIndex(max_blocks=10)
-    stream = EventStream(target, running_index, TIMING, KvMetrics(CollectorRegistry()))
+    stream = EventStream(target, running_index, TIMING, KvMetrics(CollectorRegistry()), LIMITS)
     ctx = zmq.asyncio.Context()
     task = asyncio.ensure_future(stream.run(ctx))
     try:

@@ -18,8 +18,8 @@ import msgspec
 import pytest
 
 from router.routing.block_keys import chain_keys
-from router.routing.kv_events import decode_batch
 from router.routing.kv_index import KvIndex
+from router.routing.kv_wire import BadBatch, KvEvent, decode_batch, typed_events
 
 RECORDING = Path(__file__).parent / "recorded" / "vllm_kv_events.json"
 
@@ -29,17 +29,13 @@ def _recording() -> dict[str, Any]:
     return data
 
 
-def _batches(frames: list[list[str]]) -> list[list[dict[str, Any]]]:
-    out = []
-    for frame in frames:
-        decoded = decode_batch(bytes.fromhex(frame[-1]))
-        assert decoded is not None
-        out.append(decoded[1])
-    return out
+def _batches(frames: list[list[str]]) -> list[list[KvEvent]]:
+    return [typed_events(bytes.fromhex(frame[-1]), 65536) for frame in frames]
 
 
-def _events(kind: str) -> list[dict[str, Any]]:
-    return [e for batch in _batches(_recording()["frames"]) for e in batch if e["type"] == kind]
+def _events(kind: str) -> list[Any]:
+    found = (e for batch in _batches(_recording()["frames"]) for e in batch)
+    return [e for e in found if type(e).__name__ == kind]
 
 
 def test_the_recording_has_stores_removals_and_a_clear() -> None:
@@ -55,7 +51,7 @@ def test_predicted_cached_tokens_equal_what_vllm_reported_for_every_recorded_req
         index = KvIndex(max_blocks=10_000)
         for batch in batches[: request["frames_before"]]:
             index.apply("a0", batch)
-        size = _events("BlockStored")[0]["block_size"]
+        size = _events("BlockStored")[0].block_size
         ids = request["prompt_token_ids"]
         keys = chain_keys(ids[: (len(ids) - 1) // size * size], size)
         predicted = size * index.matched_blocks("a0", keys)
@@ -80,11 +76,11 @@ def test_vllm_block_hashes_are_sha256_of_the_router_blocks() -> None:
     full: dict[int, bytes] = {}  # an event's int hash -> the whole sha256 it was cut from
     checked = 0
     for event in _events("BlockStored"):
-        parent_int = event["parent_block_hash"]
+        parent_int = event.parent_block_hash
         parent = none_hash if parent_int is None else full[parent_int]
-        size = event["block_size"]
-        tokens = event["token_ids"]
-        for i, block_hash in enumerate(event["block_hashes"]):
+        size = event.block_size
+        tokens = event.token_ids
+        for i, block_hash in enumerate(event.block_hashes):
             block = tuple(tokens[i * size : (i + 1) * size])
             digest = hashlib.sha256(pickle.dumps((parent, block, None), protocol=5)).digest()
             assert block_hash == int.from_bytes(digest, "big") & (2**64 - 1)
@@ -106,36 +102,43 @@ def test_removed_and_cleared_blocks_leave_the_index() -> None:
     for batch in _batches(_recording()["frames"]):
         result = index.apply("a0", batch)
         peak = max(peak, index.blocks("a0"))
-        if any(e["type"] == "BlockRemoved" for e in batch):
+        if any(type(e).__name__ == "BlockRemoved" for e in batch):
             assert result.removed > 0
     assert peak > 0
     assert index.blocks("a0") == 0  # the recording ends with /reset_prefix_cache
 
 
 def test_a_block_whose_parent_was_missed_is_not_indexed() -> None:
-    stored = [e for e in _events("BlockStored") if e["parent_block_hash"] is not None]
+    stored = [e for e in _events("BlockStored") if e.parent_block_hash is not None]
     index = KvIndex(max_blocks=10_000)
     result = index.apply("a0", [stored[0]])
-    assert (result.stored, result.skipped) == (0, len(stored[0]["block_hashes"]))
+    assert (result.stored, result.skipped) == (0, len(stored[0].block_hashes))
     assert index.blocks("a0") == 0
 
 
 @pytest.mark.parametrize(
     "extra",
-    [{"lora_name": "adapter"}, {"lora_id": 3}, {"extra_keys": [["salt"]]}, {"medium": "CPU"}],
+    [
+        {"lora_name": "adapter"},
+        {"lora_id": 3},
+        {"extra_keys": [["salt"]]},
+        {"medium": "CPU"},
+        {"group_idx": 1},
+    ],
 )
 def test_blocks_a_plain_request_cannot_hit_are_not_indexed(extra: dict[str, Any]) -> None:
-    first = next(e for e in _events("BlockStored") if e["parent_block_hash"] is None)
+    first = next(e for e in _events("BlockStored") if e.parent_block_hash is None)
     index = KvIndex(max_blocks=10_000)
-    index.apply("a0", [{**first, **extra}])
+    index.apply("a0", [msgspec.structs.replace(first, **extra)])
     assert index.blocks("a0") == 0
 
 
 def test_the_index_is_bounded_per_instance_and_forgets_the_oldest_blocks() -> None:
-    first = next(e for e in _events("BlockStored") if e["parent_block_hash"] is None)
-    size = first["block_size"]
+    first = next(e for e in _events("BlockStored") if e.parent_block_hash is None)
+    size = first.block_size
     tokens = list(range(size * 5))
-    event = {**first, "token_ids": tokens, "block_hashes": [b"h%d" % i for i in range(5)]}
+    hashes: list[bytes | int] = [b"h%d" % i for i in range(5)]
+    event = msgspec.structs.replace(first, token_ids=tokens, block_hashes=hashes)
     index = KvIndex(max_blocks=3)
     index.apply("a0", [event])
     keys = chain_keys(tokens, size)
@@ -155,7 +158,16 @@ def test_instances_are_indexed_apart_and_cleared_alone() -> None:
     assert index.blocks("a0") == 0
 
 
-def test_a_malformed_payload_is_not_a_batch() -> None:
-    assert decode_batch(b"\xc1") is None
-    assert decode_batch(msgspec.msgpack.encode({"ts": 1})) is None
-    assert decode_batch(msgspec.msgpack.encode([1.0, [1, 2]])) is None
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",
+        msgspec.msgpack.encode({"ts": 1}),
+        msgspec.msgpack.encode(["x", []]),
+        b"\x92\x01" + b"\x91" * 100_000 + b"\x01",  # msgpack nested 100,000 deep
+    ],
+)
+def test_a_malformed_payload_is_not_a_batch(payload: bytes) -> None:
+    with pytest.raises(BadBatch) as caught:
+        decode_batch(payload)
+    assert caught.value.reason == "undecodable"

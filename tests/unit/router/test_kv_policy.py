@@ -18,10 +18,11 @@ from router.dispatch.orchestrator import CACHED_ON_DECODE, DISAGGREGATED, decide
 from router.observability.metrics import KvMetrics
 from router.routing.backends import BackendState, Role
 from router.routing.block_keys import PromptTokenizer
-from router.routing.kv_events import EventStream, StreamTarget, StreamTiming
+from router.routing.kv_events import EventStream, StreamLimits, StreamTarget, StreamTiming
 from router.routing.kv_index import KvIndex
 from router.routing.kv_policy import KvAware
 from router.routing.kv_routing import KvModel, KvRequest
+from router.routing.kv_wire import BlockStored
 from router.routing.policies import PrefixAffinity, RoutingInput
 from router.routing.pools import Pool
 from router.routing.table import ModelPools
@@ -56,7 +57,8 @@ def _backend(name: str, role: Role = "prefill") -> BackendState:
 
 def _live(model: KvModel, label: str) -> None:
     target = StreamTarget("tiny", label, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "")
-    stream = EventStream(target, model.index, StreamTiming(1.0, 1.0), model.metrics)
+    limits = StreamLimits(4 * 1024 * 1024, 65536)
+    stream = EventStream(target, model.index, StreamTiming(1.0, 1.0), model.metrics, limits)
     stream.state = "live"
     model.streams[label] = stream
 
@@ -64,16 +66,8 @@ def _live(model: KvModel, label: str) -> None:
 def _holds(model: KvModel, label: str, tokens: list[int]) -> None:
     """``label`` stores the full blocks of ``tokens`` (one BlockStored, as vLLM sends it)."""
     full = len(tokens) // BLOCK * BLOCK
-    hashes = [f"{label}-{i}".encode() for i in range(full // BLOCK)]
-    event = {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": None,
-        "token_ids": tokens[:full],
-        "block_size": BLOCK,
-        "lora_id": None,
-        "medium": "GPU",
-    }
+    hashes: list[bytes | int] = [f"{label}-{i}".encode() for i in range(full // BLOCK)]
+    event = BlockStored(hashes, tokens[:full], BLOCK, medium="GPU")
     model.index.apply(label, [event])
 
 

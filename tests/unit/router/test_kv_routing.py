@@ -1,6 +1,6 @@
 """KvRouting follows the routing table: streams for the instances in force (discovery, reload),
 none for those gone (their blocks forgotten), a model whose kv_events changed starts over, and a
-failed stream task is counted and restarted."""
+failed stream task is counted and restarted, degraded in /ready and the gauge alike."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from router.config import InstanceConfig, settings_from_mapping
+from router.health.readiness import readiness
 from router.observability.metrics import RouterMetrics
 from router.routing.kv_routing import KvRouting, stream_target
 from router.runtime import Runtime
@@ -66,7 +67,7 @@ async def test_a_failed_stream_task_is_counted_and_restarted() -> None:
     registry = CollectorRegistry()
     async with httpx.AsyncClient() as client:
         runtime = Runtime.create(_settings(["p0"]), client, RouterMetrics(registry))
-        kv = KvRouting()
+        kv = runtime.kv  # the one /ready reads
         ctx = zmq.asyncio.Context()
         try:
             kv.reconcile(runtime, ctx)
@@ -84,6 +85,12 @@ async def test_a_failed_stream_task_is_counted_and_restarted() -> None:
             assert model.tasks["p0"] is not failed and not model.tasks["p0"].done()
             labels = {"model": "tiny", "instance": "p0"}
             assert registry.get_sample_value("disagg_router_kv_stream_failures_total", labels) == 1
+            # the new stream starts degraded; /ready's list and the gauge say so from that state
+            assert model.streams["p0"].state == "degraded"
+            listed = readiness(runtime, {}, {}).body["degraded"]
+            assert isinstance(listed, list)
+            assert [e for e in listed if "kv events tiny/p0" in e and "subscriber broke" in e]
+            assert registry.get_sample_value("disagg_router_kv_stream_degraded", labels) == 1
         finally:
             for task in model.tasks.values():
                 task.cancel()
