@@ -152,8 +152,16 @@ def _write_table(e2e_dir: Path) -> None:
     ]
     lines += [f"| {r['case']} | {r['got']} | {r['time']} | {r['kv']} | {r['next']} |" for r in ROWS]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    out.write_text("\n".join(lines) + "\n" + _other_sections(out))
     print("\n".join(lines))
+
+
+def _other_sections(out: Path) -> str:
+    """The sections of ``out`` that other commands produce (from its first ``## `` heading on,
+    each naming its own command), kept when this table is written anew."""
+    text = out.read_text() if out.exists() else ""
+    start = text.find("\n## ")
+    return "" if start < 0 else text[start:]
 
 
 def _post_raw(url: str, body: dict[str, Any]) -> socket.socket:
