@@ -57,6 +57,8 @@ class Runtime:
         """A runtime with fresh pools (and a fresh metrics registry unless one is given); the
         pools report breaker changes and departed instances to the metrics."""
         metrics = metrics or RouterMetrics(CollectorRegistry())
+        if isinstance(client, UpstreamClient):
+            client.on_stale_retry(metrics.count_stale_retry)
         hooks = BackendHooks(
             breaker_changed=lambda b, is_open: metrics.set_breaker_open(b.role, b.label, is_open),
             forget=metrics.forget_backend,

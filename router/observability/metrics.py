@@ -119,6 +119,12 @@ class RouterMetrics:
 
     def _request_metrics(self) -> None:
         """Per client request: outcomes, TTFT and its stages, retries, routes, stalls."""
+        self.stale_retries = Counter(
+            "disagg_router_upstream_stale_connection_retries",
+            "Leg requests sent again on a new connection because the kept-alive one they were "
+            "written on closed before a byte of the answer (the idle-close race)",
+            registry=self.registry,
+        )
         self.requests = Counter(
             "disagg_router_requests",
             "Client generation requests by mode, endpoint, model and outcome",
@@ -305,6 +311,10 @@ class RouterMetrics:
             (self.admission_rejected, rb),
             (self.breaker_probes, (*rb, "outcome")),
         ]
+
+    def count_stale_retry(self, origin: tuple[str, int]) -> None:
+        """A leg went out again after the idle-close race (:mod:`router.upstream.h1`)."""
+        self.stale_retries.inc()
 
     def set_breaker_open(self, role: str, label: str, is_open: bool) -> None:
         """The breaker gauge of one instance (called whenever its breaker opens or closes)."""

@@ -34,6 +34,7 @@ from router.errors import (
 )
 from router.upstream import codec
 from router.upstream.client import LegAnswer, LegTarget, UpstreamClient, send_leg
+from router.upstream.h1 import AnswerHeadersTooLarge
 from router.upstream.sse import EventReader, StreamEndedEarly
 
 
@@ -115,6 +116,8 @@ def _translate(exc: httpx.HTTPError, leg: str, backend: Instance) -> UpstreamErr
         return UpstreamConnectTimeout(leg, backend.label, "connect timed out")
     if isinstance(exc, httpx.ConnectError):
         return UpstreamUnreachable(leg, backend.label, "connection refused or unreachable")
+    if isinstance(exc, AnswerHeadersTooLarge):
+        return UpstreamProtocolError(leg, backend.label, str(exc))
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamTimeout(leg, backend.label, f"timed out ({type(exc).__name__})")
     return UpstreamUnavailable(leg, backend.label, f"connection lost ({type(exc).__name__})")

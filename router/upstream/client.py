@@ -20,15 +20,22 @@ mock upstreams) keeps httpx's API.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Protocol
 
 import aiohttp
 import httpx
 import httpx_aiohttp
+from aiohttp.http_exceptions import LineTooLong
 
-from router.upstream.h1 import Call, ConnectionPool, Origin
+from router.upstream.h1 import (
+    MAX_ANSWER_HEAD_BYTES,
+    AnswerHeadersTooLarge,
+    Call,
+    ConnectionPool,
+    Origin,
+)
 
 DEFAULT_CONNECT_S = 5.0
 """Connect timeout of the leg connections when the client's has none."""
@@ -41,6 +48,8 @@ def httpx_error(exc: BaseException) -> httpx.TransportError | None:
     under an error the package mapped); ``None`` if ``exc`` is no aiohttp failure."""
     cause = exc.__cause__ if isinstance(exc, httpx.TransportError) else exc
     message = str(cause)
+    if isinstance(cause, aiohttp.ClientResponseError) and _line_too_long(cause):
+        return AnswerHeadersTooLarge()
     if isinstance(cause, aiohttp.ConnectionTimeoutError):
         return httpx.ConnectTimeout(message)
     if isinstance(cause, aiohttp.ClientConnectorError):
@@ -52,6 +61,19 @@ def httpx_error(exc: BaseException) -> httpx.TransportError | None:
     if isinstance(cause, aiohttp.ClientError):
         return httpx.ReadError(message)
     return None
+
+
+def _line_too_long(exc: BaseException) -> bool:
+    """Whether aiohttp's parser refused ``exc``'s answer for a header past its bound (aiohttp
+    chains its ``LineTooLong`` under the error it raises)."""
+    found: BaseException | None = exc
+    for _ in range(4):
+        if found is None:
+            return False
+        if isinstance(found, LineTooLong):
+            return True
+        found = found.__cause__ or found.__context__
+    return False
 
 
 class _Stream(httpx.AsyncByteStream):
@@ -80,15 +102,22 @@ class AiohttpTransport(httpx_aiohttp.AiohttpTransport):
 
     def get_client(self) -> aiohttp.ClientSession:
         """The session the transport makes on first use (the package's own connector settings:
-        keep-alive expiry, TLS context, connection limit) with a cookie jar that keeps nothing:
-        a proxy must not carry one answer's ``Set-Cookie`` into the next request."""
+        keep-alive expiry, TLS context, connection limit) with a cookie jar that keeps nothing
+        (a proxy must not carry one answer's ``Set-Cookie`` into the next request) and the
+        legs' bound on an answer's headers (:data:`router.upstream.h1.MAX_ANSWER_HEAD_BYTES`,
+        here per line: aiohttp bounds lines, not their sum)."""
         if self.client is not None:
             return super().get_client()
         limit = self.limits.max_connections or 0
         connector = aiohttp.TCPConnector(
             keepalive_timeout=self.limits.keepalive_expiry, ssl=self.ssl_context, limit=limit
         )
-        return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+        return aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            max_line_size=MAX_ANSWER_HEAD_BYTES,
+            max_field_size=MAX_ANSWER_HEAD_BYTES,
+        )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         try:
@@ -183,6 +212,11 @@ class UpstreamClient(httpx.AsyncClient):
         if self.is_closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")
         return self._pool.post(origin, head, content)
+
+    def on_stale_retry(self, hook: Callable[[Origin], None]) -> None:
+        """Tell ``hook`` each time a leg is sent again after the idle-close race (see
+        :mod:`router.upstream.h1`); the runtime counts it. ``hook`` must not raise."""
+        self._pool.on_stale_retry = hook
 
     async def aclose(self) -> None:
         """Close the leg connections, then httpx's client and its transport."""

@@ -14,15 +14,24 @@ Errors are httpx's, as httpx's own transport raises them for the same failure (c
 them: :func:`router.upstream.calls._translate`): ``ConnectError`` / ``ConnectTimeout`` before
 the request is written, ``ReadTimeout`` when ``read_timeout`` passes with nothing received,
 ``RemoteProtocolError`` when the instance closes the connection before its answer ends or sends
-what is not HTTP/1.1. A connection goes back to the pool only when its answer was read to the
-end and both sides keep it alive; one idle longer than ``keepalive_s`` is closed, not reused
-(vLLM's server closes idle connections after 5 s; writing on one it is closing fails the leg).
+what is not HTTP/1.1 (:class:`AnswerHeadersTooLarge`, one of them, when the answer's headers
+exceed :data:`MAX_ANSWER_HEAD_BYTES`). A connection goes back to the pool only when its answer
+was read to the end and both sides keep it alive; one idle longer than ``keepalive_s``, or than
+the instance's own ``Keep-Alive: timeout=N`` less a margin, is closed, not reused.
+
+The idle-close race: a server (or a proxy in between) may close an idle connection just as a
+request is written on it. A request whose *reused* connection fails before a single byte of the
+answer arrived is sent once more on a new connection to the same origin (:class:`Call`),
+as every pooling client does: an HTTP/1.1 server answers or closes, and one that closed an idle
+connection never read the request. Nothing else is retried here: not a failure on a new
+connection, not one after any byte of the answer, not a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -31,8 +40,45 @@ from typing import cast
 import httptools
 import httpx
 
+log = logging.getLogger(__name__)
+
 Origin = tuple[str, int]
 """(host, port) of an instance."""
+
+
+def _ignore(origin: Origin) -> None:
+    """The default :attr:`ConnectionPool.on_stale_retry`: nobody counts."""
+
+
+MAX_ANSWER_HEAD_BYTES = 65536
+"""The most bytes an upstream answer's header lines may take (names and values): the one bound
+on every upstream answer, on these connections (all lines together) and on httpx's
+(:mod:`router.upstream.client`, each line)."""
+
+KEEPALIVE_MARGIN_S = 1.0
+"""How long before an instance's announced ``Keep-Alive: timeout=N`` an idle connection is
+given up (at most half of N)."""
+
+
+class AnswerHeadersTooLarge(httpx.RemoteProtocolError):
+    """An instance's answer whose headers exceed :data:`MAX_ANSWER_HEAD_BYTES`."""
+
+    def __init__(self) -> None:
+        super().__init__(f"the answer's headers exceed {MAX_ANSWER_HEAD_BYTES} bytes")
+
+
+def keepalive_timeout(value: bytes) -> float | None:
+    """The ``timeout=N`` of a ``Keep-Alive`` header's value, or None if it has none."""
+    for part in value.split(b","):
+        name, _, number = part.strip().partition(b"=")
+        if name.strip().lower() == b"timeout":
+            try:
+                found = float(number.strip())
+            except ValueError:
+                return None
+            return found if found >= 0 else None
+    return None
+
 
 _PAUSE_AT = 1 << 20
 """Bytes read and not yet taken by the reader (body bytes and their chunk framing) at which a
@@ -75,6 +121,12 @@ class _Connection(asyncio.Protocol):
         self._complete = False
         self._keep_alive = False
         self._active = False
+        self._head_bytes = 0
+        self._received = False
+        self.reused = False
+        """Whether the request under way was written on a connection taken from the idle ones."""
+        self.keepalive_limit: float | None = None
+        """The instance's ``Keep-Alive: timeout=N`` (seconds), once an answer has said it."""
 
     # asyncio.Protocol: called by the event loop, never by the router.
 
@@ -85,10 +137,13 @@ class _Connection(asyncio.Protocol):
         if not self._active:  # bytes nobody asked for (past an answer: on_message_begin)
             self._fail(httpx.RemoteProtocolError("data received on an idle connection"))
             return
+        self._received = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"invalid HTTP answer: {exc}"))
+            too_large = self._head_bytes > MAX_ANSWER_HEAD_BYTES
+            error = AnswerHeadersTooLarge() if too_large else None
+            self._fail(error or httpx.RemoteProtocolError(f"invalid HTTP answer: {exc}"))
             return
         if self._chunks:  # body bytes came: the reader is woken once per read, not per chunk
             self._buffered += len(data)
@@ -121,8 +176,14 @@ class _Connection(asyncio.Protocol):
             raise ValueError("bytes past the answer")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_ANSWER_HEAD_BYTES:
+            raise ValueError("the answer's headers are too large")  # data_received names it
+        lower = name.lower()
+        if lower == b"content-type":
             self.content_type = value.decode("latin-1")
+        elif lower == b"keep-alive":
+            self.keepalive_limit = keepalive_timeout(value)
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
@@ -140,8 +201,8 @@ class _Connection(asyncio.Protocol):
         """Write one request (``head`` ends with the blank line); the answer is read next."""
         assert self._transport is not None and not self._active
         self._active = True
-        self._headed = self._complete = False
-        self.status, self.content_type = 0, ""
+        self._headed = self._complete = self._received = False
+        self.status, self.content_type, self._head_bytes = 0, "", 0
         if len(body) < 65536:  # one segment; a large body is not copied onto the head
             self._transport.write(head + body)
         else:
@@ -178,6 +239,12 @@ class _Connection(asyncio.Protocol):
             self._paused = False
             self._transport.resume_reading()
         return data
+
+    @property
+    def stale(self) -> bool:
+        """Whether the request under way may be sent again on a new connection after this one
+        failed: it was reused, and not a byte of the answer arrived (the idle-close race)."""
+        return self.reused and not self._received
 
     def reusable(self) -> bool:
         """Whether the answer was read to its end on a connection both sides keep alive."""
@@ -266,6 +333,9 @@ class ConnectionPool:
         """Open connections and connections being opened (at most ``max_connections``)."""
         self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.closed = False
+        self.on_stale_retry: Callable[[Origin], None] = _ignore
+        """Told each time a request is sent again after the idle-close race (the router counts
+        it); set by the client's owner, must not raise."""
 
     @property
     def waiting(self) -> int:
@@ -276,14 +346,15 @@ class ConnectionPool:
         """One request as an async context manager (see :class:`Call`)."""
         return Call(self, origin, head, body)
 
-    async def acquire(self, origin: Origin) -> _Connection:
-        """An idle connection to ``origin`` still fresh, else a new one (waiting, up to the
-        connect timeout, while ``max_connections`` are open). Raises ``RuntimeError`` once
-        closed, ``httpx.ConnectError`` / ``httpx.ConnectTimeout``."""
+    async def acquire(self, origin: Origin, fresh: bool = False) -> _Connection:
+        """An idle connection to ``origin`` still fresh (unless ``fresh``), else a new one
+        (waiting, up to the connect timeout, while ``max_connections`` are open). Raises
+        ``RuntimeError`` once closed, ``httpx.ConnectError`` / ``httpx.ConnectTimeout``."""
         if self.closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")
-        conn = self._take_idle(origin)
+        conn = None if fresh else self._take_idle(origin)
         if conn is not None:
+            conn.reused = True
             return conn
         try:
             async with asyncio.timeout(self.connect_timeout):
@@ -315,13 +386,21 @@ class ConnectionPool:
         idle = self._idle.get(origin)
         if not idle:
             return None
-        oldest = time.monotonic() - self.keepalive_s
+        now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and conn.idle_since > oldest:
+            if not conn.closed and now - conn.idle_since < self._keepalive_of(conn):
                 return conn
             self._discard(conn)
         return None
+
+    def _keepalive_of(self, conn: _Connection) -> float:
+        """How long ``conn`` may stay idle: ``keepalive_s``, or less where the instance said
+        ``Keep-Alive: timeout=N`` (N less a margin of at most half of it)."""
+        announced = conn.keepalive_limit
+        if announced is None:
+            return self.keepalive_s
+        return min(self.keepalive_s, announced - min(KEEPALIVE_MARGIN_S, announced / 2))
 
     async def _open_one(self, origin: Origin) -> _Connection:
         """A new connection to ``origin`` once there is room: an idle connection elsewhere is
@@ -339,6 +418,7 @@ class ConnectionPool:
                     raise
                 conn = self._take_idle(origin)
                 if conn is not None:
+                    conn.reused = True
                     return conn
         self._count += 1  # counted while connecting, so concurrent connects keep the limit
         try:
@@ -400,8 +480,22 @@ class Call:
         self._conn: _Connection | None = None
 
     async def __aenter__(self) -> _Connection:
-        origin, head, body = self._request
-        conn = self._conn = await self._pool.acquire(origin)
+        origin = self._request[0]
+        conn = await self._pool.acquire(origin)
+        try:
+            return await self._start(conn)
+        except httpx.RemoteProtocolError as exc:
+            if not conn.stale:
+                raise
+            log.debug("%s:%d closed a kept-alive connection (%s): sent again", *origin, exc)
+        self._pool.on_stale_retry(origin)
+        return await self._start(await self._pool.acquire(origin, fresh=True))
+
+    async def _start(self, conn: _Connection) -> _Connection:
+        """Write the request on ``conn`` and wait for the answer's head; on any failure the
+        connection is closed (released unread) and the error raised."""
+        _, head, body = self._request
+        self._conn = conn
         try:
             conn.send(head, body)
             await conn.head()

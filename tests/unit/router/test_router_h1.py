@@ -12,7 +12,13 @@ import pytest
 
 from devstack.ports import free_port
 from router.upstream.calls import _direct_head
-from router.upstream.h1 import ConnectionPool, Origin
+from router.upstream.h1 import (
+    MAX_ANSWER_HEAD_BYTES,
+    AnswerHeadersTooLarge,
+    ConnectionPool,
+    Origin,
+    keepalive_timeout,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 BODY = b'{"prompt": [1, 2]}'
@@ -298,3 +304,95 @@ def test_a_leg_head_ends_with_the_per_leg_headers() -> None:
         b"POST /x HTTP/1.1\r\nHost: h\r\ntraceparent: t\r\nX-Request-Id: r-1\r\n"
         b"Content-Length: 7\r\n\r\n"
     )
+
+
+def _closing_on_second_request(answer: bytes) -> Handler:
+    """Answers a connection's first request, then closes it unanswered as the next request
+    arrives (the idle close landing as the request is written), every connection alike."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await _request(reader)
+            writer.write(answer)
+            await writer.drain()
+            await reader.read(1)  # the next request's first byte: close without reading on
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    return handler
+
+
+@pytest.mark.parametrize("answer", [OK, CHUNKED], ids=["json", "chunked"])
+async def test_a_request_on_a_connection_closed_as_it_is_written_goes_out_once_more(
+    answer: bytes,
+) -> None:
+    retried: list[Origin] = []
+    async with _server(_closing_on_second_request(answer)) as (origin, accepted):
+        pool = _pool()
+        pool.on_stale_retry = retried.append
+        bodies = [await _read_all(pool, origin) for _ in range(60)]
+        await pool.close()
+    assert all(body == bodies[0] and body for body in bodies)
+    assert len(retried) == 59 and set(retried) == {origin}  # every reused one, once each
+    assert len(accepted) == 60
+
+
+async def test_a_new_connection_closed_unanswered_is_not_sent_again() -> None:
+    retried: list[Origin] = []
+    async with _server(_closes_unanswered) as (origin, accepted):
+        pool = _pool()
+        pool.on_stale_retry = retried.append
+        with pytest.raises(httpx.RemoteProtocolError):
+            await _read_all(pool, origin)
+        await pool.close()
+    assert retried == [] and len(accepted) == 1
+
+
+async def test_a_reused_connection_failing_after_the_answer_began_is_not_sent_again() -> None:
+    cut = b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"ok"'
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        writer.write(OK)
+        await _request(reader)
+        writer.write(cut)  # the second answer begins, then the connection ends
+        await writer.drain()
+        writer.close()
+
+    retried: list[Origin] = []
+    async with _server(handler) as (origin, accepted):
+        pool = _pool()
+        pool.on_stale_retry = retried.append
+        assert await _read_all(pool, origin) == b'{"ok":true}'
+        with pytest.raises(httpx.RemoteProtocolError):
+            await _read_all(pool, origin)
+        await pool.close()
+    assert retried == [] and len(accepted) == 1
+
+
+@pytest.mark.parametrize(("announced", "reused"), [(b"timeout=0", False), (b"timeout=60", True)])
+async def test_an_instances_keep_alive_timeout_bounds_reuse(announced: bytes, reused: bool) -> None:
+    answer = OK.replace(b"\r\n\r\n", b"\r\nKeep-Alive: " + announced + b"\r\n\r\n", 1)
+    async with _server(_serving(answer)) as (origin, accepted):
+        pool = _pool(keepalive_s=30.0)
+        await _read_all(pool, origin)
+        await _read_all(pool, origin)
+        await pool.close()
+    assert len(accepted) == (1 if reused else 2)
+
+
+def test_a_keep_alive_header_is_read_for_its_timeout() -> None:
+    assert keepalive_timeout(b"timeout=5, max=100") == 5.0
+    assert keepalive_timeout(b"max=100") is None
+    assert keepalive_timeout(b"timeout=soon") is None
+
+
+@pytest.mark.parametrize("answer", [OK, CHUNKED], ids=["json", "chunked"])
+async def test_answer_headers_over_the_bound_fail_the_call_naming_it(answer: bytes) -> None:
+    huge = b"X-Big: " + b"a" * MAX_ANSWER_HEAD_BYTES + b"\r\n"
+    async with _server(_serving(answer.replace(b"\r\n", b"\r\n" + huge, 1))) as (origin, _):
+        pool = _pool()
+        with pytest.raises(AnswerHeadersTooLarge, match=str(MAX_ANSWER_HEAD_BYTES)):
+            await _read_all(pool, origin)
+        await pool.close()

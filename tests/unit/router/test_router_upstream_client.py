@@ -15,6 +15,7 @@ from router.routing.backends import BackendState
 from router.upstream import codec
 from router.upstream.calls import leg_headers, post_json
 from router.upstream.client import AiohttpTransport, UpstreamClient
+from router.upstream.h1 import MAX_ANSWER_HEAD_BYTES, AnswerHeadersTooLarge
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -260,3 +261,21 @@ async def test_a_leg_on_a_closed_router_client_is_refused() -> None:
     backend = BackendState(InstanceConfig(url=f"http://127.0.0.1:{free_port()}"), "decode")
     with pytest.raises(RuntimeError, match="closed"):
         await post_json(client, backend, "decode", "/v1/completions", {"model": "m"}, "r-1")
+
+
+@pytest.mark.parametrize("extra", [-100, 1], ids=["under_the_bound", "over_it"])
+async def test_an_answer_header_over_the_legs_bound_fails_the_call_naming_it(extra: int) -> None:
+    value = b"a" * (MAX_ANSWER_HEAD_BYTES + extra)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: " + value + b"\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    async with _server(handler) as url, _client() as client:
+        if extra > 0:
+            with pytest.raises(AnswerHeadersTooLarge, match=str(MAX_ANSWER_HEAD_BYTES)):
+                await client.get(url + "/x")
+        else:
+            assert (await client.get(url + "/x")).status_code == 200
