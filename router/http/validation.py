@@ -233,10 +233,10 @@ def parse_passthrough(
     model = body.get("model")
     if model is None and len(models) == 1:
         model = next(iter(models))
+    if model is None:
+        raise ClientRequestError("model is required when the router serves several models", "model")
     if not isinstance(model, str) or not model:
-        raise ClientRequestError(
-            "model is required (a string) when the router serves several models", "model"
-        )
+        raise ClientRequestError("model must be a non-empty string (one model's name)", "model")
     if model not in models:
         raise ModelNotFound(model, models)
     stream = body.get("stream")

@@ -29,6 +29,7 @@ def test_curl_and_openai_commands_get_an_answer(tmp_path: Path) -> None:
     assert "tok0" in sdk_out.stdout
     bodies = [r.body for r in state.generation_requests()]
     assert [b["model"] for b in bodies] == ["fake-model", "fake-model"]
+    assert all(0 < b["max_tokens"] <= 64 for b in bodies)  # a random-weights model never stops
 
 
 def test_bench_command_names_the_endpoint_model_and_tokenizer(tmp_path: Path) -> None:
@@ -36,3 +37,4 @@ def test_bench_command_names_the_endpoint_model_and_tokenizer(tmp_path: Path) ->
     assert "vllm.benchmarks.serve" in bench
     assert "--base-url http://127.0.0.1:9 --model m" in bench
     assert f"--tokenizer '{tmp_path / 'tiny model'}'" in bench
+    assert "--random-output-len 32" in bench

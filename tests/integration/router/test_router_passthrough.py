@@ -148,6 +148,19 @@ def test_malformed_body_is_a_400_naming_the_field(
     assert _paths(fake, "d0") == []
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/completions", "/v1/chat/completions"])
+def test_a_model_list_is_a_400_saying_model_must_be_a_string(
+    router: UvicornThread, fake: dict[str, FakeVllmServer], path: str
+) -> None:
+    body = {"model": [MODEL], "input": "x", "prompt": "x", "messages": []}
+    resp = httpx.post(router.url + path, json=body, timeout=15)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == "model"
+    assert "string" in error["message"] and "several" not in error["message"]
+    assert _paths(fake, "d0") == []
+
+
 @pytest.mark.parametrize("path", ["/tokenize", "/v1/embeddings", "/rerank", "/v1/responses"])
 def test_oversized_body_is_a_413(
     router: UvicornThread, fake: dict[str, FakeVllmServer], path: str
