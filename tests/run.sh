@@ -7,6 +7,7 @@
 #
 #   bash tests/run.sh            # the default suites (about 38 min on a fresh 2-core machine)
 #   SKIP_SETUP=1 bash tests/run.sh   # reuse the existing .venv as is
+#   bash tests/run.sh clean          # remove the cache directory (.cache: the side venvs)
 #   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm upstream docker vllm033
 #                                    # latest (default: all; upstream = the same e2e cases through
 #                                    # vLLM's NixlPushConnector; vllm033 = connector unit tests
@@ -20,6 +21,24 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 VENV="$ROOT/.venv"
+# The one cache directory: the side venvs of the vllm033 and latest suites, reused between runs
+# (`bash tests/run.sh clean` removes it; .venv is removed by hand).
+CACHE="$ROOT/.cache"
+if [[ "${1:-}" == "clean" ]]; then
+    rm -rf "$CACHE"
+    echo "removed $CACHE"
+    exit 0
+fi
+mkdir -p "$CACHE"
+export V033=${V033:-$CACHE/vllm033-venv}
+export LATEST_VENV=${LATEST_VENV:-$CACHE/latest-venv}
+# Everything the suites and the processes they start put in the temporary directory (pytest's
+# tmp_path, the tiny model, vLLM's ZMQ sockets and vllm_dist_* files) goes into one directory of
+# this run, removed when the run ends however it ends. It stays in the system temporary
+# directory because unix socket paths must be short.
+RUN_TMP=$(mktemp -d -t disagg-tests.XXXXXX)
+export TMPDIR=$RUN_TMP
+trap 'rm -rf "$RUN_TMP"' EXIT
 SUITES=${SUITES:-"lint fast nixl vllm upstream docker vllm033 latest"}
 LOCK=${VLLM_E2E_LOCK:-/tmp/vllm-e2e.lock}
 failures=()
@@ -102,7 +121,7 @@ fi
 # shows up in its step, which builds again and fails with the installer's own output.
 side_pid=""
 if [[ " $SUITES " == *" vllm033 "* || " $SUITES " == *" latest "* ]]; then
-    side_log=$(mktemp)
+    side_log="$CACHE/side-venvs.log"
     log "building the side venvs in the background (log: $side_log)"
     (
         v033="$ROOT/tests/unit/connector/run_vllm033.sh"

@@ -4,12 +4,12 @@
 # up here first. A side venv with the router (extras dev) and the devtools (no vLLM); then the
 # router's unit tests and the integration tests that pin the libraries' behaviour the router
 # relies on (uvicorn's protocol, httpx's client, tracing off loading no OpenTelemetry).
-#   bash tests/run_latest.sh          # venv in $LATEST_VENV (default /tmp/disagg-latest-venv)
+#   bash tests/run_latest.sh          # venv in $LATEST_VENV (default .cache/latest-venv)
 #   bash tests/run_latest.sh --prepare  # only install (tests/run.sh does it early)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
-VENV=${LATEST_VENV:-/tmp/disagg-latest-venv}
+VENV=${LATEST_VENV:-$ROOT/.cache/latest-venv}
 [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade --upgrade-strategy eager \
     -e "$ROOT[dev]" -e "$ROOT/devtools"

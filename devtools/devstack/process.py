@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import getpass
 import os
 import shlex
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,7 +69,10 @@ class ProcessSpec:
     ``env`` is the child's whole environment (``None``: inherit ours). ``append_log`` keeps an
     existing log file (several runs of one server in one file); otherwise it is truncated.
     ``ready_url``: the child is ready once a GET there answers 200 (``None``: at launch).
-    ``grace_s``: how long a stop waits after SIGTERM before SIGKILL.
+    ``grace_s``: how long a stop waits after SIGTERM before SIGKILL. ``private_tmp``: the child
+    gets a temporary directory of its own (``TMPDIR``), removed when it is stopped, so what it
+    leaves there (vLLM's ZMQ sockets and ``vllm_dist_*`` files) goes with it; torch's compile
+    cache stays shared (``TORCHINDUCTOR_CACHE_DIR``, where ours would have put it).
     """
 
     name: str
@@ -77,6 +83,7 @@ class ProcessSpec:
     ready_url: str | None = None
     ready_timeout_s: float = 60.0
     grace_s: float = 10.0
+    private_tmp: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,7 @@ class ChildProcess:
         self.process = process
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopped: StopOutcome | None = None
+        self._tmp: Path | None = None
 
     @property
     def name(self) -> str:
@@ -208,7 +216,7 @@ class ChildProcess:
             log.flush()
             self._proc = subprocess.Popen(
                 spec.argv,
-                env=None if spec.env is None else dict(spec.env),
+                env=self._environment(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -216,6 +224,20 @@ class ChildProcess:
                 preexec_fn=_parent_death_signal(os.getpid()),
             )
         return self
+
+    def _environment(self) -> dict[str, str] | None:
+        """The child's environment: the spec's (``None``: ours), with its own ``TMPDIR`` when
+        the spec asks for a private one (made here, removed by :meth:`stop`)."""
+        spec = self.process
+        if not spec.private_tmp:
+            return None if spec.env is None else dict(spec.env)
+        env = dict(os.environ if spec.env is None else spec.env)
+        shared = Path(tempfile.gettempdir())
+        inductor = shared / f"torchinductor_{getpass.getuser()}"  # where torch puts it by default
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=shared))
+        env["TMPDIR"] = str(self._tmp)
+        return env
 
     def start(self) -> ChildProcess:
         """Launch, then (with a ``ready_url``) block until ready; on failure stop and raise
@@ -288,6 +310,8 @@ class ChildProcess:
                 os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5.0)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
         self._stopped = StopOutcome(returncode=proc.poll(), killed=killed)
         return self._stopped
 

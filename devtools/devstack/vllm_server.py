@@ -190,6 +190,7 @@ class VllmServer(ChildProcess):
                 ready_url=f"{spec.url}/health",
                 ready_timeout_s=DEFAULT_STARTUP_TIMEOUT_S,
                 grace_s=STOP_GRACE_S,
+                private_tmp=True,
             )
         )
         self.spec = spec

@@ -3,18 +3,20 @@
 #
 # vLLM 0.33.0 ships only a CUDA wheel; it imports on CPU torch 2.13 when installed --no-deps into
 # a separate venv together with its requirements minus torch and the GPU-only packages.
-#   bash tests/unit/connector/run_vllm033.sh            # venv in $V033 (default /tmp/v33venv)
+#   bash tests/unit/connector/run_vllm033.sh            # venv in $V033 (default .cache/vllm033-venv)
 #   bash tests/unit/connector/run_vllm033.sh --prepare  # only build the venv (tests/run.sh does
 #                                                       # it early, on the core the fast suite
 #                                                       # leaves idle)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../../.."
 ROOT=$(pwd)
-V033=${V033:-/tmp/v33venv}
+V033=${V033:-$ROOT/.cache/vllm033-venv}
 GPU_ONLY='^(torch|torchaudio|torchvision|torchcodec|PyNvVideoCodec|flashinfer|apache-tvm|tilelang|nvidia|nvtx|fastsafetensors|instanttensor|quack|tokenspeed|humming)'
-if [[ ! -x "$V033/bin/python" ]] || ! "$V033/bin/python" -c 'import vllm' 2>/dev/null; then
+# Built once and reused; pytest-timeout because pyproject's pytest config names its option.
+if [[ ! -x "$V033/bin/python" ]] || ! "$V033/bin/python" -c 'import vllm, pytest_timeout' 2>/dev/null; then
     python3 -m venv "$V033"
     work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
     "$V033/bin/pip" download -q vllm==0.33.0 --no-deps -d "$work"
     wheel=$(ls "$work"/vllm-0.33.0-*.whl)
     unzip -p "$wheel" 'vllm-0.33.0.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' \
@@ -23,7 +25,7 @@ if [[ ! -x "$V033/bin/python" ]] || ! "$V033/bin/python" -c 'import vllm' 2>/dev
     # torch 2.13 CPU (the project's), pytest, then vLLM itself without its (GPU) pins.
     # (PIP_FIND_LINKS on these machines holds the CPU build of torch 2.13.)
     "$V033/bin/pip" install -q "torch==2.13.0+cpu" || "$V033/bin/pip" install -q "torch==2.13.0"
-    "$V033/bin/pip" install -q -r "$work/reqs.txt" pytest pytest-asyncio "llguidance<1.8.0,>=1.7.0" \
+    "$V033/bin/pip" install -q -r "$work/reqs.txt" pytest pytest-asyncio pytest-timeout "llguidance<1.8.0,>=1.7.0" \
         "xgrammar==0.2.8"
     "$V033/bin/pip" install -q --no-deps "$wheel"
 fi

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -156,3 +157,26 @@ def test_child_gets_sigterm_when_its_launcher_dies(tmp_path: Path) -> None:
     finally:
         if pid_alive(orphan):
             os.killpg(orphan, signal.SIGKILL)
+
+
+def test_a_private_tmp_child_leaves_nothing_in_the_temporary_directory(tmp_path: Path) -> None:
+    script = (
+        "import os, pathlib, socket, tempfile, time\n"
+        "tmp = pathlib.Path(tempfile.gettempdir())\n"
+        "(tmp / 'vllm_dist_x').write_text('x')\n"
+        "s = socket.socket(socket.AF_UNIX); s.bind(str(tmp / 'ipc'))\n"
+        "print('tmp:', tmp, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    spec = ProcessSpec(
+        "private", (sys.executable, "-c", script), tmp_path / "child.log", private_tmp=True
+    )
+    child = ChildProcess(spec).launch()
+    try:
+        wait_until(lambda: "tmp: " in read_log_tail(child.log_path), timeout=10)
+        tmp = Path(read_log_tail(child.log_path).split("tmp: ")[1].split()[0])
+        assert tmp.name.startswith("private-") and tmp.parent == Path(tempfile.gettempdir())
+        assert (tmp / "ipc").exists() and (tmp / "vllm_dist_x").exists()
+    finally:
+        child.stop()
+    assert not tmp.exists()
