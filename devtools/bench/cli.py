@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from bench.answers_cmd import add_answers_arguments, answers_command
 from bench.clients import add_clients_arguments, clients_command
 from bench.overhead_cmd import add_overhead_arguments, overhead_command
 from bench.routing_cmd import add_routing_arguments, routing_command
@@ -26,7 +27,7 @@ from bench.vllm_serve_cmd import add_vllm_serve_arguments, vllm_serve_command
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``run``/``overhead``/``clients``/``transfer``/``scenarios``/``report``/``routing``/
-    ``soak``/``vllm-serve`` subcommands to ``parser``."""
+    ``soak``/``vllm-serve``/``answers`` subcommands to ``parser``."""
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_run_arguments(sub.add_parser("run", help="one load-generator run"))
     add_overhead_arguments(
@@ -52,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_soak_arguments(
         sub.add_parser("soak", help="bounded soak: concurrent streams, lost/garbled, RSS and fds")
+    )
+    add_answers_arguments(
+        sub.add_parser(
+            "answers",
+            help="completed answers through push under faults vs an aggregated instance's",
+        )
     )
     add_vllm_serve_arguments(
         sub.add_parser(
@@ -82,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         return soak_command(args)
     if command == "vllm-serve":
         return vllm_serve_command(args)
+    if command == "answers":
+        return answers_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 
