@@ -58,8 +58,7 @@ LOGPROB_REL = 2**-6
 FLOAT32 = ("--dtype", "float32")
 """The instances compute in float32: on a processor with AMX tiles, vLLM CPU's bfloat16 matmuls
 round differently with the batch a request runs in, enough to change a greedy token now and
-then (1 of 60 prompts between concurrency 1 and 30 on one aggregated instance; 0 of 60 in
-float32), which would fail the comparisons below without any fault in the KV."""
+then, which would fail the comparisons below without any fault in the KV."""
 OURS_EXTRA = {"transfer_timeout_s": TRANSFER_TIMEOUT_S, "liveness_interval_s": 0.5}
 
 
