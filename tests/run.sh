@@ -21,8 +21,10 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 VENV="$ROOT/.venv"
-# The one cache directory: the side venvs of the vllm033 and latest suites, reused between runs
-# (`bash tests/run.sh clean` removes it; .venv is removed by hand).
+# The one cache directory, reused between runs (`bash tests/run.sh clean` removes it; .venv is
+# removed by hand): the side venvs of the vllm033 suite (rebuilt when its pins change) and the
+# latest suite (upgraded each run), vLLM's and torch's compile caches, the docker suite's Debian
+# root.
 CACHE="$ROOT/.cache"
 if [[ "${1:-}" == "clean" ]]; then
     rm -rf "$CACHE"
@@ -32,6 +34,9 @@ fi
 mkdir -p "$CACHE"
 export V033=${V033:-$CACHE/vllm033-venv}
 export LATEST_VENV=${LATEST_VENV:-$CACHE/latest-venv}
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$CACHE/vllm}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$CACHE/torchinductor}
+export DISAGG_DEPLOY_CACHE=${DISAGG_DEPLOY_CACHE:-$CACHE/deploy}
 # Everything the suites and the processes they start put in the temporary directory (pytest's
 # tmp_path, the tiny model, vLLM's ZMQ sockets and vllm_dist_* files) goes into one directory of
 # this run, removed when the run ends however it ends. It stays in the system temporary

@@ -73,6 +73,10 @@ class ProcessSpec:
     gets a temporary directory of its own (``TMPDIR``), removed when it is stopped, so what it
     leaves there (vLLM's ZMQ sockets and ``vllm_dist_*`` files) goes with it; torch's compile
     cache stays shared (``TORCHINDUCTOR_CACHE_DIR``, where ours would have put it).
+    ``shm_prefixes``: shared-memory files (``/dev/shm``) whose name starts with one of these and
+    that the group has mapped when it is seen ready or when its stop begins are removed once it
+    is stopped (vLLM CPU's ``vllm_dist_*-cpushm_*`` segments of TP/PP workers, which it never
+    unlinks).
     """
 
     name: str
@@ -84,6 +88,7 @@ class ProcessSpec:
     ready_timeout_s: float = 60.0
     grace_s: float = 10.0
     private_tmp: bool = False
+    shm_prefixes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,27 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+_SHM_DIR = "/dev/shm"
+
+
+def group_shared_memory(pgid: int, prefixes: Sequence[str]) -> set[Path]:
+    """The files under ``/dev/shm`` that a live process of group ``pgid`` maps and whose name
+    starts with one of ``prefixes`` (read from ``/proc/PID/maps``; empty where there is none)."""
+    found: set[Path] = set()
+    for proc in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, psutil.Error, OSError):
+            if os.getpgid(proc.pid) != pgid:
+                continue
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            for line in maps.splitlines():
+                fields = line.split(maxsplit=5)
+                path = fields[5] if len(fields) == 6 else ""
+                name = path.removeprefix(_SHM_DIR + "/")
+                if name != path and "/" not in name and name.startswith(tuple(prefixes)):
+                    found.add(Path(path))
+    return found
+
+
 def read_log_tail(path: Path, lines: int = 40) -> str:
     """The last ``lines`` lines of ``path`` (reads at most the last 64 KiB); "" if unreadable."""
     try:
@@ -191,6 +217,7 @@ class ChildProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopped: StopOutcome | None = None
         self._tmp: Path | None = None
+        self._shm: set[Path] = set()
 
     @property
     def name(self) -> str:
@@ -275,9 +302,18 @@ class ChildProcess:
                 f"{self.name} exited with {code}:\n{self.log_tail()}\n(log {self.log_path})"
             )
         try:
-            return client.get(self.process.ready_url).status_code == 200
+            ready = client.get(self.process.ready_url).status_code == 200
         except httpx.TransportError:
             return False
+        if ready:
+            self._note_shared_memory()
+        return ready
+
+    def _note_shared_memory(self) -> None:
+        """Remember the group's mapped ``spec.shm_prefixes`` files, for :meth:`stop` to remove
+        (noted when ready too: a group killed before its stop maps nothing any more)."""
+        if self._proc is not None and self.process.shm_prefixes:
+            self._shm |= group_shared_memory(self._proc.pid, self.process.shm_prefixes)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Block until ready (default bound: ``ready_timeout_s``); raise on death or timeout."""
@@ -296,6 +332,7 @@ class ChildProcess:
             return self._stopped
         grace = self.process.grace_s if grace_s is None else grace_s
         pgid = proc.pid  # start_new_session: the child leads its own group
+        self._note_shared_memory()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -312,6 +349,8 @@ class ChildProcess:
             proc.wait(timeout=5.0)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
+        for path in self._shm:
+            path.unlink(missing_ok=True)
         self._stopped = StopOutcome(returncode=proc.poll(), killed=killed)
         return self._stopped
 

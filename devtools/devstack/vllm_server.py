@@ -43,6 +43,13 @@ DEFAULT_STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 15.0
 
 
+VLLM_SHM_PREFIXES = ("vllm_dist_", "psm_", "sem.mp-")
+"""The ``/dev/shm`` files a vLLM CPU instance's processes map and a killed instance leaves behind:
+the TP/PP workers' ``vllm_dist_*-cpushm_*`` segments (never unlinked, even on a clean stop), the
+engine's message-queue rings (``psm_*``, 160 MiB each) and multiprocessing's semaphores
+(``sem.mp-*``); :meth:`devstack.process.ChildProcess.stop` removes those the instance mapped."""
+
+
 class VllmServerError(ProcessStartError):
     """A vLLM server failed to start, died, or could not be queried."""
 
@@ -191,6 +198,7 @@ class VllmServer(ChildProcess):
                 ready_timeout_s=DEFAULT_STARTUP_TIMEOUT_S,
                 grace_s=STOP_GRACE_S,
                 private_tmp=True,
+                shm_prefixes=VLLM_SHM_PREFIXES,
             )
         )
         self.spec = spec

@@ -33,7 +33,7 @@ from tests.e2e.e2e_support import (
     metrics,
 )
 from tests.e2e.test_connector_e2e import (
-    abort_p_leg_mid_prefill,
+    abort_p_leg_before_prefill_ends,
     assert_failed_by_p_abort,
     tokens,
     wait_registered,
@@ -153,8 +153,8 @@ async def greedy_case(stack: Stack, p: StackInstance, d: StackInstance, tag: str
 
 
 async def p_abort_case(stack: Stack, p: StackInstance, d: StackInstance, tag: str) -> None:
-    """P aborts mid-prefill: every P rank tells the D ranks it feeds, which fail the request
-    with P's reason; every instance frees every block."""
+    """P's client goes away before P's prefill ends: every P rank tells the D ranks it feeds,
+    which fail the request with P's reason; every instance frees every block."""
     rid = uuid.uuid4().hex
     prompt = tokens(f"{tag}-p-abort", 16000)
     headers = {"X-Request-Id": rid}
@@ -168,7 +168,7 @@ async def p_abort_case(stack: Stack, p: StackInstance, d: StackInstance, tag: st
             )
         )
         await wait_registered(d)
-        await abort_p_leg_mid_prefill(client, p, p_body, headers)
+        await abort_p_leg_before_prefill_ends(client, p, p_body, rid)
         resp_d = await d_leg
     assert resp_d.status_code >= 400
     await assert_failed_by_p_abort(stack, d, rid)

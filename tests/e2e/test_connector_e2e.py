@@ -15,6 +15,7 @@ Run under ``flock /tmp/vllm-e2e.lock``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,7 +41,7 @@ from connector.contract import (
     read_prefill_answer,
 )
 from devstack.stack import Stack, StackInstance, StackOptions
-from tests.e2e.e2e_support import load, metrics, module_stack, wait_idle
+from tests.e2e.e2e_support import metrics, module_stack, wait_idle
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.vllm]
@@ -59,6 +61,10 @@ FLOAT32 = ("--dtype", "float32")
 """The instances compute in float32: on a processor with AMX tiles, vLLM CPU's bfloat16 matmuls
 round differently with the batch a request runs in, enough to change a greedy token now and
 then, which would fail the comparisons below without any fault in the KV."""
+LOG_REQUESTS = ("--enable-log-requests",)
+"""vLLM logs ``Added request <id>`` once its API server has handed a request to the engine and
+``Aborted request(s) <id>`` once it has sent the engine the abort (INFO: ids and sampling
+parameters, no prompts); :func:`abort_p_leg_before_prefill_ends` orders its steps by them."""
 OURS_EXTRA = {"transfer_timeout_s": TRANSFER_TIMEOUT_S, "liveness_interval_s": 0.5}
 
 
@@ -70,7 +76,10 @@ def stack(request: pytest.FixtureRequest, e2e_dir: Path) -> Iterator[Stack]:
     kind: str = request.param
     extra = OURS_EXTRA if kind == "ours" else {}
     options = StackOptions(
-        kind=kind, connector_extra_config=extra, enforce_eager=True, extra_args=FLOAT32
+        kind=kind,
+        connector_extra_config=extra,
+        enforce_eager=True,
+        extra_args=FLOAT32 + LOG_REQUESTS,
     )
     with module_stack(options, e2e_dir) as s:
         yield s
@@ -215,38 +224,62 @@ async def wait_registered(d: StackInstance) -> None:
     )
 
 
-async def abort_p_leg_mid_prefill(
-    client: httpx.AsyncClient, p: StackInstance, p_body: dict[str, Any], headers: dict[str, str]
-) -> None:
-    """Send the P leg and go away once P's engine holds it (running, or queued to run): vLLM
-    aborts the request before its prefill ends. P must be idle first, so the request seen is
-    this one (not one still finishing, and never a leg cancelled before P's engine got it,
-    which only D's timeout would end). Fails at once, with P's answer, if the leg ends before
-    it was seen, and after 60 s with the tail of P's log."""
-    await asyncio.to_thread(wait_idle, p, 60.0, "P to be idle before the prefill to abort")
-    p_leg = asyncio.ensure_future(
-        client.post(p.url + "/v1/completions", json=p_body, headers=headers)
-    )
+@contextlib.contextmanager
+def engine_frozen(instance: StackInstance) -> Iterator[None]:
+    """Stop (``SIGSTOP``) every process under the instance's API server (its engine core and,
+    for TP/PP, its workers) and continue them on leaving, however it is left. The API server
+    itself keeps serving: what it sends the engine waits in the engine's socket, in order."""
+    pid = instance.server.pid
+    assert pid is not None, f"{instance.name} is not running"
+    stopped: list[psutil.Process] = []
     try:
-        await wait_engine_holds(p, p_leg)
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.suspend()
+                stopped.append(child)
+        yield
     finally:
-        p_leg.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await p_leg
+        for child in stopped:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.resume()
 
 
-async def wait_engine_holds(p: StackInstance, p_leg: asyncio.Future[httpx.Response]) -> None:
-    """Poll P's ``/metrics`` until its engine has a running or waiting request, watching the
-    leg between polls; fail with what P said if the leg ends first, or with P's log tail."""
+async def abort_p_leg_before_prefill_ends(
+    client: httpx.AsyncClient, p: StackInstance, p_body: dict[str, Any], rid: str
+) -> None:
+    """Send the P leg of ``rid`` and go away before P's prefill can end, whatever the machine's
+    speed: P's engine is frozen while its API server hands it the request (``Added request``)
+    and, once the client has gone, the abort (``Aborted request``); the engine, continued, reads
+    both in order and aborts the request queued, or after at most the chunk under way of a
+    prompt several chunks long. P must be idle first and run with :data:`LOG_REQUESTS`."""
+    await asyncio.to_thread(wait_idle, p, 60.0, "P to be idle before the prefill to abort")
+    with engine_frozen(p):
+        p_leg = asyncio.ensure_future(
+            client.post(p.url + "/v1/completions", json=p_body, headers={"X-Request-Id": rid})
+        )
+        try:
+            await wait_logged(p, f"Added request cmpl-{rid}", p_leg)
+        finally:
+            p_leg.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await p_leg
+        await wait_logged(p, f"Aborted request(s) cmpl-{rid}", None)
+
+
+async def wait_logged(
+    instance: StackInstance, text: str, leg: asyncio.Future[httpx.Response] | None
+) -> None:
+    """Poll the instance's log until a line holds ``text``; fail with the leg's answer if
+    ``leg`` ends first, or after 60 s with the log's tail."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 60.0
-    while sum(await asyncio.to_thread(load, p)) < 1:
-        done, _ = await asyncio.wait({p_leg}, timeout=0.01)
-        if done:
-            answer = p_leg.result()
-            pytest.fail(f"P answered before it was seen: {answer.status_code} {answer.text[:300]}")
+    while not any(text in line for line in log_tail(instance, 200).splitlines()):
+        if leg is not None and leg.done():
+            answer = leg.result()
+            pytest.fail(f"{instance.name} answered first: {answer.status_code} {answer.text[:300]}")
         if loop.time() >= deadline:
-            pytest.fail(f"P's engine never held the leg within 60 s; P's log:\n{log_tail(p)}")
+            pytest.fail(f"{instance.name} never logged {text!r}; its log:\n{log_tail(instance)}")
+        await asyncio.sleep(0.05)
 
 
 def log_tail(instance: StackInstance, lines: int = 40) -> str:
@@ -397,7 +430,7 @@ async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> No
     baseline = idle_kv_usage(d)
     rid = uuid.uuid4().hex
     # The longest prompt the instances take: P prefills it in chunks over several steps, and
-    # the client goes away once P's engine holds the request (queued, or after its first chunk).
+    # the abort reaches P's engine before the first of them ends.
     prompt = tokens("p-abort", 16000)
     headers = {"X-Request-Id": rid}
     p_params = prefill_leg_params(rid)
@@ -411,7 +444,7 @@ async def test_p_abort_fails_waiting_d_fast_and_frees_blocks(stack: Stack) -> No
             )
         )
         await wait_registered(d)
-        await abort_p_leg_mid_prefill(client, p, p_body, headers)
+        await abort_p_leg_before_prefill_ends(client, p, p_body, rid)
         resp_d = await d_leg
     assert resp_d.status_code >= 400  # P told D; D reports the load as failed
     # P's failure ended D's wait, not D's 20 s transfer timeout.

@@ -27,6 +27,7 @@ import pytest
 from devstack.stack import Stack, StackOptions
 from tests.e2e.e2e_support import module_stack
 from tests.e2e.parallel_cases import CASES, EXTRA, named
+from tests.e2e.test_connector_e2e import LOG_REQUESTS
 
 pytestmark = [pytest.mark.vllm]
 
@@ -47,7 +48,7 @@ def stack(e2e_dir: Path) -> Iterator[Stack]:
         tensor_parallel={"p1": 2, "d1": 2},
         pipeline_parallel={"p2": 2},
         connector_extra_config=EXTRA,
-        extra_args=STEP_TOKENS,
+        extra_args=STEP_TOKENS + LOG_REQUESTS,
         enforce_eager=True,
     )
     with module_stack(options, e2e_dir) as s:

@@ -4,12 +4,14 @@ parent-death signal. Real processes (python and sleep), no vLLM; each test takes
 
 from __future__ import annotations
 
+import http.server
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,67 @@ def test_a_private_tmp_child_leaves_nothing_in_the_temporary_directory(tmp_path:
     finally:
         child.stop()
     assert not tmp.exists()
+
+
+# A child that maps two files it makes in /dev/shm (``<argv[1]>-cpushm`` and ``other-<argv[1]>``),
+# the way vLLM CPU's TP/PP workers map their ``vllm_dist_*-cpushm_*`` segments and never unlink.
+_SHM_CHILD = textwrap.dedent(
+    """
+    import mmap, os, sys, time
+    maps = []
+    for name in (sys.argv[1] + "-cpushm", "other-" + sys.argv[1]):
+        fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 4096)
+        maps.append(mmap.mmap(fd, 4096))
+    print("mapped", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+class _Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+@pytest.mark.parametrize("killed_before_stop", [False, True])
+def test_stop_removes_the_shared_memory_the_group_mapped(
+    tmp_path: Path, killed_before_stop: bool
+) -> None:
+    prefix = f"disagg-test-{os.getpid()}-{int(killed_before_stop)}"
+    ours, other = Path(f"/dev/shm/{prefix}-cpushm"), Path(f"/dev/shm/other-{prefix}")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    spec = ProcessSpec(
+        "shm",
+        (sys.executable, "-c", _SHM_CHILD, prefix),
+        tmp_path / "child.log",
+        ready_url=f"http://127.0.0.1:{server.server_address[1]}/",
+        shm_prefixes=(prefix,),
+    )
+    child = ChildProcess(spec).launch()
+    try:
+        wait_until(lambda: "mapped" in read_log_tail(child.log_path), timeout=10)
+        child.wait_ready()  # notes what the group maps now
+        if killed_before_stop:  # e.g. a fault test's SIGKILL: nothing is mapped at stop time
+            pid = child.pid
+            assert pid is not None
+            os.killpg(pid, signal.SIGKILL)
+            wait_until(lambda: child.poll() is not None, timeout=10, what="the child to die")
+        assert ours.exists()
+        child.stop(grace_s=5.0)
+        assert not ours.exists()
+        assert other.exists()  # a mapped file without the prefix is not the stop's to remove
+    finally:
+        child.stop()
+        server.shutdown()
+        server.server_close()
+        ours.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)
