@@ -10,7 +10,7 @@ may change without notice.
 - :func:`main` is the ``disagg-router`` console script (``serve``, ``check-config``).
 
 Names are resolved on first use, so importing one internal module (the connector's contract
-tests import ``router.dispatch.rewrite``) does not load the whole server.
+tests import ``router.upstream.rewrite``) does not load the whole server.
 """
 
 from __future__ import annotations

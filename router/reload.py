@@ -29,7 +29,7 @@ import watchfiles
 
 from router.config import load_config
 from router.errors import ConfigError
-from router.routing.backends import BackendState
+from router.instances.state import BackendState
 from router.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.dispatch.ids import new_request_id
+from router.ids import new_request_id
 from router.observability.tracing import NO_SPAN, Span
 
 _SAFE_CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry
 
-from router.config import RouterSettings
+from router.config import RouterSettings, TracingConfig
+from router.instances.registry import BackendHooks
+from router.instances.state import BackendState
 from router.lifecycle import Lifecycle
 from router.observability.metrics import RouterMetrics
-from router.observability.tracing import NoTracer, Tracer, make_tracer
-from router.routing.backends import BackendState
+from router.observability.tracing import NoTracer, Tracer
 from router.routing.kv_routing import KvRouting
 from router.routing.pools import Pool
-from router.routing.registry import BackendHooks
 from router.routing.table import LiveRouting, ModelPools
 from router.upstream.client import AiohttpTransport, UpstreamClient
 
@@ -94,10 +94,13 @@ def http_client(
 ) -> httpx.AsyncClient:
     """The one upstream client: explicit timeouts, generous pool limits, no cookies.
 
-    Its connections are aiohttp's (:mod:`router.upstream.client`); ``transport`` replaces them
-    (tests). An idle connection is dropped after :data:`UPSTREAM_KEEPALIVE_S`, before vLLM's
-    server closes it (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s): reusing one the server is closing
-    fails the leg written on it.
+    The P and D legs go out on the client's own keep-alive connections
+    (:mod:`router.upstream.h1`), everything else through httpx over aiohttp's
+    (:mod:`router.upstream.client`); ``transport`` replaces the network (tests; then every call
+    goes through it). An idle connection is dropped after :data:`UPSTREAM_KEEPALIVE_S`, before
+    vLLM's server closes it (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s), or sooner when the instance
+    says ``Keep-Alive: timeout``; a leg whose reused connection turns out closed before any answer
+    byte is sent again once on a new one.
     """
     t = settings.timeouts
     timeout = httpx.Timeout(connect=t.connect, read=t.total, write=t.total, pool=t.connect)
@@ -105,6 +108,16 @@ def http_client(
         max_connections=4096, max_keepalive_connections=512, keepalive_expiry=UPSTREAM_KEEPALIVE_S
     )
     return UpstreamClient(transport or AiohttpTransport(limits=limits), timeout, limits)
+
+
+def make_tracer(config: TracingConfig) -> Tracer:
+    """The tracer for ``config``; imports OpenTelemetry (an optional dependency) only when
+    tracing is enabled."""
+    if not config.enabled:
+        return NoTracer()
+    from router.observability.otel import OtelTracer
+
+    return OtelTracer(config)
 
 
 @asynccontextmanager

@@ -24,9 +24,9 @@ import httpx
 import uvicorn
 
 from router.config import PushIdentity
-from router.dispatch.rewrite import decode_body_push, prefill_body
 from router.upstream import codec
 from router.upstream.h1 import ConnectionPool, Origin
+from router.upstream.rewrite import decode_body_push, prefill_body
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

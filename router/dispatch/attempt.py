@@ -27,8 +27,8 @@ from router.dispatch.holds import Holds
 from router.dispatch.relay import Relay, SseEvents
 from router.dispatch.state import Attempt
 from router.errors import NoBackendAvailable, RouterError, RouterNotReady, UpstreamError
+from router.instances.state import BackendState
 from router.observability.tracing import NO_SPAN
-from router.routing.backends import BackendState
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 
 from router.errors import RouterError
-from router.health.admission import Slot
+from router.instances.admission import Slot
+from router.instances.state import BackendState, Role
 from router.observability.metrics import RouterMetrics
-from router.routing.backends import BackendState, Role
 
 
 class Holds:

@@ -18,20 +18,20 @@ import time
 from typing import Any
 
 from router.dispatch.holds import Holds
-from router.dispatch.rewrite import (
+from router.dispatch.state import END, Attempt
+from router.errors import RouterError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from router.instances.identity import learn_identity
+from router.instances.state import BackendState
+from router.observability.tracing import NO_SPAN, Span, span_attributes
+from router.runtime import Runtime
+from router.upstream.calls import open_sse, post_json
+from router.upstream.rewrite import (
     decode_body_pull,
     decode_body_push,
     identity_from_kv,
     prefill_body,
     strip_client_fields,
 )
-from router.dispatch.state import END, Attempt
-from router.errors import RouterError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
-from router.health.monitor import learn_identity
-from router.observability.tracing import NO_SPAN, Span, span_attributes
-from router.routing.backends import BackendState
-from router.runtime import Runtime
-from router.upstream.calls import open_sse, post_json
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def check_prefill_answer(attempt: Attempt, prefill: BackendState, data: dict[str
             f"configured engine_id {sent} does not match the instance's "
             f"{answered.engine_id}; fix the router config",
         )
-    learn_identity(attempt.runtime, prefill, answered)
+    learn_identity(prefill, answered, attempt.runtime.metrics)
     raise UpstreamProtocolError(
         "prefill",
         prefill.label,

@@ -24,10 +24,10 @@ import time
 from router.dispatch.attempt import Dispatch
 from router.dispatch.state import Attempt
 from router.errors import NoBackendAvailable, UpstreamError
+from router.instances.state import BackendState
 from router.request import ClientRequest, RequestContext
-from router.routing.backends import BackendState
 from router.routing.pairing import choose_pair
-from router.routing.policies import RoutingInput
+from router.routing.policies.base import RoutingInput
 from router.routing.prompt_keys import estimated_tokens
 from router.routing.table import ModelPools
 from router.runtime import Runtime

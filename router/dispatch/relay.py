@@ -20,18 +20,19 @@ import time
 from typing import Any
 
 from router.dispatch.legs import leg_failed
-from router.dispatch.rewrite import client_response, merge_usage, prefill_usage
 from router.dispatch.state import Attempt, DecodeItem, End
 from router.errors import RouterError, UpstreamProtocolError, UpstreamTimeout, error_payload
 from router.observability.timeline import ttft_stages
 from router.upstream import codec
+from router.upstream.rewrite import client_response, merge_usage, prefill_usage
+from router.upstream.sse import DONE_EVENT, encode_event
 
 log = logging.getLogger(__name__)
 
 
 def sse_error_event(exc: RouterError) -> bytes:
     """The one SSE event sent when a stream fails after its first byte went out."""
-    return b"data: " + json.dumps(error_payload(exc)).encode() + b"\n\n"
+    return encode_event(json.dumps(error_payload(exc)).encode())
 
 
 class Relay:
@@ -118,7 +119,7 @@ class Relay:
             chunk["usage"] = self._a.usage = merge_usage(
                 chunk["usage"], await self._prefill_usage()
             )
-            return b"data: " + codec.dumps(chunk) + b"\n\n"
+            return encode_event(codec.dumps(chunk))
         return event
 
     def _end_event(self, item: DecodeItem | None) -> bytes | None:
@@ -126,7 +127,7 @@ class Relay:
         if isinstance(item, End):
             self._a.outcome = "ok"
             self._a.answered = time.monotonic()
-            return b"data: [DONE]\n\n"
+            return DONE_EVENT
         if isinstance(item, RouterError):
             self._a.outcome = "decode_failed_midstream"
             log.warning("dispatch %s failed mid-stream: %s", self._a.request_id, item.message)

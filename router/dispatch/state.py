@@ -16,10 +16,10 @@ from collections import deque
 from typing import Any
 
 from router.config import PushIdentity
-from router.dispatch.ids import new_request_id
 from router.errors import RouterError
+from router.ids import new_request_id
+from router.instances.state import BackendState
 from router.request import ClientRequest, RequestContext
-from router.routing.backends import BackendState
 from router.runtime import Runtime
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from router.dispatch.ids import new_request_id
-from router.routing.backends import BackendState
+from router.ids import new_request_id
+from router.instances.state import BackendState
 from router.upstream import codec
 from router.upstream.calls import leg_headers
 

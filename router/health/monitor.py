@@ -19,7 +19,7 @@ periodically; <= ``interval``: on every check). Probes are rationed because each
 keeps the probe's KV block until its lease expires (no D ever fetches it) and keeps P's engine
 loop stepping meanwhile.
 Between probes the dispatch also learns a changed engine id from any P leg's answer; both go
-through :func:`learn_identity`, the one place an identity is recorded.
+through :func:`router.instances.identity.learn_identity`, the one place an identity is recorded.
 
 Engine shapes (:mod:`router.health.shapes`): P's probe answer carries its shape (TP, PP, block
 size, KV heads) when its connector speaks shapes; then each D of its pools gets an identity probe
@@ -38,8 +38,6 @@ from collections.abc import Sequence
 import httpx
 
 from router.config import PushIdentity, RouterSettings
-from router.dispatch.ids import new_request_id
-from router.dispatch.rewrite import identity_from_kv, prefill_body
 from router.errors import UpstreamError, UpstreamTimeout
 from router.health.model_info import learn_max_model_len
 from router.health.shapes import (
@@ -49,22 +47,14 @@ from router.health.shapes import (
     speaks_shapes,
     unprobed_decodes,
 )
-from router.routing.backends import BackendState
+from router.ids import new_request_id
+from router.instances.identity import learn_identity
+from router.instances.state import BackendState
 from router.runtime import Runtime
 from router.upstream.calls import leg_headers, post_json
+from router.upstream.rewrite import identity_from_kv, prefill_body
 
 log = logging.getLogger(__name__)
-
-
-def learn_identity(runtime: Runtime, backend: BackendState, identity: PushIdentity) -> bool:
-    """Record ``identity`` as learned from ``backend`` now; True (logged, counted) if it changed."""
-    backend.identity_learned_at = time.monotonic()
-    if identity == backend.learned_identity:
-        return False
-    log.info("prefill %s identity: %s (was %s)", backend.label, identity, backend.learned_identity)
-    backend.learned_identity = identity
-    runtime.metrics.identity_changes.labels(backend.label).inc()
-    return True
 
 
 class HealthMonitor:
@@ -131,7 +121,7 @@ class HealthMonitor:
         if backend.role == "prefill":
             identity = await self.probe_identity(backend)
             if backend.needs_identity_probe and self.settings.mode == "push":
-                learn_identity(self.runtime, backend, identity)
+                learn_identity(backend, identity, self.metrics)
             return
         rid = new_request_id()
         body = {
@@ -145,7 +135,7 @@ class HealthMonitor:
         """Probe an open breaker (bounded by ``timeouts.identity_probe``); True if it passed.
 
         A passed probe puts the instance on trial, not back for good: the next real leg closes
-        the breaker or opens it again with a longer backoff (:mod:`router.health.breaker`)."""
+        the breaker or opens it again with a longer backoff (:mod:`router.instances.breaker`)."""
         breaker = backend.breaker
         breaker.begin_probe()
         labels = (backend.role, backend.label)
@@ -184,7 +174,7 @@ class HealthMonitor:
         if backend.needs_identity_probe:
             shape = backend.shape
             identity = await asyncio.wait_for(self.probe_identity(backend), t.identity_probe)
-            learn_identity(self.runtime, backend, identity)
+            learn_identity(backend, identity, self.metrics)
             if backend.shape is not None and backend.shape != shape:
                 await self._probe_decodes_of(backend)
         elif backend.role == "decode" and speaks_shapes(self.runtime.routing.table, backend):

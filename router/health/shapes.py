@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client import Gauge
 
 from connector.contract import KV_TRANSFER_PARAMS, identity_probe_params, read_engine_shape
-from router.routing.backends import BackendState
+from router.instances.state import BackendState
 from router.routing.pairing import refused_pairs
 from router.routing.table import RoutingTable
 

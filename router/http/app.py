@@ -59,10 +59,9 @@ from router.http.guard import RequestGuard
 from router.http.models import model_list
 from router.http.passthrough import PASSTHROUGH_PATHS, RESPONSES_PATH, PassthroughEndpoint
 from router.http.validation import parse_client_request
+from router.instances.state import BackendState
 from router.reload import ConfigReloader
 from router.request import ClientRequest
-from router.routing.backends import BackendState
-from router.routing.kv_routing import run_kv_routing
 from router.runtime import Runtime, open_runtime
 from router.supervisor import Supervisor
 
@@ -97,9 +96,7 @@ def _authorize(request: Request, keys: list[str]) -> None:
 
 
 def _signal_targets(runtime: Runtime) -> list[BackendState]:
-    return [
-        b for pool in runtime.pools if pool.config.policy == "power_of_two" for b in pool.backends
-    ]
+    return [b for pool in runtime.pools if "load" in pool.policy.signals for b in pool.backends]
 
 
 def _on_sighup(reloader: ConfigReloader) -> bool:
@@ -134,7 +131,9 @@ def _lifespan(
                     settings.timeouts.health,
                 ),
             )
-            supervisor.start("kv_routing", lambda: run_kv_routing(runtime))  # kv_routing
+            supervisor.start(
+                "kv_routing", lambda: runtime.kv.run(runtime.routing, runtime.metrics.kv)
+            )
             reloader = None
             sighup = False
             if config_path is not None:

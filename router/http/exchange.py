@@ -42,7 +42,7 @@ from router.errors import (
     outcome_label,
 )
 from router.http.disconnect import ClientWatch
-from router.routing.backends import BackendState
+from router.instances.state import BackendState
 from router.runtime import Runtime
 from router.upstream.calls import close_quietly, http_error, raw_chunks, read_raw, send_raw
 

@@ -28,17 +28,17 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.dispatch.ids import new_request_id
-from router.dispatch.rewrite import strip_client_fields
 from router.errors import NoBackendAvailable, RouterError, UpstreamError, outcome_label
 from router.http.disconnect import ClientWatch, notice_of
 from router.http.exchange import DrainHandle, Exchange, ProxiedStream, answer_ok, watched
 from router.http.generate import error_response, request_context
 from router.http.validation import parse_passthrough
+from router.ids import new_request_id
+from router.instances.state import Role
 from router.observability.reqlog import log_request
-from router.routing.backends import Role
-from router.routing.policies import RoutingInput
+from router.routing.policies.base import RoutingInput
 from router.runtime import Runtime
+from router.upstream.rewrite import strip_client_fields
 
 log = logging.getLogger(__name__)
 

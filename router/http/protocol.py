@@ -42,9 +42,9 @@ from typing import Any, cast
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.config import LimitsConfig
-from router.dispatch.ids import new_request_id
 from router.errors import ClientRequestError, RouterError, RouterNotReady, error_payload
 from router.http.disconnect import NOTICE, DisconnectNotice
+from router.ids import new_request_id
 
 _INVALID = "invalid_request_error"
 _REASONS = {

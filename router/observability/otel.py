@@ -1,8 +1,7 @@
 """The OpenTelemetry implementation of :mod:`router.observability.tracing` (needs the
 ``tracing`` extra).
 
-Imported only by :func:`router.observability.tracing.make_tracer` when ``tracing.enabled`` is
-true. Spans are
+Imported only by :func:`router.runtime.make_tracer` when ``tracing.enabled`` is true. Spans are
 exported in batches over OTLP/HTTP to ``tracing.endpoint``; context travels as W3C
 ``traceparent``/``tracestate`` headers (in from the client, out to both legs).
 """

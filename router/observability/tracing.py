@@ -1,19 +1,17 @@
 """Optional OpenTelemetry tracing behind one small interface; a no-op when tracing is off.
 
-Who calls it: the runtime (:mod:`router.runtime`) builds one :class:`Tracer` from ``tracing`` in the
-config (:func:`make_tracer`); the request guard (:mod:`router.http.guard`) opens a request span
-(continuing a client's W3C ``traceparent``), the dispatch a span per leg and one up to the first
-token, and each leg sends its span's ``traceparent`` to vLLM. With tracing off (the default) every
-call is a constant no-op and the ``opentelemetry`` packages are never imported; they come with the
-``tracing`` extra.
+Who calls it: the runtime builds one :class:`Tracer` from ``tracing`` in the config
+(:func:`router.runtime.make_tracer`: :class:`NoTracer`, or :mod:`router.observability.otel`'s);
+the request guard (:mod:`router.http.guard`) opens a request span (continuing a client's W3C
+``traceparent``), the dispatch a span per leg and one up to the first token, and each leg sends
+its span's ``traceparent`` to vLLM. With tracing off (the default) every call is a constant no-op
+and the ``opentelemetry`` packages are never imported; they come with the ``tracing`` extra.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Protocol
-
-from router.config import TracingConfig
 
 
 class Span(Protocol):
@@ -66,15 +64,6 @@ class NoTracer:
 
     def shutdown(self) -> None:
         return None
-
-
-def make_tracer(config: TracingConfig) -> Tracer:
-    """The tracer for ``config``; imports OpenTelemetry only when tracing is enabled."""
-    if not config.enabled:
-        return NoTracer()
-    from router.observability.otel import OtelTracer  # the optional dependency, loaded only here
-
-    return OtelTracer(config)
 
 
 def span_attributes(**values: Any) -> dict[str, str]:

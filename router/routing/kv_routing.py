@@ -1,9 +1,9 @@
 """KV-aware routing state of the served models: tokenizers, KV indexes, event streams.
 
-Who calls it: :mod:`router.http.app`'s lifespan runs :func:`run_kv_routing` as one supervised
-background task; :mod:`router.runtime` holds the one :class:`KvRouting` (``Runtime.kv``), which
-the orchestrator asks once per request for a :class:`KvRequest` (``request``), read by the
-``kv_aware`` policy and the cached D-only rule.
+Who calls it: :mod:`router.runtime` holds the one :class:`KvRouting` (``Runtime.kv``). The app's
+lifespan runs :meth:`KvRouting.run` as one supervised background task; the orchestrator asks it
+once per request for the request's view of the model's index (``request``: a ``KvRequest``),
+read by the ``kv_aware`` policy and the cached D-only rule.
 
 :meth:`KvRouting.run` reconciles every ``RECONCILE_INTERVAL`` seconds with the routing table in
 force, so it follows discovery (instances that join get a stream, those that leave lose theirs
@@ -22,29 +22,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import zmq.asyncio
 
 from router.config import InstanceConfig, KvEventsConfig
 from router.observability.metrics import KvMetrics
-from router.routing.backends import BackendState
-from router.routing.block_keys import PromptTokenizer, load_tokenizer, request_keys
+from router.routing.block_keys import PromptTokenizer, load_tokenizer
 from router.routing.kv_events import EventStream, StreamLimits, StreamTarget, StreamTiming
 from router.routing.kv_index import KvIndex
-
-if TYPE_CHECKING:
-    from router.runtime import Runtime
+from router.routing.kv_model import KvModel, KvRequest
+from router.routing.table import LiveRouting
 
 log = logging.getLogger(__name__)
 
 RECONCILE_INTERVAL = 1.0
 TOKENIZER_RETRY = 30.0
-_RECENT_LEGS = 64
 
 
 def stream_target(model: str, instance: InstanceConfig, config: KvEventsConfig) -> StreamTarget:
@@ -58,112 +53,6 @@ def stream_target(model: str, instance: InstanceConfig, config: KvEventsConfig) 
         replay_endpoint=instance.kv_replay_endpoint or f"tcp://{host}:{config.replay_port}",
         topic=config.topic,
     )
-
-
-@dataclass
-class KvModel:
-    """One model's KV-aware state: config, tokenizer (None until loaded), index, streams."""
-
-    name: str
-    config: KvEventsConfig
-    metrics: KvMetrics
-    index: KvIndex
-    tokenizer: PromptTokenizer | None = None
-    streams: dict[str, EventStream] = field(default_factory=dict)
-    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
-    recent: dict[str, deque[int]] = field(default_factory=dict)
-    tokenizer_failed_at: float | None = None
-    loading: asyncio.Task[PromptTokenizer] | None = None
-
-    def routable(self, label: str) -> bool:
-        stream = self.streams.get(label)
-        return stream is not None and stream.routable
-
-    def status(self) -> dict[str, Any]:
-        """The ``/ready`` view: per instance its stream state (and why not live), blocks."""
-        return {
-            "tokenizer": "loaded" if self.tokenizer is not None else "not loaded",
-            "instances": {
-                label: {
-                    "state": s.state,
-                    "blocks": self.index.blocks(label),
-                    **({"reason": s.reason} if s.reason else {}),
-                }
-                for label, s in self.streams.items()
-            },
-        }
-
-
-class KvRequest:
-    """One request as the KV index sees it; block keys computed once, on first use."""
-
-    def __init__(self, model: KvModel, body: Mapping[str, Any], chat: bool) -> None:
-        self._model = model
-        self._body = body
-        self._chat = chat
-        self._keys: tuple[int, list[bytes]] | None = None
-        self._computed = False
-
-    def _request_keys(self) -> tuple[int, list[bytes]] | None:
-        if not self._computed:
-            self._computed = True
-            tokenizer, block_size = self._model.tokenizer, self._model.index.block_size
-            if tokenizer is not None and block_size is not None:
-                started = time.perf_counter()
-                self._keys = request_keys(tokenizer, self._body, self._chat, block_size)
-                elapsed = time.perf_counter() - started
-                self._model.metrics.tokenize_seconds.labels(self._model.name).observe(elapsed)
-        return self._keys
-
-    @property
-    def prompt_tokens(self) -> int:
-        found = self._request_keys()
-        return found[0] if found else 0
-
-    @property
-    def tie_key(self) -> bytes:
-        """The request's first block key: equal for prompts sharing their first block."""
-        found = self._request_keys()
-        return found[1][0] if found and found[1] else b""
-
-    def matched(self, candidates: Sequence[BackendState]) -> dict[str, int] | None:
-        """Cached prompt tokens per candidate label, or None when the index cannot answer for
-        all of them (no keys for this request, or a candidate's stream is not live)."""
-        found = self._request_keys()
-        if not found or not found[1] or self._model.index.block_size is None:
-            return None
-        if not all(self._model.routable(c.label) for c in candidates):
-            return None
-        size = self._model.index.block_size
-        return {
-            c.label: size * self._model.index.matched_blocks(c.label, found[1]) for c in candidates
-        }
-
-    def decode_holds(self, candidates: Sequence[BackendState]) -> bool:
-        """Whether a candidate D holds ``decode_only_fraction`` of the prompt (never when the
-        fraction is 0 or the index cannot answer)."""
-        fraction = self._model.config.decode_only_fraction
-        if fraction <= 0 or not candidates:
-            return False
-        matched = self.matched(candidates)
-        total = self.prompt_tokens
-        return bool(matched and total and max(matched.values()) >= fraction * total)
-
-    def queued(self, backend: BackendState) -> int:
-        """Prefill tokens this router sent to ``backend`` and not yet done, estimated as the
-        uncached tokens of its latest ``in_flight`` legs."""
-        recent = self._model.recent.get(backend.label)
-        if not recent or backend.in_flight <= 0:
-            return 0
-        return sum(list(recent)[-backend.in_flight :])
-
-    def chose(self, backend: BackendState, matched: int) -> None:
-        """Record a decision: its predicted cached tokens, and the work it queues there."""
-        metrics, model, role = self._model.metrics, self._model.name, backend.role
-        metrics.predicted_tokens.labels(model, role).inc(matched)
-        metrics.prompt_tokens.labels(model, role).inc(self.prompt_tokens)
-        recent = self._model.recent.setdefault(backend.label, deque(maxlen=_RECENT_LEGS))
-        recent.append(max(0, self.prompt_tokens - matched))
 
 
 class KvRouting:
@@ -182,12 +71,13 @@ class KvRouting:
         """Per model, the tokenizer and each instance's stream state (the ``/ready`` body)."""
         return {name: m.status() for name, m in self.models.items()}
 
-    async def run(self, runtime: Runtime) -> None:
-        """Reconcile with the routing table until cancelled; then stop every stream."""
+    async def run(self, routing: LiveRouting, metrics: KvMetrics) -> None:
+        """Reconcile with ``routing``'s table in force until cancelled; then stop every stream.
+        The lifespan runs it as one supervised background task."""
         ctx = zmq.asyncio.Context()
         try:
             while True:
-                self.reconcile(runtime, ctx)
+                self.reconcile(routing, metrics, ctx)
                 await asyncio.sleep(RECONCILE_INTERVAL)
         finally:
             for model in list(self.models.values()):
@@ -195,11 +85,11 @@ class KvRouting:
             self.models.clear()
             ctx.destroy(linger=0)
 
-    def reconcile(self, runtime: Runtime, ctx: zmq.asyncio.Context) -> None:
+    def reconcile(self, routing: LiveRouting, metrics: KvMetrics, ctx: zmq.asyncio.Context) -> None:
         """Make models, tokenizers and streams match the routing table in force (no await)."""
         wanted = {
             name: found
-            for name, found in runtime.routing.table.models.items()
+            for name, found in routing.table.models.items()
             if found.route.kv_events.enabled
         }
         for name in list(self.models):
@@ -214,7 +104,7 @@ class KvRouting:
             existing = self.models.get(name)
             if existing is None:
                 index = KvIndex(config.max_blocks_per_instance)
-                existing = self.models[name] = KvModel(name, config, runtime.metrics.kv, index)
+                existing = self.models[name] = KvModel(name, config, metrics, index)
             model = existing
             self._tokenizer(model)
             backends = found.prefill.backends + found.decode.backends
@@ -308,8 +198,3 @@ def _prompt_tokenizer(config: KvEventsConfig) -> PromptTokenizer:
     return PromptTokenizer(
         load_tokenizer(config.tokenizer), config.tokenize_cache_entries, config.max_prompt_chars
     )
-
-
-async def run_kv_routing(runtime: Runtime) -> None:
-    """The lifespan's background task: :meth:`KvRouting.run` of the runtime's ``kv``."""
-    await runtime.kv.run(runtime)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from connector.contract import pairing_refusal
 from router.errors import NoBackendAvailable
-from router.routing.backends import BackendState
-from router.routing.policies import NO_INPUT, RoutingInput
+from router.instances.state import BackendState
+from router.routing.policies.base import NO_INPUT, RoutingInput
 from router.routing.pools import Pool
 
 

@@ -29,9 +29,10 @@ from router.config import (
     PoolConfig,
 )
 from router.errors import NoBackendAvailable
-from router.routing.backends import BackendState, Role
-from router.routing.policies import NO_INPUT, Policy, RoutingInput, make_policy
-from router.routing.registry import BackendRegistry
+from router.instances.registry import BackendRegistry
+from router.instances.state import BackendState, Role
+from router.routing.policies.base import NO_INPUT, Policy, RoutingInput
+from router.routing.policies.factory import make_policy, policy_type
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,13 @@ class Pool:
             )
         return MembershipChange(tuple(added), tuple(removed))
 
+    @property
+    def policy(self) -> Policy:
+        """The policy in force (rebuilt by :meth:`update` when a setting it reads changes); its
+        ``signals`` say what the pool's instances must be watched for (``"load"``: the load
+        scraper keeps their vLLM gauges)."""
+        return self._policy
+
     def update(
         self, config: PoolConfig, signals: LoadSignalsConfig | None = None
     ) -> MembershipChange:
@@ -170,8 +178,8 @@ class Pool:
         policy settings changed (the policy's state, e.g. a round-robin cursor, resets)."""
         static = config.discovery.source == "static"
         change = self.set_instances(config.instances) if static else MembershipChange((), ())
-        policy_keys = {"policy", "prefix_chars", "load_factor", "session_header"}
-        if config.model_dump(include=policy_keys) != self.config.model_dump(include=policy_keys):
+        keys = {"policy"} | policy_type(config).settings
+        if config.model_dump(include=keys) != self.config.model_dump(include=keys):
             self._policy = make_policy(config, signals)
         self.config = config
         return change

@@ -1,7 +1,8 @@
 """What routing reads from a request's prompt: a prefix key, a session key, a length estimate.
 
-Who calls it: the policies (:mod:`router.routing.policies`: ``prefix_affinity``,
-``session_affinity``) and the conditional disaggregation rule (:mod:`router.dispatch.orchestrator`).
+Who calls it: the policies (:mod:`router.routing.policies.base`,
+:mod:`router.routing.policies.prefix_affinity`, :mod:`router.routing.policies.session_affinity`)
+and the conditional disaggregation rule (:mod:`router.dispatch.orchestrator`).
 Pure functions of the validated request body; no I/O.
 
 Rendering: a completions prompt is its text (or its token ids); a chat request renders its

@@ -7,7 +7,7 @@ already validated config. ``apply`` runs without awaiting, so on the router's ev
 is atomic: a request sees either the old table or the new one. Pools of a model present in both
 configs are updated in place through :meth:`router.routing.pools.Pool.update` (instances that
 stay keep their state; dispatches in flight keep the backends they started on). Every pool
-takes its backend states from the one :class:`~router.routing.registry.BackendRegistry`, so an
+takes its backend states from the one :class:`~router.instances.registry.BackendRegistry`, so an
 instance listed under several models has one state; an instance that no pool lists any more is
 forgotten (its metric series removed through ``hooks.forget``) once its last leg has ended.
 """
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from router.config import InstanceConfig, ModelRoute, RouterSettings
 from router.errors import ModelNotFound
-from router.routing.backends import BackendState
+from router.instances.registry import BackendHooks, BackendRegistry
+from router.instances.state import BackendState
 from router.routing.pools import MembershipChange, Pool
-from router.routing.registry import BackendHooks, BackendRegistry
 
 
 @dataclass(frozen=True)

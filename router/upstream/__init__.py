@@ -1,2 +1,3 @@
 """Talking to vLLM instances: the one HTTP client, leg calls with their errors translated, the
-SSE reader and the JSON codec. Imports nothing of the router's request path."""
+bodies each leg gets (:mod:`.rewrite`), the SSE reader and the JSON codec. Imports nothing of the
+router's request path."""

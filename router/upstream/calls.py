@@ -40,7 +40,7 @@ from router.upstream.sse import EventReader, StreamEndedEarly
 
 class Instance(Protocol):
     """What a call needs of the instance it goes to; the router's
-    :class:`router.routing.backends.BackendState` is one. ``leg_headers_cache`` belongs to
+    :class:`router.instances.state.BackendState` is one. ``leg_headers_cache`` belongs to
     :func:`leg_headers` (None until its first call)."""
 
     leg_headers_cache: tuple[httpx.Headers, httpx.Headers] | None

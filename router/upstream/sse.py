@@ -1,5 +1,5 @@
-"""OpenAI-style server-sent events: read with ``httpx-sse`` or as bytes; :func:`encode_data` writes
-one event.
+"""OpenAI-style server-sent events: read with ``httpx-sse`` or as bytes; :func:`encode_event`
+writes one event.
 
 An OpenAI stream is a sequence of ``data: <JSON>`` events ended by ``data: [DONE]``. The readers
 yield each event's data up to that terminator (not yielded) and raise :class:`StreamEndedEarly`
@@ -7,7 +7,8 @@ when the stream ends without it; ``httpx_sse.SSEError`` when the answer is not a
 httpx errors propagate. Who uses them: the bench client, the demo and the tests
 (:func:`aiter_data`, :func:`iter_data`); the router's decode leg (:mod:`router.upstream.calls`)
 reads with :class:`EventReader`, which keeps the events as bytes, ready for the client, so the
-relay passes them on unparsed. :func:`encode_data` is the fake vLLM's.
+relay passes them on unparsed. Every event the router (and the fake vLLM) writes is made by
+:func:`encode_event`.
 """
 
 from __future__ import annotations
@@ -60,9 +61,19 @@ def iter_data(response: httpx.Response) -> Iterator[str]:
     raise StreamEndedEarly("stream ended before [DONE]")
 
 
+def encode_event(data: bytes) -> bytes:
+    """One ``data:`` event: every event the router writes (``data`` must hold no newline, as
+    JSON encoded in one line does)."""
+    return _DATA + data + b"\n\n"
+
+
 def encode_data(data: str) -> bytes:
-    """One ``data:`` event (``data`` must hold no newline, as JSON from ``json.dumps``)."""
-    return b"data: " + data.encode() + b"\n\n"
+    """One ``data:`` event of text data (see :func:`encode_event`)."""
+    return encode_event(data.encode())
+
+
+DONE_EVENT = encode_data(DONE)
+"""The event that ends an OpenAI stream, as written."""
 
 
 class EventSplitter:

@@ -222,7 +222,7 @@ def test_d_answers_a_bare_identity_probe_with_its_shape_and_keeps_nothing() -> N
 
 def test_probe_key_is_the_one_the_router_sends() -> None:
     from connector.contract import IDENTITY_PROBE_KEY
-    from router.dispatch.rewrite import prefill_body
+    from router.upstream.rewrite import prefill_body
 
     body = prefill_body({"model": "m", "prompt": "ping"}, chat=False, transfer_id="x", probe=True)
     assert body["kv_transfer_params"][IDENTITY_PROBE_KEY] is True
@@ -255,7 +255,7 @@ def test_scheduler_and_router_speak_the_same_contract() -> None:
     contract's reader and the router's ``identity_from_kv``."""
     from connector.contract import PeerIdentity, PrefillAnswer, read_prefill_answer
     from router.config import PushIdentity
-    from router.dispatch.rewrite import decode_body_push, identity_from_kv, prefill_body
+    from router.upstream.rewrite import decode_body_push, identity_from_kv, prefill_body
 
     p = PushScheduler("p0", "127.0.0.1", 18250, 128)
     p_body = prefill_body({"model": "m", "prompt": "x"}, False, "tid")

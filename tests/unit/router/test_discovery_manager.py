@@ -12,7 +12,7 @@ import httpx
 from router.config import InstanceConfig, PoolConfig, RouterSettings, settings_from_mapping
 from router.discovery.manager import DiscoveryManager
 from router.discovery.source import Found, Update, found
-from router.routing.backends import BackendState
+from router.instances.state import BackendState
 from router.runtime import Runtime
 from router.supervisor import Supervisor
 

@@ -15,15 +15,16 @@ from router.config import (
     PoolConfig,
 )
 from router.dispatch.orchestrator import CACHED_ON_DECODE, DISAGGREGATED, decide
+from router.instances.state import BackendState, Role
 from router.observability.metrics import KvMetrics
-from router.routing.backends import BackendState, Role
 from router.routing.block_keys import PromptTokenizer
 from router.routing.kv_events import EventStream, StreamLimits, StreamTarget, StreamTiming
 from router.routing.kv_index import KvIndex
-from router.routing.kv_policy import KvAware
-from router.routing.kv_routing import KvModel, KvRequest
+from router.routing.kv_model import KvModel, KvRequest
 from router.routing.kv_wire import BlockStored
-from router.routing.policies import PrefixAffinity, RoutingInput
+from router.routing.policies.base import RoutingInput
+from router.routing.policies.kv_aware import KvAware
+from router.routing.policies.prefix_affinity import PrefixAffinity
 from router.routing.pools import Pool
 from router.routing.table import ModelPools
 

@@ -42,18 +42,18 @@ async def test_streams_follow_reloads_and_a_changed_config_starts_over() -> None
         kv = KvRouting()
         ctx = zmq.asyncio.Context()
         try:
-            kv.reconcile(runtime, ctx)
+            kv.reconcile(runtime.routing, runtime.metrics.kv, ctx)
             model = kv.models["tiny"]
             assert set(model.streams) == {"p0", "p1", "d0"}
             model.index.apply("p1", [])  # p1 known to the index
             runtime.routing.apply(_settings(["p0"]))  # p1 leaves (reload or discovery)
-            kv.reconcile(runtime, ctx)
+            kv.reconcile(runtime.routing, runtime.metrics.kv, ctx)
             assert set(model.streams) == {"p0", "d0"} and "p1" not in model.index.labels()
             runtime.routing.apply(_settings(["p0"], topic="other"))
-            kv.reconcile(runtime, ctx)
+            kv.reconcile(runtime.routing, runtime.metrics.kv, ctx)
             assert kv.models["tiny"] is not model and kv.models["tiny"].config.topic == "other"
             runtime.routing.apply(_settings(["p0"], enabled=False, tokenizer=None))
-            kv.reconcile(runtime, ctx)
+            kv.reconcile(runtime.routing, runtime.metrics.kv, ctx)
             assert kv.models == {} and kv.request("tiny", {}, False) is None
         finally:
             tasks = [t for m in kv.models.values() for t in m.tasks.values()]
@@ -70,7 +70,7 @@ async def test_a_failed_stream_task_is_counted_and_restarted() -> None:
         kv = runtime.kv  # the one /ready reads
         ctx = zmq.asyncio.Context()
         try:
-            kv.reconcile(runtime, ctx)
+            kv.reconcile(runtime.routing, runtime.metrics.kv, ctx)
             model = kv.models["tiny"]
             first = model.tasks["p0"]
 
@@ -81,7 +81,7 @@ async def test_a_failed_stream_task_is_counted_and_restarted() -> None:
             await asyncio.gather(failed, return_exceptions=True)
             model.tasks["p0"] = failed
             first.cancel()
-            kv.reconcile(runtime, ctx)
+            kv.reconcile(runtime.routing, runtime.metrics.kv, ctx)
             assert model.tasks["p0"] is not failed and not model.tasks["p0"].done()
             labels = {"model": "tiny", "instance": "p0"}
             assert registry.get_sample_value("disagg_router_kv_stream_failures_total", labels) == 1

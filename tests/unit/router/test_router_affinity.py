@@ -6,14 +6,11 @@ from __future__ import annotations
 from collections import Counter
 
 from router.config import InstanceConfig
-from router.routing.backends import BackendState
-from router.routing.policies import (
-    PrefixAffinity,
-    RoutingInput,
-    SessionAffinity,
-    load_bound,
-    rendezvous_order,
-)
+from router.instances.state import BackendState
+from router.routing.policies.affinity import load_bound, rendezvous_order
+from router.routing.policies.base import RoutingInput
+from router.routing.policies.prefix_affinity import PrefixAffinity
+from router.routing.policies.session_affinity import SessionAffinity
 from router.routing.prompt_keys import estimated_tokens, prefix_key, prompt_of, render_messages
 
 

@@ -9,7 +9,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from router.config import BreakerConfig, InstanceConfig, RouterSettings, settings_from_mapping
-from router.health.breaker import Breaker
+from router.instances.breaker import Breaker
 from router.runtime import Runtime
 
 P0, P1, D0 = "http://127.0.0.1:9101", "http://127.0.0.1:9102", "http://127.0.0.1:9201"

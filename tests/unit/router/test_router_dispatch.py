@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 from router.config import AdmissionConfig, InstanceConfig, settings_from_mapping
 from router.dispatch.holds import Holds
 from router.dispatch.orchestrator import open_dispatch
-from router.health.admission import Gate
+from router.instances.admission import Gate
+from router.instances.state import BackendState
 from router.observability.metrics import RouterMetrics
 from router.request import ClientRequest
-from router.routing.backends import BackendState
 from router.runtime import open_runtime
 from tests.unit.router.mock_upstream import KV, answer
 

@@ -5,6 +5,12 @@
   do the dev tools;
 - ``router.upstream`` and ``router.observability`` import nothing of the request path
   (``router.http``, ``dispatch``, ``routing``, ``health``, ``discovery``);
+- ``router.instances`` (the bottom layer: an instance's state, registry, admission, breaker, load,
+  learned identity) imports of the router only ``config``, ``errors``, ``observability`` and
+  itself;
+- ``router.routing`` imports neither ``health`` nor ``dispatch``; ``health`` and ``dispatch``
+  never import each other;
+- no two files of the router import each other, directly or through others;
 - ``connector`` never imports ``router``;
 - ``router`` never imports the dev tools (``devstack``, ``bench``).
 """
@@ -81,6 +87,87 @@ def test_lower_layers_import_no_request_path_package(lower: str) -> None:
         if _within(name, lower)
     ]
     assert found == []
+
+
+def test_instances_are_the_bottom_layer() -> None:
+    allowed = ("router.instances", "router.config", "router.errors", "router.observability")
+    found = [
+        (name, imported)
+        for name, path in _modules("router/instances").items()
+        for imported in imported_modules(name, path)
+        if _within(imported, "router") and not any(_within(imported, a) for a in allowed)
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    ("importer", "forbidden"),
+    [
+        ("router.routing", ("router.health", "router.dispatch")),
+        ("router.health", ("router.dispatch",)),
+        ("router.dispatch", ("router.health",)),
+    ],
+)
+def test_package_never_imports(importer: str, forbidden: tuple[str, ...]) -> None:
+    found = [(n, i) for n, i in _violations("router", forbidden) if _within(n, importer)]
+    assert found == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_cycles_finds_a_circle() -> None:
+    """The circle finder sees one through three modules, and none in a chain."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_circle_between_files_of_the_router() -> None:
+    modules = _modules("router")
+    graph = {
+        name: {i for i in imported_modules(name, path) if i in modules and i != name}
+        for name, path in modules.items()
+    }
+    assert _cycles(graph) == []
 
 
 def test_the_connector_never_imports_the_router() -> None:

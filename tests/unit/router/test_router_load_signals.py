@@ -6,9 +6,9 @@ import random
 from collections import Counter
 
 from router.config import InstanceConfig
-from router.health.load_signals import backend_load, parse_signals
-from router.routing.backends import BackendState, LoadSignals
-from router.routing.policies import PowerOfTwo
+from router.instances.load import backend_load, parse_signals
+from router.instances.state import BackendState, LoadSignals
+from router.routing.policies.power_of_two import PowerOfTwo
 
 VLLM_METRICS = """
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -10,8 +10,8 @@ from connector.contract import EngineShape, engine_shape_params
 from router.config import InstanceConfig, PoolConfig, RouterSettings
 from router.errors import NoBackendAvailable
 from router.health.shapes import count_refused, learn_shape, speaks_shapes, unprobed_decodes
+from router.instances.state import BackendState
 from router.observability.metrics import RouterMetrics
-from router.routing.backends import BackendState
 from router.routing.pairing import RefusedPair, choose_pair, refused_pairs
 from router.routing.pools import Pool
 from router.routing.table import LiveRouting

@@ -13,7 +13,7 @@ from router.config import InstanceConfig, LimitsConfig, settings_from_mapping
 from router.errors import ClientRequestError, ConfigError, ModelNotFound
 from router.health.model_info import learn_max_model_len, model_len_of
 from router.http.validation import parse_passthrough
-from router.routing.backends import BackendState
+from router.instances.state import BackendState
 
 POOLS = {"instances": [{"url": "http://127.0.0.1:8100"}]}
 

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 
-from router.config import InstanceConfig, PoolConfig, PushIdentity
+from router.config import InstanceConfig, PolicyName, PoolConfig, PushIdentity
 from router.errors import NoBackendAvailable
-from router.routing.backends import BackendState
-from router.routing.policies import (
-    LeastInFlight,
-    PowerOfTwo,
-    PrefixAffinity,
-    RoundRobin,
-    RoutingInput,
-    SessionAffinity,
-    make_policy,
-)
+from router.instances.state import BackendState
+from router.routing.policies.base import RoutingInput
+from router.routing.policies.factory import POLICIES, make_policy
+from router.routing.policies.kv_aware import KvAware
+from router.routing.policies.least_in_flight import LeastInFlight
+from router.routing.policies.power_of_two import PowerOfTwo
+from router.routing.policies.prefix_affinity import PrefixAffinity
+from router.routing.policies.round_robin import RoundRobin
+from router.routing.policies.session_affinity import SessionAffinity
 from router.routing.pools import Pool
 
 
@@ -58,10 +59,35 @@ def test_make_policy_by_name() -> None:
         "power_of_two": PowerOfTwo,
         "prefix_affinity": PrefixAffinity,
         "session_affinity": SessionAffinity,
+        "kv_aware": KvAware,
     }
     for name, kind in expected.items():
         policy = make_policy(PoolConfig.model_validate({"instances": instances, "policy": name}))
         assert isinstance(policy, kind)
+        assert policy.name == name
+
+
+def test_the_factory_knows_exactly_the_names_the_config_accepts() -> None:
+    assert set(POLICIES) == set(get_args(PolicyName))
+
+
+def test_only_the_policies_that_read_load_signals_get_them_scraped() -> None:
+    policies = {
+        name: Pool("decode", PoolConfig(instances=_instances(1), policy=name), False).policy
+        for name in POLICIES
+    }
+    assert {name for name, p in policies.items() if "load" in p.signals} == {"power_of_two"}
+    assert {name for name, p in policies.items() if "kv_events" in p.signals} == {"kv_aware"}
+
+
+def test_update_rebuilds_the_policy_when_a_setting_it_reads_changes_and_only_then() -> None:
+    cfg = PoolConfig(instances=_instances(1, 3), policy="session_affinity")
+    pool = Pool("decode", cfg, require_identity=False)
+    before = pool.policy
+    pool.update(cfg.model_copy(update={"prefix_chars": 4096}))  # not read by session_affinity
+    assert pool.policy is before
+    pool.update(cfg.model_copy(update={"session_header": "x-user"}))
+    assert pool.policy is not before
 
 
 def test_pool_skips_unhealthy_and_identityless_prefills() -> None:

@@ -8,8 +8,8 @@ import pytest
 
 from router.config import AdmissionConfig, BreakerConfig
 from router.errors import Overloaded, error_payload
-from router.health.admission import Gate
-from router.health.breaker import Breaker
+from router.instances.admission import Gate
+from router.instances.breaker import Breaker
 
 
 class Clock:

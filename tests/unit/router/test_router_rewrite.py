@@ -10,8 +10,11 @@ import pytest
 
 from connector.contract import has_engine_suffix
 from router.config import PushIdentity, settings_from_mapping
-from router.dispatch.ids import new_request_id
-from router.dispatch.rewrite import (
+from router.errors import ClientRequestError, UpstreamHTTPError, error_payload, outcome_label
+from router.http.validation import parse_client_request
+from router.ids import new_request_id
+from router.routing.table import LiveRouting
+from router.upstream.rewrite import (
     client_response,
     decode_body_pull,
     decode_body_push,
@@ -21,9 +24,6 @@ from router.dispatch.rewrite import (
     prefill_usage,
     strip_client_fields,
 )
-from router.errors import ClientRequestError, UpstreamHTTPError, error_payload, outcome_label
-from router.http.validation import parse_client_request
-from router.routing.table import LiveRouting
 
 
 def test_request_ids_are_fresh_hex_without_vllm_suffix() -> None:

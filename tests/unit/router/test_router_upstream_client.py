@@ -11,7 +11,7 @@ import pytest
 
 from devstack.ports import free_port
 from router.config import InstanceConfig
-from router.routing.backends import BackendState
+from router.instances.state import BackendState
 from router.upstream import codec
 from router.upstream.calls import leg_headers, post_json
 from router.upstream.client import AiohttpTransport, UpstreamClient

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from router.config import PushIdentity
-from router.dispatch.rewrite import decode_body_pull, decode_body_push, prefill_body
+from router.upstream.rewrite import decode_body_pull, decode_body_push, prefill_body
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -3,7 +3,7 @@
 Who mutates it: the load-signal scraper (``signals``), the dispatch (``in_flight`` and an
 admission slot around each leg, the leg's outcome into the ``breaker``) and the health monitor
 (``healthy``, ``checked``, ``max_model_len``, breaker probes; the learned identity goes through
-:func:`router.health.monitor.learn_identity`, the learned engine shape through
+:func:`router.instances.identity.learn_identity`, the learned engine shape through
 :func:`router.health.shapes.learn_shape`). All mutation happens on the router's event
 loop, so no locking is needed. Policies only read it.
 """
@@ -17,8 +17,8 @@ import httpx
 
 from connector.contract import EngineShape
 from router.config import AdmissionConfig, BreakerConfig, InstanceConfig, PushIdentity
-from router.health.admission import Gate
-from router.health.breaker import Breaker
+from router.instances.admission import Gate
+from router.instances.breaker import Breaker
 
 Role = Literal["prefill", "decode"]
 

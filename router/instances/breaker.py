@@ -1,6 +1,6 @@
 """Passive health of one instance: a circuit breaker fed by the outcomes of real legs.
 
-Who calls it: each :class:`router.routing.backends.BackendState` holds one; the dispatch
+Who calls it: each :class:`router.instances.state.BackendState` holds one; the dispatch
 records each leg's outcome (:meth:`Breaker.record_success`,
 :meth:`Breaker.record_failure`); the pools route only to instances whose breaker admits legs;
 the health monitor sends a half-open probe to an open instance once its backoff has passed and
@@ -8,7 +8,7 @@ reports it through :meth:`Breaker.probe_passed` or :meth:`Breaker.record_failure
 
 States: ``closed`` (in rotation), ``open`` (out for ``backoff`` seconds), ``half_open`` (the
 monitor's probe runs), ``trial`` (the probe passed: the instance takes real legs again, one at a
-time, see :attr:`router.routing.backends.BackendState.routable`). A probe is not a real leg (an
+time, see :attr:`router.instances.state.BackendState.routable`). A probe is not a real leg (an
 instance can pass every probe and still fail every leg), so only a real leg's success closes the
 breaker; a failed probe or a failed trial leg opens it again with the backoff doubled (up to
 ``max_backoff``), so an instance that keeps failing real legs gets ever fewer of them. The backoff

@@ -2,7 +2,7 @@
 
 Who calls it: the dispatch (:mod:`router.dispatch.holds`), for its P and D instance, before
 any leg starts. Each instance has one :class:`Gate` (on its
-:class:`~router.routing.backends.BackendState`): at most ``max_in_flight`` slots held at once; up
+:class:`~router.instances.state.BackendState`): at most ``max_in_flight`` slots held at once; up
 to ``queue_size`` callers wait for one, each at most ``max_wait`` seconds; anyone beyond that
 gets :class:`~router.errors.Overloaded` (429 with ``Retry-After``) at once. Nothing here waits
 without a bound.

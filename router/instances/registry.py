@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from router.config import AdmissionConfig, BreakerConfig, InstanceConfig
-from router.health.admission import Gate
-from router.health.breaker import Breaker
-from router.routing.backends import BackendState, Role
+from router.instances.admission import Gate
+from router.instances.breaker import Breaker
+from router.instances.state import BackendState, Role
 
 
 def _no_breaker_hook(_backend: BackendState, _open: bool) -> None:
