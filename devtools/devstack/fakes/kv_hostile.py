@@ -1,6 +1,6 @@
 """KV event batches from a broken or hostile publisher, beside good ones, as vLLM frames them.
 
-Who uses it: the router's KV event tests (tests/unit/router/test_kv_hostile.py,
+Who uses it: the router's KV event tests (tests/unit/router/routing/test_kv_hostile.py,
 tests/integration/router/test_router_kv_routing.py) and the benchmark ``python -m
 bench.kv_hostile``, which publish :func:`hostile` payloads among :func:`good` ones through
 :class:`devstack.fakes.kv_publisher.FakeKvPublisher`. Each hostile payload, were it applied,

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.observability.metrics import MULTIPROC_ENV, RouterMetrics
 
-REPO = Path(__file__).parents[3]
+REPO = Path(__file__).parents[4]
 
 
 def _sample(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> float | None:

@@ -24,7 +24,7 @@ from router.routing.kv_wire import (
     stored_slices,
 )
 
-RECORDING = Path(__file__).parent / "recorded" / "vllm_kv_events.json"
+RECORDING = Path(__file__).parents[1] / "recorded" / "vllm_kv_events.json"
 MAX_BLOCKS = 65536
 # vllm.distributed.kv_events (vLLM 0.32) encoding KVEventBatch(ts=1.5, data_parallel_rank=1,
 # events=[BlockStored(block_hashes=[b"\x01" * 32, 2**64 - 1], parent_block_hash=7,

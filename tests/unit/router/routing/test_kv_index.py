@@ -21,7 +21,7 @@ from router.routing.block_keys import chain_keys
 from router.routing.kv_index import KvIndex
 from router.routing.kv_wire import BadBatch, KvEvent, decode_batch, typed_events
 
-RECORDING = Path(__file__).parent / "recorded" / "vllm_kv_events.json"
+RECORDING = Path(__file__).parents[1] / "recorded" / "vllm_kv_events.json"
 
 
 def _recording() -> dict[str, Any]:

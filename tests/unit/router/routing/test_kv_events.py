@@ -19,7 +19,7 @@ from router.routing.kv_index import KvIndex
 from router.routing.kv_wire import KvEvent, typed_events
 from tests.support.wait import wait_until
 
-RECORDING = Path(__file__).parent / "recorded" / "vllm_kv_events.json"
+RECORDING = Path(__file__).parents[1] / "recorded" / "vllm_kv_events.json"
 TIMING = StreamTiming(probe_interval=0.2, probe_timeout=2.0)
 LIMITS = StreamLimits(max_message_bytes=4 * 1024 * 1024, max_blocks=65536)
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from router.config import RouterSettings
 
-DOCS = Path(__file__).resolve().parents[3] / "docs"
+DOCS = Path(__file__).resolve().parents[4] / "docs"
 REFERENCE = (DOCS / "router.md", DOCS / "discovery.md")
 
 

@@ -228,7 +228,7 @@ def test_check_config_and_reload_share_the_field_named_error(
 
 
 def test_the_documented_multi_model_file_is_valid() -> None:
-    doc = (Path(__file__).parents[3] / "docs" / "router.md").read_text()
+    doc = (Path(__file__).parents[4] / "docs" / "router.md").read_text()
     block = doc.split("A complete two-model file:", 1)[1].split("```yaml\n", 1)[1].split("```")[0]
     s = settings_from_mapping(yaml.safe_load(block))
     routes = s.routes()
