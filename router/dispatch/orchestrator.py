@@ -7,12 +7,12 @@ reload during the request does not move it). The rule decides whether a P is use
 (:func:`decide`); P (if any) and D are both chosen before any leg starts, each counted in flight
 by its pool, as a pair the KV connector can serve (:func:`router.routing.pairing.choose_pair`:
 pairs whose learned shapes it refuses are skipped; with none served, a 503 names the reason).
-A retry happens only when ``retry_on_fresh_pair`` is set (the default), the failure
-is retryable (not a 4xx from vLLM) and nothing has been sent to the client yet (we are still
-before the commit point); the retry never re-picks the instance that failed, whatever the policy
-(no other usable instance: the first failure is the answer, and no retry is logged or counted),
-and uses a fresh request id. Every attempt shares one ``timeouts.total`` deadline, counted from
-the first attempt: a retry does not restart it. The decision is counted in
+Retries (:mod:`router.dispatch.retry`, the one loop pass-through requests use too) happen only
+when ``retry_on_fresh_pair`` is set (the default), the failure is retryable (not a 4xx from vLLM)
+and nothing has been sent to the client yet (we are still before the commit point); the retry
+never re-picks the instance that failed, whatever the policy, and uses a fresh request id. Every
+attempt shares one ``timeouts.total`` deadline, counted from the first attempt: a retry does not
+restart it. The decision is counted in
 ``disagg_router_routing_decisions_total`` and logged.
 """
 
@@ -22,8 +22,8 @@ import logging
 import time
 
 from router.dispatch.attempt import Dispatch
+from router.dispatch.retry import first_that_opens
 from router.dispatch.state import Attempt
-from router.errors import NoBackendAvailable, UpstreamError
 from router.instances.state import BackendState
 from router.request import ClientRequest, RequestContext
 from router.routing.pairing import choose_pair
@@ -68,41 +68,20 @@ async def open_dispatch(
     routed = RoutingInput(request.body, request.chat, request.headers, kv)
     decision = decide(found, routed)
     runtime.metrics.child(runtime.metrics.routing_decisions, request.model, decision).inc()
-    attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
     deadline = time.monotonic() + runtime.settings.timeouts.total
-    avoid: set[str] = set()
-    failure: tuple[str, UpstreamError] | None = None  # the failed attempt's id and error
-    for attempt in range(1, attempts + 1):
-        try:
-            prefill, decode = _choose_pair(found, decision, routed, avoid, failure is not None)
-        except NoBackendAvailable:
-            if failure is not None:
-                raise failure[1] from None
-            raise
-        if failure is not None:
-            _note_retry(runtime, *failure)
-        rid = ctx.request_id if attempt == 1 else None
-        dispatch = Dispatch(Attempt(runtime, request, prefill, decode, ctx, rid, deadline))
+
+    def choose(avoid: set[str], strict: bool) -> tuple[BackendState | None, BackendState]:
+        return _choose_pair(found, decision, routed, avoid, strict)
+
+    async def open_attempt(
+        pair: tuple[BackendState | None, BackendState], request_id: str
+    ) -> Dispatch:
+        dispatch = Dispatch(Attempt(runtime, request, *pair, ctx, request_id, deadline))
         _log_attempt(dispatch, request, decision)
-        try:
-            await _open(dispatch)
-            return dispatch
-        except UpstreamError as exc:
-            if attempt == attempts or not exc.retryable:
-                raise
-            avoid.add(exc.backend)
-            failure = dispatch.request_id, exc
-    raise AssertionError("unreachable")  # pragma: no cover
+        await _open(dispatch)
+        return dispatch
 
-
-def _note_retry(runtime: Runtime, failed_id: str, failure: UpstreamError) -> None:
-    """Log and count a retry that happens (a fresh pair was chosen)."""
-    log.warning(
-        "dispatch %s failed before commit (%s); retrying on a fresh pair",
-        failed_id,
-        failure.message,
-    )
-    runtime.metrics.retries.inc()
+    return await first_that_opens(runtime, "dispatch", ctx.request_id, choose, open_attempt)
 
 
 async def _open(dispatch: Dispatch) -> None:

@@ -23,10 +23,14 @@ synchronously before its cleanup awaits anything. So no cancellation can reach t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from starlette.types import Receive
+
+from router.errors import ClientDisconnected, RouterNotReady
+
+T = TypeVar("T")
 
 NOTICE = "disagg_router.disconnect"
 """The key of a connection's :class:`DisconnectNotice` in a request scope's ``extensions``."""
@@ -120,3 +124,26 @@ class ClientWatch:
         self._cancelled = False
         self._task.uncancel()
         return True
+
+
+class TakesBack(Protocol):
+    """What :func:`watched` asks of a drain's handle on a request (the pass-through routes'
+    ``router.http.exchange.DrainHandle``)."""
+
+    reason: str | None
+
+    def took_back(self) -> bool: ...
+
+
+async def watched(watch: ClientWatch, work: Awaitable[T], handle: TakesBack | None = None) -> T:
+    """Await ``work`` in this task; :class:`~router.errors.ClientDisconnected` if the client
+    left meanwhile, :class:`~router.errors.RouterNotReady` if a drain aborted the request through
+    ``handle`` (``work`` was cancelled where it waited and has cleaned up)."""
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if watch.left():
+            raise ClientDisconnected("client disconnected") from None
+        if handle is not None and handle.took_back():
+            raise RouterNotReady(handle.reason or "the router is shutting down") from None
+        raise

@@ -15,11 +15,9 @@ where it waits and the dispatch is still closed. Every response names the reques
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -27,14 +25,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.dispatch.attempt import Dispatch
 from router.dispatch.orchestrator import open_dispatch
-from router.errors import ClientDisconnected, RouterError, error_payload, outcome_label
-from router.http.disconnect import ClientWatch, notice_of
+from router.errors import RouterError, error_payload, outcome_label
+from router.http.disconnect import ClientWatch, notice_of, watched
 from router.http.stream import DispatchStream
 from router.observability.reqlog import log_request
 from router.request import ClientRequest, RequestContext
 from router.runtime import Runtime
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 Admit = Callable[[Request, bool], Awaitable[tuple[Runtime, ClientRequest]]]
@@ -82,7 +79,7 @@ async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
         rt, req = await admit(request, chat)
         watch = ClientWatch(request.receive, notice_of(request.scope))  # the body is read
         opening = open_dispatch(rt, req, request_context(request))
-        dispatch = await _unless_disconnected(watch, opening)
+        dispatch = await watched(watch, opening)
     except BaseException as exc:
         if watch is not None:
             watch.stop()
@@ -111,7 +108,7 @@ async def _answer(
 ) -> JSONResponse:
     """The non-streamed answer of an opened dispatch, which is closed here."""
     try:
-        answer = await _unless_disconnected(watch, dispatch.json_response())
+        answer = await watched(watch, dispatch.json_response())
     except RouterError as exc:
         _finish(request, endpoint, outcome_label(exc), exc.status, req, dispatch)
         return error_response(exc, {"X-Request-Id": dispatch.request_id})
@@ -120,17 +117,6 @@ async def _answer(
         await dispatch.close()
     _finish(request, endpoint, "ok", 200, req, dispatch, times)
     return JSONResponse(answer, headers={"X-Request-Id": dispatch.request_id})
-
-
-async def _unless_disconnected(watch: ClientWatch, work: Awaitable[T]) -> T:
-    """Await ``work`` in this task; :class:`ClientDisconnected` if ``watch`` saw the client
-    leave meanwhile (``work`` was cancelled where it waited and has cleaned up)."""
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if watch.left():
-            raise ClientDisconnected("client disconnected") from None
-        raise
 
 
 def _finish(

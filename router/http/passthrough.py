@@ -7,7 +7,7 @@ and hands each its admission check (running, key, bounded body). The body gets t
 and the ``model`` check of :func:`router.http.validation.parse_passthrough` and goes to the
 instance unchanged except for ``kv_transfer_params``, which only the router may set. The instance
 is chosen by its pool's policy among the usable ones (health, breaker, admission) and the
-exchange runs in :mod:`router.http.exchange`; a retryable failure before any byte went to the
+exchange runs in :mod:`router.dispatch.forward`; a retryable failure before any byte went to the
 client is retried once on another instance when ``retry_on_fresh_pair`` is on, within the same
 ``timeouts.total``. The instance's answer goes back as it is (status, body, ``Content-Type``),
 event streams as they come; the router's own errors are OpenAI-style JSON. Each request is
@@ -21,22 +21,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.errors import NoBackendAvailable, RouterError, UpstreamError, outcome_label
-from router.http.disconnect import ClientWatch, notice_of
-from router.http.exchange import DrainHandle, Exchange, ProxiedStream, answer_ok, watched
+from router.dispatch.forward import Exchange, Forward, answer_ok, open_exchange
+from router.errors import RouterError, outcome_label
+from router.http.disconnect import ClientWatch, notice_of, watched
+from router.http.exchange import DrainHandle, ProxiedStream
 from router.http.generate import error_response, request_context
 from router.http.validation import parse_passthrough
-from router.ids import new_request_id
 from router.instances.state import Role
 from router.observability.reqlog import log_request
-from router.routing.policies.base import RoutingInput
 from router.runtime import Runtime
 from router.upstream.rewrite import strip_client_fields
 
@@ -62,17 +59,6 @@ RESPONSES_PATH = "/v1/responses"
 
 AdmitRaw = Callable[[Request], Awaitable[tuple[Runtime, bytes]]]
 """The app's checks before any upstream traffic: ``request -> (runtime, raw body)``."""
-
-
-@dataclass(frozen=True)
-class Forward:
-    """One validated pass-through request: where it goes and what it carries."""
-
-    path: str
-    model: str
-    body: dict[str, Any]
-    role: Role
-    headers: dict[str, str] = field(default_factory=dict)
 
 
 class PassthroughEndpoint:
@@ -110,7 +96,7 @@ class PassthroughEndpoint:
             headers = {k.lower(): v for k, v in request.headers.items()}
             call = Forward(self.path, model, strip_client_fields(body), role, headers)
             watch = ClientWatch(request.receive, notice_of(request.scope))  # the body is read
-            exchange = await watched(watch, handle, open_exchange(runtime, call, ctx.request_id))
+            exchange = await watched(watch, open_exchange(runtime, call, ctx.request_id), handle)
         except BaseException as exc:
             if watch is not None:
                 watch.stop()
@@ -136,7 +122,7 @@ class PassthroughEndpoint:
     ) -> Response:
         """The instance's answer read whole and given back as it is; the exchange is closed."""
         try:
-            content = await watched(watch, handle, exchange.body())
+            content = await watched(watch, exchange.body(), handle)
         except RouterError as exc:
             done(outcome_label(exc))
             return error_response(exc, {"X-Request-Id": exchange.request_id})
@@ -179,37 +165,3 @@ class PassthroughEndpoint:
             decode=backend.label if backend and backend.role == "decode" else None,
             dispatch_id=exchange.request_id if exchange else None,
         )
-
-
-async def open_exchange(runtime: Runtime, call: Forward, request_id: str) -> Exchange:
-    """An exchange whose answer's status and headers are in hand; the caller must close it.
-
-    The instance comes from the model's ``call.role`` pool; a retryable failure is retried once
-    (``retry_on_fresh_pair``) on another instance with a fresh id; raises the last failure (the
-    first one when no other instance is usable)."""
-    found = runtime.model(call.model)
-    pool = found.prefill if call.role == "prefill" else found.decode
-    routed = RoutingInput(call.body, "messages" in call.body, call.headers)
-    attempts = 2 if runtime.settings.retry_on_fresh_pair else 1
-    deadline = time.monotonic() + runtime.settings.timeouts.total
-    failure: UpstreamError | None = None
-    for attempt in range(1, attempts + 1):
-        try:
-            backend = pool.choose({failure.backend} if failure else (), routed, failure is not None)
-        except NoBackendAvailable:
-            if failure is not None:
-                raise failure from None
-            raise
-        if failure is not None:
-            log.warning("%s failed (%s); retrying on another instance", call.path, failure.message)
-            runtime.metrics.retries.inc()
-        rid = request_id if attempt == 1 else new_request_id()
-        exchange = Exchange(runtime, backend, rid, deadline)
-        try:
-            await exchange.open(call.path, call.body)
-            return exchange
-        except UpstreamError as exc:
-            if attempt == attempts or not exc.retryable:
-                raise
-            failure = exc
-    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,7 +1,7 @@
 """HTTP calls to one upstream vLLM instance, with httpx errors translated into ours.
 
 Who calls it: the dispatch (:mod:`router.dispatch.legs`, P and D legs), the pass-through routes
-(:mod:`router.http.exchange`: :func:`send_raw` and its helpers), the health monitor
+(:mod:`router.dispatch.forward`: :func:`send_raw` and its helpers), the health monitor
 (:mod:`router.health.monitor`, :mod:`router.health.model_info`) and the load-signal scraper
 (:mod:`router.health.load_signals`). Uses the app's one shared ``httpx.AsyncClient``: the router's
 :class:`UpstreamClient` sends a leg on its own connections (:meth:`UpstreamClient.send_direct`), any

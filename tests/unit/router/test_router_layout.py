@@ -10,6 +10,8 @@
   itself;
 - ``router.routing`` imports neither ``health`` nor ``dispatch``; ``health`` and ``dispatch``
   never import each other;
+- ``router.http`` makes no upstream call: of ``router.upstream`` it imports only the JSON codec
+  and the body rewriting (the calls go through ``dispatch``);
 - no two files of the router import each other, directly or through others;
 - ``connector`` never imports ``router``;
 - ``router`` never imports the dev tools (``devstack``, ``bench``).
@@ -110,6 +112,17 @@ def test_instances_are_the_bottom_layer() -> None:
 )
 def test_package_never_imports(importer: str, forbidden: tuple[str, ...]) -> None:
     found = [(n, i) for n, i in _violations("router", forbidden) if _within(n, importer)]
+    assert found == []
+
+
+def test_http_makes_no_upstream_call() -> None:
+    # ``from router.upstream import codec`` reads as the package and its module
+    allowed = ("router.upstream", "router.upstream.codec", "router.upstream.rewrite")
+    found = [
+        (name, imported)
+        for name, imported in _violations("router", ("router.upstream",))
+        if _within(name, "router.http") and imported not in allowed
+    ]
     assert found == []
 
 
