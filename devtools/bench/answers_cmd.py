@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.answers_run import AnswersSpec, run_answers
-from bench.results import write_json
+from bench.results import write_outputs
 from devstack.process import ProcessStartError
 
 
@@ -63,12 +63,6 @@ def answers_command(args: argparse.Namespace) -> int:
     except ProcessStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    report = format_report(data)
-    print(report)
-    if args.result_file:
-        write_json(args.result_file, data)
-    if args.markdown_file:
-        args.markdown_file.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown_file.write_text(report + "\n")
+    write_outputs(data, format_report(data), args.result_file, args.markdown_file)
     clean = all(usage == 0 for usage in data["kv_cache_usage_after"].values())
     return 0 if data["mismatched"] == 0 and clean else 3

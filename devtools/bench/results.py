@@ -89,15 +89,21 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_outputs(
-    data: dict[str, Any], report: str, result_file: Path | None, markdown_file: Path | None
+    data: dict[str, Any],
+    report: str,
+    result_file: Path | None,
+    markdown_file: Path | None,
+    append: bool = False,
 ) -> None:
-    """Print ``report``; write ``data`` as JSON and ``report`` as markdown where asked."""
+    """Print ``report``; write ``data`` as JSON and ``report`` as markdown where asked (added at
+    the end of ``markdown_file`` with ``append``)."""
     print(report)
     if result_file:
         write_json(result_file, data)
     if markdown_file:
         markdown_file.parent.mkdir(parents=True, exist_ok=True)
-        markdown_file.write_text(report + "\n")
+        with markdown_file.open("a" if append else "w") as out:
+            out.write(report + "\n")
 
 
 def recorded_command(argv: Sequence[str]) -> str:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.results import write_json
+from bench.results import write_outputs
 from bench.soak import SoakSpec, format_report, run_soak
 from devstack.process import ProcessStartError
 
@@ -40,13 +40,6 @@ def soak_command(args: argparse.Namespace) -> int:
     except ProcessStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    report = format_report(data)
-    print(report)
-    if args.result_file:
-        write_json(args.result_file, data)
-    if args.markdown_file:
-        args.markdown_file.parent.mkdir(parents=True, exist_ok=True)
-        with args.markdown_file.open("a") as out:
-            out.write(report + "\n")
+    write_outputs(data, format_report(data), args.result_file, args.markdown_file, append=True)
     counts = data["counts"]
     return 0 if counts["lost"] == 0 and counts["garbled"] == 0 else 3
