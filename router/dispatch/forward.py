@@ -72,6 +72,21 @@ class Exchange:
         self._closed = False
 
     @property
+    def prefill(self) -> BackendState | None:
+        """The instance, when it is of the model's P pool (the request log's ``prefill``)."""
+        return self.backend if self.backend.role == "prefill" else None
+
+    @property
+    def decode(self) -> BackendState | None:
+        """The instance, when it is of the model's D pool (the request log's ``decode``)."""
+        return self.backend if self.backend.role == "decode" else None
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """No stages are timed for a forwarded request (the request log's ``timings``)."""
+        return {}
+
+    @property
     def answer(self) -> httpx.Response:
         """The instance's answer (after :meth:`open`)."""
         assert self.response is not None, "open() first"

@@ -148,8 +148,5 @@ def _finish(
         model=req.model if req else None,
         outcome=outcome,
         status=status,
-        prefill=dispatch.prefill.label if dispatch and dispatch.prefill else None,
-        decode=dispatch.decode.label if dispatch else None,
-        dispatch_id=dispatch.request_id if dispatch else None,
-        timings=dispatch.timings if dispatch else None,
+        served=dispatch,
     )

@@ -154,14 +154,11 @@ class PassthroughEndpoint:
         m.child(m.passthrough.seconds, self.path).observe(time.monotonic() - started)
         if not runtime.settings.logging.requests:
             return
-        backend = exchange.backend if exchange is not None else None
         log_request(
             request_context(request),
             endpoint=self.path,
             model=call.model if call else None,
             outcome=outcome,
             status=status,
-            prefill=backend.label if backend and backend.role == "prefill" else None,
-            decode=backend.label if backend and backend.role == "decode" else None,
-            dispatch_id=exchange.request_id if exchange else None,
+            served=exchange,
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from router.config import LoggingConfig
 from router.request import RequestContext
@@ -49,6 +49,30 @@ def configure_logging(config: LoggingConfig, level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
+class Labelled(Protocol):
+    """An instance as the log line names it."""
+
+    @property
+    def label(self) -> str: ...
+
+
+class Served(Protocol):
+    """What served a request, as its log line names it: a generation request's dispatch (its P,
+    if any, and its D) or a pass-through request's exchange (its one instance, as P or D)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def prefill(self) -> Labelled | None: ...
+
+    @property
+    def decode(self) -> Labelled | None: ...
+
+    @property
+    def timings(self) -> dict[str, float]: ...
+
+
 def log_request(
     ctx: RequestContext,
     *,
@@ -56,25 +80,25 @@ def log_request(
     model: str | None,
     outcome: str,
     status: int,
-    prefill: str | None = None,
-    decode: str | None = None,
-    dispatch_id: str | None = None,
-    timings: dict[str, float] | None = None,
+    served: Served | None = None,
 ) -> None:
-    """The summary line of one generation request (INFO; WARNING for a 5xx)."""
+    """The summary line of one request, generation or pass-through, when it ends (INFO; WARNING
+    for a 5xx); ``served``: None for one refused before any instance was chosen."""
     level = logging.WARNING if status >= 500 else logging.INFO
     if not log.isEnabledFor(level):
         return
+    prefill = served.prefill if served is not None else None
+    decode = served.decode if served is not None else None
     fields: dict[str, Any] = {
-        "request_id": dispatch_id or ctx.request_id,
+        "request_id": served.request_id if served is not None else ctx.request_id,
         "client_request_id": ctx.client_id,
         "endpoint": endpoint,
         "model": model,
-        "prefill": prefill,
-        "decode": decode,
+        "prefill": prefill.label if prefill is not None else None,
+        "decode": decode.label if decode is not None else None,
         "outcome": outcome,
         "status": status,
-        "timings": timings or {},
+        "timings": served.timings if served is not None else {},
     }
     text = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, {}))
     log.log(level, "request %s", text, extra={_SUMMARY: fields})
