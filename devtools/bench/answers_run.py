@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import signal
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -173,12 +171,11 @@ async def _run_all(
 
 
 async def _kill_and_restart(stack: Stack, instance: StackInstance, faults: _Faults) -> None:
-    """SIGKILL ``instance``'s process group, then start it again on the same port. The new
+    """Kill ``instance`` as a crash would (SIGKILL, :meth:`devstack.process.ChildProcess.kill`),
+    then start it again on the same port. The new
     process is launched from the event loop's thread: a dev-stack child gets its parent-death
     signal when the thread that started it ends, so a worker thread must not start it."""
-    pid = instance.server.pid
-    assert pid is not None
-    os.killpg(pid, signal.SIGKILL)
+    await asyncio.to_thread(instance.server.kill)
     await asyncio.to_thread(instance.server.stop)  # reaps the group
     started = time.monotonic()
     server = VllmServer(instance.server.spec)

@@ -125,13 +125,24 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return bool(group_members(pgid))
+
+
+_RESOURCE_TRACKER = "multiprocessing.resource_tracker"
+"""In the command line of a multiprocessing resource tracker (``python -c "from
+multiprocessing.resource_tracker import main; ..."``)."""
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The live processes of process group ``pgid`` (zombies left out)."""
+    found = []
     for proc in psutil.process_iter(["status"]):
         if proc.info["status"] in _GONE:
             continue
         with contextlib.suppress(ProcessLookupError):
             if os.getpgid(proc.pid) == pgid:
-                return True
-    return False
+                found.append(proc)
+    return found
 
 
 def pid_alive(pid: int) -> bool:
@@ -318,6 +329,26 @@ class ChildProcess:
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Block until ready (default bound: ``ready_timeout_s``); raise on death or timeout."""
         wait_all_ready([self], self.process.ready_timeout_s if timeout_s is None else timeout_s)
+
+    def kill(self, cleanup_s: float = 10.0) -> None:
+        """Kill the group as a crash would: SIGKILL to every process of it but multiprocessing's
+        resource trackers, which, as after a real crash, outlive the processes they serve and
+        unlink what those registered (vLLM's ``sem.mp-*`` semaphores; a SIGKILL to the whole
+        group leaves them in ``/dev/shm``); waits up to ``cleanup_s`` for them to finish. The
+        caller still calls :meth:`stop` (which reaps the group). A no-op if never started."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid
+        self._note_shared_memory()
+        for member in group_members(pgid):
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if _RESOURCE_TRACKER not in " ".join(member.cmdline()):
+                    member.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=cleanup_s)
+        deadline = time.monotonic() + cleanup_s
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
 
     def stop(self, grace_s: float | None = None) -> StopOutcome | None:
         """SIGTERM the group, wait up to ``grace_s`` (default: the spec's) for it to empty, then

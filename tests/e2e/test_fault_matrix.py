@@ -412,9 +412,7 @@ def _ready(url: str) -> bool:
 
 
 def _kill(instance: StackInstance) -> None:
-    pid = instance.server.pid
-    assert pid is not None
-    os.killpg(pid, signal.SIGKILL)
+    instance.server.kill()
     instance.server.stop()  # reaps the group
 
 

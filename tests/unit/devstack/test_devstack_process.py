@@ -246,3 +246,36 @@ def test_stop_removes_the_shared_memory_the_group_mapped(
         server.server_close()
         ours.unlink(missing_ok=True)
         other.unlink(missing_ok=True)
+
+
+# A child whose multiprocessing semaphore (spawn context: a named ``sem.mp-*`` in /dev/shm,
+# registered with a resource tracker the child starts in its own group) is left for the tracker.
+_SEM_CHILD = textwrap.dedent(
+    """
+    import multiprocessing, time
+    lock = multiprocessing.get_context("spawn").Lock()
+    print("lock", 6 * 7, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_kill_is_a_crash_whose_semaphores_the_resource_tracker_still_unlinks(
+    tmp_path: Path,
+) -> None:
+    before = set(Path("/dev/shm").glob("sem.mp-*"))
+    child = ChildProcess(
+        ProcessSpec("sem", (sys.executable, "-c", _SEM_CHILD), tmp_path / "child.log")
+    ).launch()
+    try:
+        # "lock 42": the log starts with the command, which holds the script's text
+        wait_until(lambda: "lock 42" in read_log_tail(child.log_path), timeout=30)
+        made = set(Path("/dev/shm").glob("sem.mp-*")) - before
+        assert made  # the semaphore exists while the child runs
+        child.kill()
+        outcome = child.stop(grace_s=0.0)
+        assert outcome is not None and outcome.returncode == -signal.SIGKILL
+        assert not any(path.exists() for path in made)
+    finally:
+        child.stop()
