@@ -19,6 +19,10 @@ if [[ -z "${SKIP_SETUP:-}" ]]; then
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 
+# vLLM's and torch's compile caches in the checkout's one cache directory, as tests/run.sh does.
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$ROOT/.cache/vllm}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/.cache/torchinductor}
+
 if command -v flock >/dev/null 2>&1; then
     # Never overlap with other real-vLLM runs on this machine (waits for the lock).
     exec flock /tmp/vllm-e2e.lock "$VENV/bin/disagg-demo" "$@"
