@@ -189,10 +189,8 @@ def group_shared_memory(pgid: int, prefixes: Sequence[str]) -> set[Path]:
     """The files under ``/dev/shm`` that a live process of group ``pgid`` maps and whose name
     starts with one of ``prefixes`` (read from ``/proc/PID/maps``; empty where there is none)."""
     found: set[Path] = set()
-    for proc in psutil.process_iter():
-        with contextlib.suppress(ProcessLookupError, psutil.Error, OSError):
-            if os.getpgid(proc.pid) != pgid:
-                continue
+    for proc in group_members(pgid):
+        with contextlib.suppress(OSError):
             maps = Path(f"/proc/{proc.pid}/maps").read_text()
             for line in maps.splitlines():
                 fields = line.split(maxsplit=5)
@@ -201,6 +199,16 @@ def group_shared_memory(pgid: int, prefixes: Sequence[str]) -> set[Path]:
                 if name != path and "/" not in name and name.startswith(tuple(prefixes)):
                     found.add(Path(path))
     return found
+
+
+def _wait_group_gone(leader: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the group ``leader`` leads to empty: the leader reaped (its
+    exit status is the outcome), the rest of the group may take a little longer."""
+    deadline = time.monotonic() + timeout_s
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        leader.wait(timeout=timeout_s)
+    while group_alive(leader.pid) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
 
 
 def read_log_tail(path: Path, lines: int = 40) -> str:
@@ -344,11 +352,7 @@ class ChildProcess:
             with contextlib.suppress(psutil.Error, ProcessLookupError):
                 if _RESOURCE_TRACKER not in " ".join(member.cmdline()):
                     member.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout=cleanup_s)
-        deadline = time.monotonic() + cleanup_s
-        while group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
+        _wait_group_gone(self._proc, cleanup_s)
 
     def stop(self, grace_s: float | None = None) -> StopOutcome | None:
         """SIGTERM the group, wait up to ``grace_s`` (default: the spec's) for it to empty, then
@@ -366,12 +370,7 @@ class ChildProcess:
         self._note_shared_memory()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        # The leader's exit status is the outcome; the rest of the group may take a little longer.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace)
-        while group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
+        _wait_group_gone(proc, grace)
         killed = group_alive(pgid)
         if killed:
             with contextlib.suppress(ProcessLookupError, PermissionError):
