@@ -3,8 +3,7 @@
 The public API is what this module exports; every other module of the package is internal and
 may change without notice.
 
-- :func:`create_app` builds the ASGI app from :class:`RouterSettings` (``transport=`` injects an
-  httpx transport for tests);
+- :func:`create_app` builds the ASGI app from :class:`RouterSettings`;
 - :func:`load_config` reads and validates the YAML routing-policy file (:class:`ConfigError`
   names the offending field);
 - :func:`main` is the ``disagg-router`` console script (``serve``, ``check-config``).

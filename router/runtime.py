@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import httpx
 from prometheus_client import CollectorRegistry
 
 from router.config import RouterSettings, TracingConfig
@@ -25,7 +24,7 @@ from router.observability.tracing import NoTracer, Tracer
 from router.routing.kv_routing import KvRouting
 from router.routing.pools import Pool
 from router.routing.table import LiveRouting, ModelPools
-from router.upstream.client import AiohttpTransport, UpstreamClient
+from router.upstream.client import ClientLimits, UpstreamClient
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class Runtime:
     """Shared objects of one app run (one client, one metrics registry, the routing table, the
     tracer, the start/stop state)."""
 
-    client: httpx.AsyncClient
+    client: UpstreamClient
     metrics: RouterMetrics
     routing: LiveRouting
     tracer: Tracer = field(default_factory=NoTracer)
@@ -50,15 +49,14 @@ class Runtime:
     def create(
         cls,
         settings: RouterSettings,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         metrics: RouterMetrics | None = None,
         tracer: Tracer | None = None,
     ) -> Runtime:
         """A runtime with fresh pools (and a fresh metrics registry unless one is given); the
         pools report breaker changes and departed instances to the metrics."""
         metrics = metrics or RouterMetrics(CollectorRegistry())
-        if isinstance(client, UpstreamClient):
-            client.on_stale_retry(metrics.count_stale_retry)
+        client.on_stale_retry(metrics.count_stale_retry)
         hooks = BackendHooks(
             breaker_changed=lambda b, is_open: metrics.set_breaker_open(b.role, b.label, is_open),
             forget=metrics.forget_backend,
@@ -84,30 +82,30 @@ class Runtime:
         return self.routing.table.backends()
 
 
+UPSTREAM_MAX_CONNECTIONS = 4096
+"""Open upstream connections at most (a request beyond waits, up to ``timeouts.connect``)."""
+
 UPSTREAM_KEEPALIVE_S = 4.0
 """How long the upstream client keeps an idle connection: under the 5 s after which vLLM's
 server (uvicorn) closes one."""
 
 
-def http_client(
-    settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
-) -> httpx.AsyncClient:
-    """The one upstream client: explicit timeouts, generous pool limits, no cookies.
-
-    The P and D legs go out on the client's own keep-alive connections
-    (:mod:`router.upstream.h1`), everything else through httpx over aiohttp's
-    (:mod:`router.upstream.client`); ``transport`` replaces the network (tests; then every call
-    goes through it). An idle connection is dropped after :data:`UPSTREAM_KEEPALIVE_S`, before
-    vLLM's server closes it (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s), or sooner when the instance
-    says ``Keep-Alive: timeout``; a leg whose reused connection turns out closed before any answer
-    byte is sent again once on a new one.
+def http_client(settings: RouterSettings) -> UpstreamClient:
+    """The one upstream client (:mod:`router.upstream.client`): explicit timeouts, generous
+    pool limits. Each wait for an answer's next bytes is bounded by ``timeouts.total`` (callers
+    bound whole calls more tightly). An idle connection is dropped after
+    :data:`UPSTREAM_KEEPALIVE_S`, before vLLM's server closes it (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``,
+    5 s), or sooner when the instance says ``Keep-Alive: timeout``; a request whose reused
+    connection turns out closed before any answer byte is sent again once on a new one.
     """
     t = settings.timeouts
-    timeout = httpx.Timeout(connect=t.connect, read=t.total, write=t.total, pool=t.connect)
-    limits = httpx.Limits(
-        max_connections=4096, max_keepalive_connections=512, keepalive_expiry=UPSTREAM_KEEPALIVE_S
+    limits = ClientLimits(
+        connect_s=t.connect,
+        read_s=t.total,
+        keepalive_s=UPSTREAM_KEEPALIVE_S,
+        max_connections=UPSTREAM_MAX_CONNECTIONS,
     )
-    return UpstreamClient(transport or AiohttpTransport(limits=limits), timeout, limits)
+    return UpstreamClient(limits)
 
 
 def make_tracer(config: TracingConfig) -> Tracer:
@@ -121,14 +119,11 @@ def make_tracer(config: TracingConfig) -> Tracer:
 
 
 @asynccontextmanager
-async def open_runtime(
-    settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
-) -> AsyncIterator[Runtime]:
-    """A runtime whose client (and tracer) are closed on exit; ``transport`` replaces the
-    network (tests)."""
+async def open_runtime(settings: RouterSettings) -> AsyncIterator[Runtime]:
+    """A runtime whose client (and tracer) are closed on exit."""
     tracer = make_tracer(settings.tracing)
     try:
-        async with http_client(settings, transport) as client:
+        async with http_client(settings) as client:
             yield Runtime.create(settings, client, tracer=tracer)
     finally:
         tracer.shutdown()

@@ -17,7 +17,8 @@ from httpx_sse import SSEError
 
 from bench.dataset import BenchRequest
 from bench.metrics import RequestRecord
-from router.upstream.sse import StreamEndedEarly, aiter_data
+from devstack.sse_client import aiter_data
+from router.upstream.sse import StreamEndedEarly
 
 Endpoint = Literal["completions", "chat"]
 

@@ -8,11 +8,10 @@ rounds so drift hits all alike. Reported per client: this process's CPU time per
 (``time.process_time``: what a client costs the router's one core) and requests per second.
 
 Clients: ``httpx`` (its own httpcore pool), ``httpx-aiohttp`` (httpx's API over aiohttp's
-connections: :class:`router.upstream.client.UpstreamClient` over
-:class:`router.upstream.client.AiohttpTransport`, what the router uses) and ``aiohttp``
-(aiohttp alone; its SSE lines are split here, a stand-in for a reader the router would need)
-and ``h1`` (the router's own leg connections, :mod:`router.upstream.h1`, read by the router's
-:class:`router.upstream.sse.EventReader`: how a leg goes out since they replaced aiohttp there).
+connections, ``httpx_aiohttp.AiohttpTransport``), ``aiohttp`` (aiohttp alone; its SSE lines are
+split here, a stand-in for a reader the router would need) and ``h1`` (the router's own
+upstream client, :class:`router.upstream.client.UpstreamClient`, read by the router's
+:class:`router.upstream.sse.EventReader`: how every upstream call goes out).
 """
 
 from __future__ import annotations
@@ -31,14 +30,15 @@ from typing import Any
 
 import aiohttp
 import httpx
+import httpx_aiohttp
 
 from bench.floor_router import origin_of, post_head
 from bench.overhead import MODEL, cpu_split, fake_process
 from bench.results import log_folder, write_outputs
 from devstack.ports import free_port
-from router.upstream.client import AiohttpTransport, UpstreamClient, send_leg
-from router.upstream.h1 import ConnectionPool
-from router.upstream.sse import EventReader, aiter_data
+from devstack.sse_client import aiter_data
+from router.upstream.client import ClientLimits, UpstreamClient
+from router.upstream.sse import EventReader
 
 KINDS = ("httpx", "httpx-aiohttp", "aiohttp", "h1")
 HEADERS = {"Content-Type": "application/json"}
@@ -93,17 +93,16 @@ async def _round(kind: str, url: str, body: bytes, spec: ClientsSpec) -> dict[st
             return await _closed_loop(send_aiohttp, spec)
     if kind == "h1":
         return await _h1_round(url, body, spec)
-    client = (
-        UpstreamClient(AiohttpTransport(limits=limits), timeout, limits)
+    transport = (
+        httpx_aiohttp.AiohttpTransport(limits=limits)
         if kind == "httpx-aiohttp"
-        else httpx.AsyncClient(timeout=timeout, limits=limits)
+        else httpx.AsyncHTTPTransport(limits=limits)
     )
-    async with client:
+    async with httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits) as client:
 
         async def send_httpx() -> int:
-            # As a leg goes out: the router's client hands it straight to its transport.
             request = client.build_request("POST", url, content=body, headers=HEADERS)
-            resp = await send_leg(client, request, stream=True)
+            resp = await client.send(request, stream=True)
             events = 0
             try:
                 async for _ in aiter_data(resp):
@@ -119,11 +118,11 @@ async def _round(kind: str, url: str, body: bytes, spec: ClientsSpec) -> dict[st
 async def _h1_round(url: str, body: bytes, spec: ClientsSpec) -> dict[str, float]:
     origin = origin_of(url)
     head = post_head(origin, httpx.URL(url).raw_path.decode(), body)
-    pool = ConnectionPool(30.0, 30.0, 4.0, 4096)
+    pool = UpstreamClient(ClientLimits(30.0, 30.0, 4.0, 4096))
 
     async def send_h1() -> int:
         batches = 0
-        async with pool.post(origin, head, body) as answer:
+        async with pool.request(origin, head, body) as answer:
             async for _ in EventReader(answer.read_chunk, answer.content_type):
                 batches += 1
         return batches
@@ -132,7 +131,7 @@ async def _h1_round(url: str, body: bytes, spec: ClientsSpec) -> dict[str, float
         await _closed_loop(send_h1, ClientsSpec(requests=50, concurrency=8))
         return await _closed_loop(send_h1, spec)
     finally:
-        await pool.close()
+        await pool.aclose()
 
 
 def run_clients(spec: ClientsSpec, log_dir: Path | None = None) -> dict[str, Any]:

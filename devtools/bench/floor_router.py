@@ -7,7 +7,7 @@ error handling beyond closing what it opened. Per request it does only what any 
 router must: read the client's body, send the P leg (the router's own ``prefill_body``) and the
 D leg with P's identity (``decode_body_push``) at once, and relay D's bytes as they arrive,
 unparsed. It runs on the router's stack (uvicorn with httptools and uvloop, a bare ASGI app,
-the router's own leg connections, :mod:`router.upstream.h1`), so its CPU per request bounds
+the router's own upstream connections, :mod:`router.upstream.h1`), so its CPU per request bounds
 from below what the router could reach by trimming its own work without changing those
 libraries.
 """
@@ -71,7 +71,7 @@ class FloorApp:
         prefill = asyncio.create_task(self._prefill(path, p_body))
         try:
             d_head = post_head(self.decode, path, d_body)
-            async with self.pool.post(self.decode, d_head, d_body) as resp:
+            async with self.pool.request(self.decode, d_head, d_body) as resp:
                 headers = [(b"content-type", resp.content_type.encode())]
                 start = {"type": "http.response.start", "status": resp.status, "headers": headers}
                 await send(start)
@@ -83,14 +83,17 @@ class FloorApp:
 
     async def _prefill(self, path: str, body: bytes) -> None:
         assert self.pool is not None
-        async with self.pool.post(self.prefill, post_head(self.prefill, path, body), body) as resp:
+        async with self.pool.request(
+            self.prefill, post_head(self.prefill, path, body), body
+        ) as resp:
             await resp.read()
 
 
 def origin_of(url: str) -> Origin:
-    """``url``'s (host, port)."""
+    """``url``'s (host, port, TLS)."""
     parsed = httpx.URL(url)
-    return parsed.host, parsed.port or 80
+    tls = parsed.scheme == "https"
+    return parsed.host, parsed.port or (443 if tls else 80), tls
 
 
 def post_head(origin: Origin, path: str, body: bytes) -> bytes:

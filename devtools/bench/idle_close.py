@@ -1,4 +1,4 @@
-"""``python -m bench.idle_close``: the idle-close race on the router's leg connections.
+"""``python -m bench.idle_close``: the idle-close race on the router's upstream connections.
 
 Who calls it: a person, for the fault matrix (docs/benchmarks/fault-matrix.md). An upstream on
 loopback closes every kept-alive connection that stays idle ``--idle-close`` seconds (as vLLM's
@@ -68,7 +68,7 @@ def _closing_idle(answer: bytes, idle_s: float) -> Handler:
 
 async def _sequence(name: str, answer: bytes, gaps: Sequence[float], idle_s: float) -> Outcome:
     server = await asyncio.start_server(_closing_idle(answer, idle_s), "127.0.0.1", 0)
-    origin: Origin = ("127.0.0.1", server.sockets[0].getsockname()[1])
+    origin: Origin = ("127.0.0.1", server.sockets[0].getsockname()[1], False)
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {origin[0]}:{origin[1]}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n"
@@ -81,7 +81,7 @@ async def _sequence(name: str, answer: bytes, gaps: Sequence[float], idle_s: flo
         for gap in gaps:
             await asyncio.sleep(gap)
             try:
-                async with pool.post(origin, head, BODY) as call:
+                async with pool.request(origin, head, BODY) as call:
                     if call.status != 200 or not await call.read():
                         failed += 1
             except httpx.TransportError:

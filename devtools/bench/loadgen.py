@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
+import httpx_aiohttp
 
 from bench.arrivals import arrival_offsets
 from bench.client import Target, send_request
@@ -24,7 +25,6 @@ from bench.metrics import (
     compute_metrics,
 )
 from bench.progress import ProgressBar
-from router.upstream.client import AiohttpTransport
 
 
 @dataclass(frozen=True)
@@ -54,15 +54,15 @@ class RunResult:
 def make_client(max_connections: int = 1024, request_timeout_s: float = 600.0) -> httpx.AsyncClient:
     """The one client a run uses: explicit timeouts, enough pooled connections for the load.
 
-    Its connections are aiohttp's, as the router's (:mod:`router.upstream.client`): httpcore's pool
-    costs 2.5x the CPU per streamed request (``disagg-bench clients``), and at the hundreds of
-    requests per second the overhead benchmark offers the load generator became the bottleneck.
+    Its connections are aiohttp's (``httpx-aiohttp``): httpcore's pool costs 2.5x the CPU per
+    streamed request (``disagg-bench clients``), and at the hundreds of requests per second the
+    overhead benchmark offers the load generator became the bottleneck.
     """
     limits = httpx.Limits(
         max_connections=max_connections, max_keepalive_connections=max_connections
     )
     timeout = httpx.Timeout(request_timeout_s, connect=10.0)
-    transport = AiohttpTransport(limits=limits)
+    transport = httpx_aiohttp.AiohttpTransport(limits=limits)
     return httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport)
 
 

@@ -32,9 +32,10 @@ from httpx_sse import SSEError
 
 from devstack.ports import LOOPBACK, free_port
 from devstack.process import ProcessStartError, http_process
+from devstack.sse_client import iter_data
 from devstack.stack import Stack, StackOptions, start_stack
 from devstack.vllm_server import VllmServerError
-from router.upstream.sse import StreamEndedEarly, iter_data
+from router.upstream.sse import StreamEndedEarly
 
 DEFAULT_PROMPT = "Explain in one sentence why prefill and decode run on different machines."
 READY_TIMEOUT_S = 120.0

@@ -20,11 +20,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
-
-import httpx
 
 from router.dispatch.holds import Holds
 from router.dispatch.legs import leg_failed, leg_ok
@@ -33,7 +30,7 @@ from router.errors import UpstreamError, UpstreamTimeout
 from router.instances.state import BackendState, Role
 from router.routing.policies.base import RoutingInput
 from router.runtime import Runtime
-from router.upstream.calls import close_quietly, http_error, raw_chunks, read_raw, send_raw
+from router.upstream.calls import RawAnswer, open_raw
 
 
 @dataclass(frozen=True)
@@ -68,7 +65,7 @@ class Exchange:
         self.request_id = request_id
         self.deadline = deadline
         self.holds = Holds(runtime.metrics, [backend])
-        self.response: httpx.Response | None = None
+        self.response: RawAnswer | None = None
         self._closed = False
 
     @property
@@ -87,7 +84,7 @@ class Exchange:
         return {}
 
     @property
-    def answer(self) -> httpx.Response:
+    def answer(self) -> RawAnswer:
         """The instance's answer (after :meth:`open`)."""
         assert self.response is not None, "open() first"
         return self.response
@@ -95,8 +92,7 @@ class Exchange:
     @property
     def streams(self) -> bool:
         """True when the answer is an event stream (relayed as it comes)."""
-        kind: str = self.answer.headers.get("content-type", "")
-        return kind.startswith("text/event-stream")
+        return self.answer.content_type.startswith("text/event-stream")
 
     def _left(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
@@ -112,13 +108,12 @@ class Exchange:
             await self.holds.admit()  # bounded by admission.max_wait; a full queue is no fault
             try:
                 async with asyncio.timeout(self._left()):
-                    self.response = await send_raw(
+                    answer = await open_raw(
                         self.runtime.client, b, b.role, path, body, self.request_id
                     )
-                    status = self.response.status_code
-                    if status >= 500 and not is_client_status(status):
-                        await read_raw(self.response, b.role, b)
-                        raise http_error(self.response, b.role, b)
+                    self.response = answer
+                    if answer.status >= 500 and not is_client_status(answer.status):
+                        raise answer.error(await answer.read())
             except TimeoutError as exc:
                 raise self._timeout("no answer") from exc
         except UpstreamError as exc:
@@ -131,11 +126,10 @@ class Exchange:
     async def body(self) -> bytes:
         """The whole body of the answer; an :class:`UpstreamError` (after :meth:`fail`) if it
         breaks or the deadline passes."""
-        b = self.backend
         try:
             try:
                 async with asyncio.timeout(self._left()):
-                    data = await read_raw(self.answer, b.role, b)
+                    data = await self.answer.read()
             except TimeoutError as exc:
                 raise self._timeout("answer not complete") from exc
         except UpstreamError as exc:
@@ -151,18 +145,17 @@ class Exchange:
         b = self.backend
         silence = self.runtime.settings.timeouts.inter_token
         try:
-            async with aclosing(raw_chunks(self.answer, b.role, b)) as source:
-                while True:
-                    try:
-                        async with asyncio.timeout(min(silence, self._left())):
-                            chunk = await anext(source, None)
-                    except TimeoutError as exc:
-                        raise UpstreamTimeout(
-                            b.role, b.label, f"nothing sent for {silence:g}s or past the deadline"
-                        ) from exc
-                    if chunk is None:
-                        break
-                    yield chunk
+            while True:
+                try:
+                    async with asyncio.timeout(min(silence, self._left())):
+                        chunk = await self.answer.read_chunk()
+                except TimeoutError as exc:
+                    raise UpstreamTimeout(
+                        b.role, b.label, f"nothing sent for {silence:g}s or past the deadline"
+                    ) from exc
+                if not chunk:
+                    break
+                yield chunk
         except UpstreamError as exc:
             await self.fail(exc)
             raise
@@ -171,7 +164,7 @@ class Exchange:
     def _done(self) -> None:
         """The body arrived whole: a success of the instance unless the status was the
         client's."""
-        if self.answer.status_code < 400:
+        if self.answer.status < 400:
             leg_ok(self.runtime, self.backend)
 
     async def fail(self, exc: UpstreamError) -> None:
@@ -184,12 +177,12 @@ class Exchange:
         self.holds.release_all()  # first: nothing below may keep the slot if it is cancelled
         if self.response is not None and not self._closed:
             self._closed = True
-            await close_quietly(self.response)
+            await self.response.close()
 
 
 def answer_ok(exchange: Exchange) -> bool:
     """True when the instance's answer is a success (not a client error passed back)."""
-    return exchange.answer.status_code < 400
+    return exchange.answer.status < 400
 
 
 async def open_exchange(runtime: Runtime, call: Forward, request_id: str) -> Exchange:

@@ -16,36 +16,33 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-import httpx
-
+from router.errors import UpstreamError
 from router.ids import new_request_id
 from router.instances.load import parse_signals
 from router.instances.state import BackendState
-from router.upstream.calls import leg_headers
+from router.upstream.calls import get_ok
+from router.upstream.client import UpstreamClient
 
 log = logging.getLogger(__name__)
 
 
-async def scrape(client: httpx.AsyncClient, backend: BackendState, timeout: float) -> None:
+async def scrape(client: UpstreamClient, backend: BackendState, timeout: float) -> None:
     """Scrape one backend once; on any failure its signals are cleared (never raises)."""
-    headers = leg_headers(client, backend, new_request_id())
+    asked = get_ok(client, backend, backend.role, "/metrics", new_request_id())
     try:
-        resp = await asyncio.wait_for(
-            client.get(backend.url + "/metrics", headers=headers), timeout
-        )
-        resp.raise_for_status()
-    except (httpx.HTTPError, TimeoutError) as exc:
+        text = (await asyncio.wait_for(asked, timeout)).decode("utf-8", "replace")
+    except (UpstreamError, TimeoutError) as exc:
         log.debug("%s %s: no load signals (%r)", backend.role, backend.label, exc)
         backend.signals = None
         return
-    signals = parse_signals(resp.text, backend.model, time.monotonic())
+    signals = parse_signals(text, backend.model, time.monotonic())
     if signals is not None:
         signals = replace(signals, own_in_flight=backend.in_flight)
     backend.signals = signals
 
 
 async def run_scraper(
-    client: httpx.AsyncClient,
+    client: UpstreamClient,
     targets: Callable[[], Iterable[BackendState]],
     interval: Callable[[], float],
     timeout: float,

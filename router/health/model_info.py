@@ -15,12 +15,12 @@ import asyncio
 import logging
 from typing import Any
 
-import httpx
-
+from router.errors import UpstreamError
 from router.ids import new_request_id
 from router.instances.state import BackendState
 from router.upstream import codec
-from router.upstream.calls import leg_headers
+from router.upstream.calls import get_ok
+from router.upstream.client import UpstreamClient
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +39,14 @@ def model_len_of(answer: Any, model: str) -> int | None:
 
 
 async def learn_max_model_len(
-    client: httpx.AsyncClient, backend: BackendState, timeout: float
+    client: UpstreamClient, backend: BackendState, timeout: float
 ) -> None:
     """Ask ``backend`` for its ``/v1/models`` (within ``timeout`` seconds) and keep its
     ``max_model_len``; on any failure log it and keep what was known."""
-    headers = leg_headers(client, backend, new_request_id())
+    asked = get_ok(client, backend, backend.role, "/v1/models", new_request_id())
     try:
-        asked = client.get(backend.url + "/v1/models", headers=headers)
-        resp = await asyncio.wait_for(asked, timeout)
-        resp.raise_for_status()
-        found = model_len_of(codec.loads(resp.content), backend.model)
-    except (httpx.HTTPError, ValueError, TimeoutError) as exc:
+        found = model_len_of(codec.loads(await asyncio.wait_for(asked, timeout)), backend.model)
+    except (UpstreamError, ValueError, TimeoutError) as exc:
         log.info("%s %s: /v1/models unusable: %r", backend.role, backend.label, exc)
         return
     if found is None:

@@ -35,8 +35,6 @@ import logging
 import time
 from collections.abc import Sequence
 
-import httpx
-
 from router.config import PushIdentity, RouterSettings
 from router.errors import UpstreamError, UpstreamTimeout
 from router.health.model_info import learn_max_model_len
@@ -51,7 +49,7 @@ from router.ids import new_request_id
 from router.instances.identity import learn_identity
 from router.instances.state import BackendState
 from router.runtime import Runtime
-from router.upstream.calls import leg_headers, post_json
+from router.upstream.calls import get_ok, post_json
 from router.upstream.rewrite import identity_from_kv, prefill_body
 
 log = logging.getLogger(__name__)
@@ -159,14 +157,9 @@ class HealthMonitor:
 
     async def _check(self, backend: BackendState) -> None:
         t = self.settings.timeouts
-        resp = await asyncio.wait_for(
-            self.client.get(
-                backend.url + "/health", headers=leg_headers(self.client, backend, new_request_id())
-            ),
-            t.health,
+        await asyncio.wait_for(
+            get_ok(self.client, backend, backend.role, "/health", new_request_id()), t.health
         )
-        if resp.status_code != 200:
-            raise ValueError(f"/health answered {resp.status_code}")
         if backend.max_model_len is None or not backend.healthy:
             await learn_max_model_len(self.client, backend, t.health)
         if self.settings.mode != "push" or not self._probe_due(backend):
@@ -195,13 +188,11 @@ class HealthMonitor:
         """
         try:
             await self._check(backend)
-        except (httpx.HTTPError, UpstreamError, ValueError, TimeoutError) as exc:
+        except (UpstreamError, ValueError, TimeoutError) as exc:
             backend.failed_checks += 1
             backend.last_error = repr(exc)
             unreachable = isinstance(exc, UpstreamError) and exc.unreachable
-            slow = not unreachable and isinstance(
-                exc, TimeoutError | httpx.TimeoutException | UpstreamTimeout
-            )
+            slow = not unreachable and isinstance(exc, TimeoutError | UpstreamTimeout)
             threshold = self.settings.health.failure_threshold
             if backend.healthy and (not slow or backend.failed_checks >= threshold):
                 log.warning("%s %s unhealthy: %r", backend.role, backend.label, exc)

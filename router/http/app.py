@@ -1,22 +1,20 @@
 """The router's ASGI app: OpenAI-compatible endpoints in front of the P and D pools.
 
-Who calls it: ``disagg-router serve`` (via :mod:`router.server`) and tests. ``create_app(settings,
-transport=...)`` builds one app; its lifespan builds the app's one :class:`Runtime` (the shared
-``httpx.AsyncClient`` with explicit timeouts and an optional injected transport, its own metrics
-registry, the per-model pools, the tracer, the start/stop state) and starts the health monitor
-and the load-signal scraper in the background, so ``/health`` answers at once while slow
-instances are still being checked (``/ready`` says what is missing). Built with the config
-file's path (``disagg-router serve``), it also reloads that file on SIGHUP and, with
-``reload.watch``, whenever the file changes (:mod:`router.reload`). The generation endpoints
-are :mod:`router.http.generate`'s, given this app's admission check; the routes beside them
+Who calls it: ``disagg-router serve`` (via :mod:`router.server`) and tests. ``create_app(settings)``
+builds one app; its lifespan builds the app's one :class:`Runtime` (the one upstream client with
+explicit timeouts, its own metrics registry, the per-model pools, the tracer, the start/stop state)
+and starts the health monitor and the load-signal scraper in the background, so ``/health`` answers
+at once while slow instances are still being checked (``/ready`` says what is missing). Built with
+the config file's path (``disagg-router serve``), it also reloads that file on SIGHUP and, with
+``reload.watch``, whenever the file changes (:mod:`router.reload`). The generation endpoints are
+:mod:`router.http.generate`'s, given this app's admission check; the routes beside them
 (``/tokenize``, ``/v1/embeddings``, pooling, scoring, ``/v1/responses``, ...) are
-:mod:`router.http.passthrough`'s, and ``/v1/models`` lists :mod:`router.http.models`' cards.
-Every response carries ``X-Request-Id``. Every :class:`RouterError` that reaches a client is
-OpenAI-style JSON built by :func:`router.errors.error_payload`: in :mod:`router.http.generate`
-for responses (also this app's exception handlers and the pass-through routes), in
-:mod:`router.http.guard` for a header bound (431, before the app runs), and in the dispatch's
-relay (:mod:`router.dispatch.relay`) as the final SSE error event of a stream that already
-started.
+:mod:`router.http.passthrough`'s, and ``/v1/models`` lists :mod:`router.http.models`' cards. Every
+response carries ``X-Request-Id``. Every :class:`RouterError` that reaches a client is OpenAI-style
+JSON built by :func:`router.errors.error_payload`: in :mod:`router.http.generate` for responses
+(also this app's exception handlers and the pass-through routes), in :mod:`router.http.guard` for a
+header bound (431, before the app runs), and in the dispatch's relay (:mod:`router.dispatch.relay`)
+as the final SSE error event of a stream that already started.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -110,13 +107,11 @@ def _on_sighup(reloader: ConfigReloader) -> bool:
 
 
 def _lifespan(
-    settings: RouterSettings,
-    transport: httpx.AsyncBaseTransport | None,
-    config_path: Path | None,
+    settings: RouterSettings, config_path: Path | None
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with open_runtime(settings, transport) as runtime:
+        async with open_runtime(settings) as runtime:
             supervisor = Supervisor(runtime.metrics)
             monitor = HealthMonitor(runtime)
             discovery = DiscoveryManager(runtime, monitor.check_some, supervisor=supervisor)
@@ -272,14 +267,9 @@ def _routes(generation: dict[str, GenerationEndpoint]) -> APIRouter:
     return api
 
 
-def create_app(
-    settings: RouterSettings,
-    transport: httpx.AsyncBaseTransport | None = None,
-    config_path: Path | None = None,
-) -> FastAPI:
-    """Build the router app for ``settings``; ``transport`` replaces the network (tests);
-    ``config_path``: the file ``settings`` came from, reloaded on SIGHUP (and, with
-    ``reload.watch``, on change).
+def create_app(settings: RouterSettings, config_path: Path | None = None) -> FastAPI:
+    """Build the router app for ``settings``; ``config_path``: the file ``settings`` came from,
+    reloaded on SIGHUP (and, with ``reload.watch``, on change).
 
     The app's :class:`Runtime` (client, metrics, pools, tracer, lifecycle) exists while its
     lifespan runs. Interactive API docs exist only with ``limits.docs: true``.
@@ -287,7 +277,7 @@ def create_app(
     docs = settings.limits.docs
     app = FastAPI(
         title="disagg-router",
-        lifespan=_lifespan(settings, transport, config_path),
+        lifespan=_lifespan(settings, config_path),
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,

@@ -51,14 +51,12 @@ class ProxiedStream:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         answer = self.exchange.answer
         headers = [
-            (b"content-type", answer.headers.get("content-type", "").encode("latin-1")),
+            (b"content-type", answer.content_type.encode("latin-1")),
             (b"x-request-id", self.exchange.request_id.encode()),
         ]
         outcome = "client_disconnected"
         try:
-            await send(
-                {"type": "http.response.start", "status": answer.status_code, "headers": headers}
-            )
+            await send({"type": "http.response.start", "status": answer.status, "headers": headers})
             outcome = await self._relay(send)
         except asyncio.CancelledError:
             if self.watch.left():

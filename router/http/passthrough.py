@@ -106,7 +106,7 @@ class PassthroughEndpoint:
             return error_response(exc)
 
         def done(outcome: str) -> None:
-            self._finish(request, call, outcome, exchange.answer.status_code, started, exchange)
+            self._finish(request, call, outcome, exchange.answer.status, started, exchange)
 
         if exchange.streams:
             return ProxiedStream(exchange, watch, handle, done)
@@ -132,9 +132,9 @@ class PassthroughEndpoint:
         done("ok" if answer_ok(exchange) else "upstream_rejected")
         answer = exchange.answer
         headers = {"X-Request-Id": exchange.request_id}
-        if "content-type" in answer.headers:
-            headers["Content-Type"] = answer.headers["content-type"]
-        return Response(content, status_code=answer.status_code, headers=headers)
+        if answer.content_type:
+            headers["Content-Type"] = answer.content_type
+        return Response(content, status_code=answer.status, headers=headers)
 
     def _finish(
         self,

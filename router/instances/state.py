@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import httpx
-
 from connector.contract import EngineShape
 from router.config import AdmissionConfig, BreakerConfig, InstanceConfig, PushIdentity
 from router.instances.admission import Gate
@@ -54,23 +52,10 @@ class BackendState:
     max_model_len: int | None = None  # from the instance's /v1/models (router.health.model_info)
     gate: Gate = field(default_factory=lambda: Gate(AdmissionConfig()))
     breaker: Breaker = field(default_factory=lambda: Breaker(BreakerConfig()))
-    _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False, compare=False)
-    leg_headers_cache: tuple[httpx.Headers, httpx.Headers] | None = field(
-        default=None, repr=False, compare=False
-    )
-    """``(client headers, headers of every leg)``: kept by :mod:`router.upstream.calls`."""
 
     @property
     def url(self) -> str:
         return self.config.url
-
-    def endpoint(self, path: str) -> httpx.URL:
-        """The URL of ``path`` on this instance, parsed once (httpx parses a string URL on every
-        request; the legs use a handful of paths)."""
-        url = self._endpoints.get(path)
-        if url is None:
-            url = self._endpoints[path] = httpx.URL(self.url + path)
-        return url
 
     @property
     def label(self) -> str:

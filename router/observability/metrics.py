@@ -312,8 +312,8 @@ class RouterMetrics:
             (self.breaker_probes, (*rb, "outcome")),
         ]
 
-    def count_stale_retry(self, origin: tuple[str, int]) -> None:
-        """A leg went out again after the idle-close race (:mod:`router.upstream.h1`)."""
+    def count_stale_retry(self, origin: tuple[str, int, bool]) -> None:
+        """A request went out again after the idle-close race (:mod:`router.upstream.h1`)."""
         self.stale_retries.inc()
 
     def set_breaker_open(self, role: str, label: str, is_open: bool) -> None:

@@ -1,27 +1,27 @@
-"""HTTP calls to one upstream vLLM instance, with httpx errors translated into ours.
+"""HTTP calls to one upstream vLLM instance, with transport errors translated into ours.
 
 Who calls it: the dispatch (:mod:`router.dispatch.legs`, P and D legs), the pass-through routes
-(:mod:`router.dispatch.forward`: :func:`send_raw` and its helpers), the health monitor
+(:mod:`router.dispatch.forward`: :func:`open_raw`), the health monitor
 (:mod:`router.health.monitor`, :mod:`router.health.model_info`) and the load-signal scraper
-(:mod:`router.health.load_signals`). Uses the app's one shared ``httpx.AsyncClient``: the router's
-:class:`UpstreamClient` sends a leg on its own connections (:meth:`UpstreamClient.send_direct`), any
-other client (tests' mock upstreams) through httpx; both go out with the same headers and body and
-end the same way. Streams are always closed (context manager, or :func:`close_quietly` for
-:func:`send_raw`'s answers). Translating an error has no side effect: what a failure means for the
-instance's health is decided by the caller (the error's ``unreachable`` / ``instance_fault`` say
-what happened). Raises only :class:`router.errors.UpstreamError` subclasses.
+(:mod:`router.health.load_signals`). Every call goes out through the app's one
+:class:`router.upstream.client.UpstreamClient`, with the same headers: ``Host``, ``Accept``,
+``User-Agent``, the instance's API key, ``X-Request-Id`` (the dispatch id), the caller's trace
+context, and ``Content-Type`` / ``Content-Length`` with a body. Answers are always closed
+(context managers, or :meth:`RawAnswer.close`). Translating an error has no side effect: what
+a failure means for the instance's health is decided by the caller (the error's
+``unreachable`` / ``instance_fault`` say what happened). Raises only
+:class:`router.errors.UpstreamError` subclasses (and ``RuntimeError`` once the client is
+closed).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Protocol
-
-import httpx
-from httpx_sse import SSEError
+from urllib.parse import urlsplit
 
 from router.errors import (
     UpstreamConnectTimeout,
@@ -33,17 +33,21 @@ from router.errors import (
     UpstreamUnreachable,
 )
 from router.upstream import codec
-from router.upstream.client import LegAnswer, LegTarget, UpstreamClient, send_leg
-from router.upstream.h1 import AnswerHeadersTooLarge
-from router.upstream.sse import EventReader, StreamEndedEarly
+from router.upstream.client import USER_AGENT, Answer, Target, UpstreamClient
+from router.upstream.h1 import (
+    AnswerHeadersTooLarge,
+    Call,
+    ConnectError,
+    ConnectTimeout,
+    ReadTimeout,
+    TransportError,
+)
+from router.upstream.sse import EventReader, NotEventStream, StreamEndedEarly
 
 
 class Instance(Protocol):
     """What a call needs of the instance it goes to; the router's
-    :class:`router.instances.state.BackendState` is one. ``leg_headers_cache`` belongs to
-    :func:`leg_headers` (None until its first call)."""
-
-    leg_headers_cache: tuple[httpx.Headers, httpx.Headers] | None
+    :class:`router.instances.state.BackendState` is one."""
 
     @property
     def url(self) -> str: ...
@@ -54,178 +58,112 @@ class Instance(Protocol):
     @property
     def api_key(self) -> str | None: ...
 
-    def endpoint(self, path: str) -> httpx.URL: ...
+
+def _checked(value: str) -> str:
+    """``value`` for a header; ``ValueError`` if it holds a line break (it would end the head
+    early or add a header)."""
+    if "\r" in value or "\n" in value:
+        raise ValueError("a header value holds a line break")
+    return value
 
 
-def leg_headers(
-    client: httpx.AsyncClient,
-    backend: Instance,
-    request_id: str,
-    extra: Mapping[str, str] | None = None,
-) -> httpx.Headers:
-    """Every header a request to ``backend`` carries (legs, probes, health checks, scrapes): the
-    client's defaults, ``Host``, ``Content-Type``, the instance's API key, ``extra`` (trace
-    context) and the dispatch id as ``X-Request-Id``; a fresh object the caller may add to.
-
-    The part all requests to ``backend`` share is built once per client and kept in
-    ``backend.leg_headers_cache`` (never mutated), so a leg copies it instead of merging and
-    normalising every header again."""
-    cached = backend.leg_headers_cache
-    if cached is None or cached[0] is not client.headers:
-        base = httpx.Headers(client.headers)
-        base["Host"] = httpx.URL(backend.url).netloc.decode("ascii")
-        base["Content-Type"] = "application/json"
-        if backend.api_key:
-            base["Authorization"] = f"Bearer {backend.api_key}"
-        cached = backend.leg_headers_cache = (client.headers, base)
-    fields = httpx.Headers(cached[1])
-    for name, value in (extra or {}).items():
-        fields[name] = value
-    fields["X-Request-Id"] = request_id
-    return fields
+def _target(client: UpstreamClient, backend: Instance, method: str, path: str) -> Target:
+    """What every ``method`` request to ``backend`` at ``path`` shares, kept in
+    ``client.targets`` (see :class:`router.upstream.client.Target`)."""
+    key = (backend.url, backend.api_key, method, path)
+    found = client.targets.get(key)
+    if found is not None:
+        return found
+    url = urlsplit(backend.url + path)
+    tls = url.scheme == "https"
+    host = url.hostname or ""
+    origin = (host, url.port or (443 if tls else 80), tls)
+    target_path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+    fields = [("Host", url.netloc.rpartition("@")[2]), ("Accept", "*/*")]
+    fields.append(("User-Agent", USER_AGENT))
+    if method == "POST":
+        fields.append(("Content-Type", "application/json"))
+    if backend.api_key:
+        fields.append(("Authorization", f"Bearer {backend.api_key}"))
+    lines = [f"{method} {target_path} HTTP/1.1\r\n"]
+    lines += [f"{name}: {_checked(value)}\r\n" for name, value in fields]
+    found = client.targets[key] = Target(origin, "".join(lines).encode("latin-1"))
+    return found
 
 
-def _leg_request(
-    client: httpx.AsyncClient,
+def _head(
+    target: Target, request_id: str, extra: Mapping[str, str] | None, length: int | None
+) -> bytes:
+    """One request's head: ``target``'s, then ``extra`` (trace context), ``X-Request-Id`` and,
+    for a request with a body, ``Content-Length``. Raises ``ValueError`` for a header with a
+    line break."""
+    tail = "".join(f"{name}: {_checked(value)}\r\n" for name, value in (extra or {}).items())
+    tail += f"X-Request-Id: {_checked(request_id)}\r\n"
+    if length is not None:
+        tail += f"Content-Length: {length}\r\n"
+    return target.head + tail.encode("latin-1") + b"\r\n"
+
+
+def _call(
+    client: UpstreamClient,
     backend: Instance,
     path: str,
-    content: bytes,
+    body: dict[str, Any] | None,
     request_id: str,
-    headers: Mapping[str, str] | None,
-) -> httpx.Request:
-    """The POST of one leg, with the headers and timeouts ``client.build_request`` would give it
-    (:func:`leg_headers` and ``Content-Length``), built from the backend's prepared headers
-    instead of merging and normalising every header again: 14 us per leg instead of httpx's 45
-    (``timeit``)."""
-    fields = leg_headers(client, backend, request_id, headers)
-    fields["Content-Length"] = str(len(content))
-    request = httpx.Request(
-        "POST",
-        backend.endpoint(path),
-        headers=fields,
-        stream=httpx.ByteStream(content),
-        extensions={"timeout": client.timeout.as_dict()},
-    )
-    request.read()  # the body is in memory: ``request.content`` is set, as with ``content=``
-    return request
+    headers: Mapping[str, str] | None = None,
+) -> Call:
+    """POST ``body`` (GET when it is ``None``) to ``backend``; the answer (status, body unread)
+    inside the block. Raises :class:`TransportError` (the caller translates it),
+    ``RuntimeError`` once the client is closed."""
+    if body is None:
+        target = _target(client, backend, "GET", path)
+        return client.request(target.origin, _head(target, request_id, headers, None))
+    content = codec.dumps(body)
+    target = _target(client, backend, "POST", path)
+    head = _head(target, request_id, headers, len(content))
+    return client.request(target.origin, head, content)
 
 
-def _translate(exc: httpx.HTTPError, leg: str, backend: Instance) -> UpstreamError:
-    """Our error for an httpx one (pure: the backend is only named)."""
-    if isinstance(exc, httpx.ConnectTimeout):
+def _translate(exc: TransportError, leg: str, backend: Instance) -> UpstreamError:
+    """Our error for a transport one (pure: the backend is only named)."""
+    if isinstance(exc, ConnectTimeout):
         return UpstreamConnectTimeout(leg, backend.label, "connect timed out")
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, ConnectError):
         return UpstreamUnreachable(leg, backend.label, "connection refused or unreachable")
     if isinstance(exc, AnswerHeadersTooLarge):
         return UpstreamProtocolError(leg, backend.label, str(exc))
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, ReadTimeout):
         return UpstreamTimeout(leg, backend.label, f"timed out ({type(exc).__name__})")
     return UpstreamUnavailable(leg, backend.label, f"connection lost ({type(exc).__name__})")
 
 
-class _HttpxAnswer:
-    """A :class:`LegAnswer` over an httpx response (any client but the router's own)."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self.status = response.status_code
-        self.content_type = response.headers.get("content-type", "")
-        self._response = response
-        self._chunks: AsyncIterator[bytes] | None = None
-
-    async def read(self) -> bytes:
-        return await self._response.aread()
-
-    async def read_chunk(self) -> bytes:
-        if self._chunks is None:
-            self._chunks = self._response.aiter_bytes()
-        return await anext(self._chunks, b"")
-
-
-def _leg_target(client: UpstreamClient, backend: Instance, path: str) -> LegTarget:
-    """What every direct leg to ``backend`` at ``path`` shares (see :data:`LegTarget`), kept in
-    ``client.leg_targets``: the request line and the headers of :func:`_leg_request` but the
-    per-leg ones and ``Accept-Encoding`` (the leg connections decode no compression, so none is
-    asked for). Its origin is ``None`` for an ``https`` instance: its legs go through httpx."""
-    key = (backend.url, backend.api_key, path)
-    found = client.leg_targets.get(key)
-    if found is not None and found[0] is client.headers:
-        return found
-    url = backend.endpoint(path)
-    if url.scheme != "http":
-        target: LegTarget = (client.headers, None, b"")
-        client.leg_targets[key] = target
-        return target
-    fields = leg_headers(client, backend, "")
-    del fields["X-Request-Id"]
-    del fields["Accept-Encoding"]
-    lines = [f"POST {url.raw_path.decode('ascii')} HTTP/1.1\r\n"]
-    lines += [f"{name}: {value}\r\n" for name, value in fields.multi_items()]
-    target = (client.headers, (url.host, url.port or 80), "".join(lines).encode("latin-1"))
-    client.leg_targets[key] = target
-    return target
-
-
-def _direct_head(
-    shared: bytes, request_id: str, extra: Mapping[str, str] | None, length: int
-) -> bytes:
-    """A direct leg's request head: ``shared`` (:func:`_leg_target`), then ``extra`` (trace
-    context), ``X-Request-Id`` and ``Content-Length``. Raises ``ValueError`` for a header with a
-    line break (it would end the head early or add a header)."""
-    lines = len(extra) + 3 if extra else 3
-    tail = "".join(f"{name}: {value}\r\n" for name, value in extra.items()) if extra else ""
-    tail += f"X-Request-Id: {request_id}\r\nContent-Length: {length}\r\n\r\n"
-    if tail.count("\n") != lines or tail.count("\r") != lines:
-        raise ValueError("a leg header holds a line break")
-    return shared + tail.encode("latin-1")
-
-
-def _call(
-    client: httpx.AsyncClient,
-    backend: Instance,
-    path: str,
-    body: dict[str, Any],
-    request_id: str,
-    headers: Mapping[str, str] | None,
-) -> AbstractAsyncContextManager[LegAnswer]:
-    """POST ``body``; the answer (status, body unread) inside the block. Raises httpx's errors
-    (the caller translates them), ``RuntimeError`` once the client is closed."""
-    content = codec.dumps(body)
-    if isinstance(client, UpstreamClient) and client.direct:
-        _, origin, shared = _leg_target(client, backend, path)
-        if origin is not None:
-            head = _direct_head(shared, request_id, headers, len(content))
-            return client.send_direct(origin, head, content)
-    return _httpx_call(client, backend, path, content, request_id, headers)
-
-
-@asynccontextmanager
-async def _httpx_call(
-    client: httpx.AsyncClient,
-    backend: Instance,
-    path: str,
-    content: bytes,
-    request_id: str,
-    headers: Mapping[str, str] | None,
-) -> AsyncIterator[LegAnswer]:
-    """:func:`_call` through httpx's ``send`` (any client but the router's own)."""
-    request = _leg_request(client, backend, path, content, request_id, headers)
-    resp = await send_leg(client, request, stream=True)
-    try:
-        yield _HttpxAnswer(resp)
-    finally:
-        await resp.aclose()
-
-
 def _detail(raw: bytes) -> Any:
-    """An error answer's body: its JSON, else its text (as ``httpx.Response`` reads them)."""
+    """An error answer's body: its JSON, else its text (undecodable UTF-8 replaced)."""
     try:
         return json.loads(raw)
     except ValueError:
         return raw.decode("utf-8", "replace")
 
 
+async def _whole(
+    client: UpstreamClient,
+    backend: Instance,
+    leg: str,
+    path: str,
+    body: dict[str, Any] | None,
+    request_id: str,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[int, bytes]:
+    """The status and whole body of :func:`_call`'s answer; transport errors raise ours."""
+    try:
+        async with _call(client, backend, path, body, request_id, headers) as answer:
+            return answer.status, await answer.read()
+    except TransportError as exc:
+        raise _translate(exc, leg, backend) from exc
+
+
 async def post_json(
-    client: httpx.AsyncClient,
+    client: UpstreamClient,
     backend: Instance,
     leg: str,
     path: str,
@@ -234,11 +172,7 @@ async def post_json(
     headers: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """POST ``body`` and return the JSON object answered; HTTP errors raise."""
-    try:
-        async with _call(client, backend, path, body, request_id, headers) as answer:
-            status, raw = answer.status, await answer.read()
-    except httpx.HTTPError as exc:
-        raise _translate(exc, leg, backend) from exc
+    status, raw = await _whole(client, backend, leg, path, body, request_id, headers)
     if status >= 400:
         raise UpstreamHTTPError(leg, backend.label, status, _detail(raw))
     try:
@@ -251,7 +185,7 @@ async def post_json(
 
 
 def open_sse(
-    client: httpx.AsyncClient,
+    client: UpstreamClient,
     backend: Instance,
     leg: str,
     path: str,
@@ -272,10 +206,10 @@ def open_sse(
 class _SseCall:
     """:func:`open_sse`'s context manager and its events: classes, not an async generator and
     a generator context manager, as the decode leg makes one per streamed request. Every
-    httpx error, entering, reading or leaving, becomes our :class:`UpstreamError`."""
+    transport error, entering, reading or leaving, becomes our :class:`UpstreamError`."""
 
     def __init__(
-        self, call: AbstractAsyncContextManager[LegAnswer], leg: str, backend: Instance
+        self, call: AbstractAsyncContextManager[Answer], leg: str, backend: Instance
     ) -> None:
         self._call = call
         self._leg = leg
@@ -285,13 +219,13 @@ class _SseCall:
     async def __aenter__(self) -> _SseCall:
         try:
             answer = await self._call.__aenter__()
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             raise _translate(exc, self._leg, self._backend) from exc
         try:
             if answer.status >= 400:
                 try:
                     detail = _detail(await answer.read())
-                except httpx.HTTPError as exc:
+                except TransportError as exc:
                     raise _translate(exc, self._leg, self._backend) from exc
                 raise UpstreamHTTPError(self._leg, self._backend.label, answer.status, detail)
         except BaseException as exc:
@@ -305,7 +239,7 @@ class _SseCall:
     ) -> None:
         try:
             await self._call.__aexit__(kind, exc, tb)
-        except httpx.HTTPError as error:
+        except TransportError as error:
             raise _translate(error, self._leg, self._backend) from error
 
     def __aiter__(self) -> _SseCall:
@@ -316,61 +250,77 @@ class _SseCall:
         leg, backend = self._leg, self._backend
         try:
             return await self._events.__anext__()
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             raise _translate(exc, leg, backend) from exc
         except StreamEndedEarly as exc:
             raise UpstreamUnavailable(leg, backend.label, "stream ended before [DONE]") from exc
-        except SSEError as exc:
+        except NotEventStream as exc:
             raise UpstreamProtocolError(
                 leg, backend.label, "answer is not an event stream"
             ) from exc
 
 
-async def send_raw(
-    client: httpx.AsyncClient,
+async def get_ok(
+    client: UpstreamClient, backend: Instance, leg: str, path: str, request_id: str
+) -> bytes:
+    """GET ``path`` and return the body of its ``200`` answer; any other status raises
+    :class:`UpstreamHTTPError` (the health checks, ``/v1/models``, ``/metrics``)."""
+    status, raw = await _whole(client, backend, leg, path, None, request_id)
+    if status != 200:
+        raise UpstreamHTTPError(leg, backend.label, status, _detail(raw))
+    return raw
+
+
+class RawAnswer:
+    """A pass-through answer as the instance sent it, whatever its status (:func:`open_raw`):
+    its status and content type in hand, its body read once, whole or as it arrives. Every
+    transport error raises our :class:`UpstreamError`; :meth:`close` must run however the
+    request ends."""
+
+    def __init__(self, call: Call, answer: Answer, leg: str, backend: Instance) -> None:
+        self._call = call
+        self._answer = answer
+        self._leg = leg
+        self._backend = backend
+        self.status = answer.status
+        self.content_type = answer.content_type
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        try:
+            return await self._answer.read()
+        except TransportError as exc:
+            raise _translate(exc, self._leg, self._backend) from exc
+
+    async def read_chunk(self) -> bytes:
+        """The body's next bytes as they arrive, ``b""`` once it has ended."""
+        try:
+            return await self._answer.read_chunk()
+        except TransportError as exc:
+            raise _translate(exc, self._leg, self._backend) from exc
+
+    def error(self, body: bytes) -> UpstreamHTTPError:
+        """Our error for this answer's HTTP error status, ``body`` being its body."""
+        return UpstreamHTTPError(self._leg, self._backend.label, self.status, _detail(body))
+
+    async def close(self) -> None:
+        """Give the connection back (closed unless the body was read to its end)."""
+        await self._call.__aexit__(None, None, None)
+
+
+async def open_raw(
+    client: UpstreamClient,
     backend: Instance,
     leg: str,
     path: str,
     body: dict[str, Any],
     request_id: str,
-) -> httpx.Response:
-    """POST ``body`` and return the answer, whatever its status, with its body not read yet
-    (a pass-through reads or relays it as it is); the caller must :func:`close_quietly` it.
-    Transport errors raise our :class:`UpstreamError`."""
-    request = _leg_request(client, backend, path, codec.dumps(body), request_id, None)
+) -> RawAnswer:
+    """POST ``body`` and return the answer with its body not read yet (a pass-through reads or
+    relays it as it is); the caller must :meth:`RawAnswer.close` it."""
+    call = _call(client, backend, path, body, request_id)
     try:
-        return await send_leg(client, request, stream=True)
-    except httpx.HTTPError as exc:
+        answer = await call.__aenter__()
+    except TransportError as exc:
         raise _translate(exc, leg, backend) from exc
-
-
-async def read_raw(resp: httpx.Response, leg: str, backend: Instance) -> bytes:
-    """The whole body of a :func:`send_raw` answer; transport errors raise ours."""
-    try:
-        return await resp.aread()
-    except httpx.HTTPError as exc:
-        raise _translate(exc, leg, backend) from exc
-
-
-async def raw_chunks(
-    resp: httpx.Response, leg: str, backend: Instance
-) -> AsyncGenerator[bytes, None]:
-    """The body of a :func:`send_raw` answer as it arrives; transport errors raise ours."""
-    try:
-        async for chunk in resp.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as exc:
-        raise _translate(exc, leg, backend) from exc
-
-
-def http_error(resp: httpx.Response, leg: str, backend: Instance) -> UpstreamHTTPError:
-    """Our error for a :func:`send_raw` answer with an HTTP error status (its body read)."""
-    return UpstreamHTTPError(leg, backend.label, resp.status_code, _detail(resp.content))
-
-
-async def close_quietly(resp: httpx.Response) -> None:
-    """Close a :func:`send_raw` answer; a connection that breaks while closing is no error."""
-    try:
-        await resp.aclose()
-    except httpx.HTTPError:
-        return
+    return RawAnswer(call, answer, leg, backend)

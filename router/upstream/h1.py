@@ -1,23 +1,25 @@
-"""The legs' HTTP/1.1 connections: keep-alive sockets on asyncio protocols, answers parsed by
-httptools.
+"""The router's upstream HTTP/1.1 connections: keep-alive sockets on asyncio protocols, answers
+parsed by httptools.
 
-Who uses it: :class:`router.upstream.client.UpstreamClient` sends every P and D leg through one
-:class:`ConnectionPool` (:meth:`UpstreamClient.send_direct`); health checks, probes, scrapes and
-pass-through requests keep httpx. A leg is one ``POST`` with a body in memory, answered by a
-vLLM instance's uvicorn; aiohttp's client spent about as much CPU on each as the rest of the
-router's own per-request work (docs/benchmarks/speed/profile.md, "Third round"), for features a
-leg never uses (redirects, cookies, compression, multipart, proxies, TLS). Here a connection's
-protocol feeds what it receives to ``httptools.HttpResponseParser`` (uvicorn's parser: chunked
-bodies decoded there) and its reader waits on one future; nothing else runs per chunk.
+Who uses it: :class:`router.upstream.client.UpstreamClient`, the router's one upstream client,
+sends every call to an instance (P and D legs, health checks, probes, scrapes, pass-through
+requests) through one :class:`ConnectionPool`. A call is one request with its body in memory,
+answered by a vLLM instance's uvicorn; httpx's and aiohttp's clients spent more CPU on each than
+the rest of the router's own per-request work (docs/benchmarks/README.md, "Upstream HTTP
+stack"), for features a call to an instance never uses (redirects, cookies, compression,
+multipart, proxies). Here a connection's protocol feeds what it receives to
+``httptools.HttpResponseParser`` (uvicorn's parser: chunked bodies decoded there) and its reader
+waits on one future; nothing else runs per chunk. An ``https`` instance is reached over TLS
+(the system's default certificate store, the host name checked).
 
-Errors are httpx's, as httpx's own transport raises them for the same failure (callers translate
-them: :func:`router.upstream.calls._translate`): ``ConnectError`` / ``ConnectTimeout`` before
-the request is written, ``ReadTimeout`` when ``read_timeout`` passes with nothing received,
-``RemoteProtocolError`` when the instance closes the connection before its answer ends or sends
-what is not HTTP/1.1 (:class:`AnswerHeadersTooLarge`, one of them, when the answer's headers
-exceed :data:`MAX_ANSWER_HEAD_BYTES`). A connection goes back to the pool only when its answer
-was read to the end and both sides keep it alive; one idle longer than ``keepalive_s``, or than
-the instance's own ``Keep-Alive: timeout=N`` less a margin, is closed, not reused.
+Errors are :class:`TransportError`'s (callers translate them:
+:func:`router.upstream.calls._translate`): :class:`ConnectError` / :class:`ConnectTimeout` before
+the request is written, :class:`ReadTimeout` when ``read_timeout`` passes with nothing received,
+:class:`RemoteProtocolError` when the instance closes the connection before its answer ends or
+sends what is not HTTP/1.1 (:class:`AnswerHeadersTooLarge`, one of them, when the answer's
+headers exceed :data:`MAX_ANSWER_HEAD_BYTES`). A connection goes back to the pool only when its
+answer was read to the end and both sides keep it alive; one idle longer than ``keepalive_s``,
+or than the instance's own ``Keep-Alive: timeout=N`` less a margin, is closed, not reused.
 
 The idle-close race: a server (or a proxy in between) may close an idle connection just as a
 request is written on it. A request whose *reused* connection fails before a single byte of the
@@ -32,18 +34,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import cast
 
 import httptools
-import httpx
 
 log = logging.getLogger(__name__)
 
-Origin = tuple[str, int]
-"""(host, port) of an instance."""
+Origin = tuple[str, int, bool]
+"""(host, port, TLS) of an instance: ``True`` for an ``https`` one."""
 
 
 def _ignore(origin: Origin) -> None:
@@ -52,19 +54,43 @@ def _ignore(origin: Origin) -> None:
 
 MAX_ANSWER_HEAD_BYTES = 65536
 """The most bytes an upstream answer's header lines may take (names and values): the one bound
-on every upstream answer, on these connections (all lines together) and on httpx's
-(:mod:`router.upstream.client`, each line)."""
+on every upstream answer (all lines together)."""
 
 KEEPALIVE_MARGIN_S = 1.0
 """How long before an instance's announced ``Keep-Alive: timeout=N`` an idle connection is
 given up (at most half of N)."""
 
 
-class AnswerHeadersTooLarge(httpx.RemoteProtocolError):
+class TransportError(Exception):
+    """A call to an instance failed below HTTP: the one base of this module's errors."""
+
+
+class ConnectError(TransportError):
+    """The connection could not be opened (refused, unreachable, TLS handshake failed)."""
+
+
+class ConnectTimeout(TransportError):
+    """Opening the connection (or waiting for room to open one) took the connect timeout."""
+
+
+class ReadTimeout(TransportError):
+    """The read timeout passed with nothing received."""
+
+
+class RemoteProtocolError(TransportError):
+    """The instance closed the connection before its answer ended, or sent no valid answer."""
+
+
+class AnswerHeadersTooLarge(RemoteProtocolError):
     """An instance's answer whose headers exceed :data:`MAX_ANSWER_HEAD_BYTES`."""
 
     def __init__(self) -> None:
         super().__init__(f"the answer's headers exceed {MAX_ANSWER_HEAD_BYTES} bytes")
+
+
+def _name(origin: Origin) -> str:
+    """``host:port`` of ``origin``, for error messages and logs."""
+    return f"{origin[0]}:{origin[1]}"
 
 
 def keepalive_timeout(value: bytes) -> float | None:
@@ -135,7 +161,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self._active:  # bytes nobody asked for (past an answer: on_message_begin)
-            self._fail(httpx.RemoteProtocolError("data received on an idle connection"))
+            self._fail(RemoteProtocolError("data received on an idle connection"))
             return
         self._received = True
         try:
@@ -143,7 +169,7 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             too_large = self._head_bytes > MAX_ANSWER_HEAD_BYTES
             error = AnswerHeadersTooLarge() if too_large else None
-            self._fail(error or httpx.RemoteProtocolError(f"invalid HTTP answer: {exc}"))
+            self._fail(error or RemoteProtocolError(f"invalid HTTP answer: {exc}"))
             return
         if self._chunks:  # body bytes came: the reader is woken once per read, not per chunk
             self._buffered += len(data)
@@ -159,7 +185,7 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self._active and not self._complete and self._error is None:
             reason = "server disconnected before the answer ended"
-            self._error = httpx.RemoteProtocolError(reason if exc is None else f"{reason}: {exc}")
+            self._error = RemoteProtocolError(reason if exc is None else f"{reason}: {exc}")
         self._wake()
         self._on_lost(self)
 
@@ -290,7 +316,7 @@ class _Connection(asyncio.Protocol):
             return
         due = self._wait_started + limit
         if self._loop.time() >= due:
-            waiter.set_exception(httpx.ReadTimeout("timed out waiting for the answer"))
+            waiter.set_exception(ReadTimeout("timed out waiting for the answer"))
         else:
             self._timer = self._loop.call_at(due, self._check_timeout)
 
@@ -333,6 +359,7 @@ class ConnectionPool:
         """Open connections and connections being opened (at most ``max_connections``)."""
         self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.closed = False
+        self._ssl: ssl.SSLContext | None = None
         self.on_stale_retry: Callable[[Origin], None] = _ignore
         """Told each time a request is sent again after the idle-close race (the router counts
         it); set by the client's owner, must not raise."""
@@ -342,14 +369,15 @@ class ConnectionPool:
         """Requests waiting for a connection (``max_connections`` are open)."""
         return sum(not waiter.done() for waiter in self._slot_waiters)
 
-    def post(self, origin: Origin, head: bytes, body: bytes) -> Call:
-        """One request as an async context manager (see :class:`Call`)."""
+    def request(self, origin: Origin, head: bytes, body: bytes = b"") -> Call:
+        """One request (``head``: its request line and headers up to the blank line) as an async
+        context manager (see :class:`Call`)."""
         return Call(self, origin, head, body)
 
     async def acquire(self, origin: Origin, fresh: bool = False) -> _Connection:
         """An idle connection to ``origin`` still fresh (unless ``fresh``), else a new one
         (waiting, up to the connect timeout, while ``max_connections`` are open). Raises
-        ``RuntimeError`` once closed, ``httpx.ConnectError`` / ``httpx.ConnectTimeout``."""
+        ``RuntimeError`` once closed, :class:`ConnectError` / :class:`ConnectTimeout`."""
         if self.closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")
         conn = None if fresh else self._take_idle(origin)
@@ -360,7 +388,7 @@ class ConnectionPool:
             async with asyncio.timeout(self.connect_timeout):
                 return await self._open_one(origin)
         except TimeoutError as exc:
-            raise httpx.ConnectTimeout(f"connect to {origin[0]}:{origin[1]} timed out") from exc
+            raise ConnectTimeout(f"connect to {_name(origin)} timed out") from exc
 
     def release(self, conn: _Connection) -> None:
         """``conn``'s request is over: back to the pool if reusable (a request waiting for a
@@ -423,18 +451,27 @@ class ConnectionPool:
         self._count += 1  # counted while connecting, so concurrent connects keep the limit
         try:
             _, conn = await loop.create_connection(
-                lambda: _Connection(loop, origin, self.read_timeout, self._lost), *origin
+                lambda: _Connection(loop, origin, self.read_timeout, self._lost),
+                origin[0],
+                origin[1],
+                ssl=self._tls() if origin[2] else None,
             )
-        except OSError as exc:
+        except OSError as exc:  # ssl.SSLError included: a failed handshake is a failed connect
             self._count -= 1
             self._wake_one()
-            raise httpx.ConnectError(f"connect to {origin[0]}:{origin[1]}: {exc}") from exc
+            raise ConnectError(f"connect to {_name(origin)}: {exc}") from exc
         except BaseException:
             self._count -= 1
             self._wake_one()
             raise
         self._open.add(conn)
         return conn
+
+    def _tls(self) -> ssl.SSLContext:
+        """The TLS settings of ``https`` connections, made on first use."""
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
 
     def _evict_idle(self) -> bool:
         """Close one idle connection (any origin) to make room; False if none is idle."""
@@ -469,8 +506,8 @@ class ConnectionPool:
 
 
 class Call:
-    """One POST on a pooled connection as an async context manager: entering writes the request
-    and waits for the answer's head (the answer, a :class:`router.upstream.client.LegAnswer`);
+    """One request on a pooled connection as an async context manager: entering writes the request
+    and waits for the answer's head (the answer, a :class:`router.upstream.client.Answer`);
     its body is read inside the block; on exit the connection goes back to the pool if the body
     was read to its end, else it is closed (never awaits: a cancellation cannot skip it)."""
 
@@ -484,10 +521,10 @@ class Call:
         conn = await self._pool.acquire(origin)
         try:
             return await self._start(conn)
-        except httpx.RemoteProtocolError as exc:
+        except RemoteProtocolError as exc:
             if not conn.stale:
                 raise
-            log.debug("%s:%d closed a kept-alive connection (%s): sent again", *origin, exc)
+            log.debug("%s closed a kept-alive connection (%s): sent again", _name(origin), exc)
         self._pool.on_stale_retry(origin)
         return await self._start(await self._pool.acquire(origin, fresh=True))
 

@@ -1,23 +1,20 @@
-"""OpenAI-style server-sent events: read with ``httpx-sse`` or as bytes; :func:`encode_event`
-writes one event.
+"""OpenAI-style server-sent events as bytes: :class:`EventReader` reads them, :func:`encode_event`
+writes one.
 
-An OpenAI stream is a sequence of ``data: <JSON>`` events ended by ``data: [DONE]``. The readers
-yield each event's data up to that terminator (not yielded) and raise :class:`StreamEndedEarly`
-when the stream ends without it; ``httpx_sse.SSEError`` when the answer is not an event stream;
-httpx errors propagate. Who uses them: the bench client, the demo and the tests
-(:func:`aiter_data`, :func:`iter_data`); the router's decode leg (:mod:`router.upstream.calls`)
-reads with :class:`EventReader`, which keeps the events as bytes, ready for the client, so the
-relay passes them on unparsed. Every event the router (and the fake vLLM) writes is made by
-:func:`encode_event`.
+An OpenAI stream is a sequence of ``data: <JSON>`` events ended by ``data: [DONE]``. The router's
+decode leg (:mod:`router.upstream.calls`) reads with :class:`EventReader`, which yields the events
+up to that terminator (not yielded) as bytes, ready for the client, so the relay passes them on
+unparsed; it raises :class:`StreamEndedEarly` when the stream ends without it and
+:class:`NotEventStream` when the answer is not an event stream; transport errors propagate.
+Every event the router (and the fake vLLM) writes is made by :func:`encode_event`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from itertools import repeat
 
-import httpx
-from httpx_sse import EventSource, SSEError
+from router.upstream.h1 import TransportError
 
 DONE = "[DONE]"
 """The data of the event that ends an OpenAI stream."""
@@ -30,35 +27,8 @@ class StreamEndedEarly(Exception):
     """The event stream ended before its ``data: [DONE]`` event."""
 
 
-async def aiter_data(response: httpx.Response) -> AsyncIterator[str]:
-    """The data of each event of a streamed ``response`` up to ``[DONE]``.
-
-    After ``[DONE]`` the rest of the body is read to its end (so the connection can be reused);
-    a transport error there is ignored, as the stream was already complete.
-    """
-    done = False
-    try:
-        async for event in EventSource(response).aiter_sse():
-            if done:
-                continue
-            if event.data == DONE:
-                done = True
-                continue
-            yield event.data
-    except httpx.HTTPError:
-        if not done:
-            raise
-    if not done:
-        raise StreamEndedEarly("stream ended before [DONE]")
-
-
-def iter_data(response: httpx.Response) -> Iterator[str]:
-    """The data of each event of a streamed ``response`` up to ``[DONE]`` (blocking client)."""
-    for event in EventSource(response).iter_sse():
-        if event.data == DONE:
-            return
-        yield event.data
-    raise StreamEndedEarly("stream ended before [DONE]")
+class NotEventStream(Exception):
+    """The answer's content type is not an event stream's."""
 
 
 def encode_event(data: bytes) -> bytes:
@@ -80,7 +50,7 @@ class EventSplitter:
     """Cuts an event stream, fed as the bytes read in order, into events ready for a client.
 
     Each event comes out as ``data: <data>\n\n`` with the data the SSE rules give it (what
-    ``httpx-sse`` yields, undecodable UTF-8 replaced as httpx's text decoding replaces it), so
+    an SSE client such as ``httpx-sse`` yields, undecodable UTF-8 replaced), so
     an OpenAI stream's events (one ``data: `` line each, ``\n\n`` after it) come out as the very
     bytes read, without a copy per event; other line endings, fields, comments and multi-line
     data are read by the rules. Events after ``[DONE]`` are dropped. Pure, no I/O.
@@ -164,10 +134,10 @@ class EventReader:
     than an async generator: the decode leg makes one per streamed request, and each async
     generator costs the event loop's bookkeeping (a weak reference registered and removed).
 
-    ``httpx_sse.SSEError`` (from the first ``__anext__``) when ``content_type`` is not an event
+    :class:`NotEventStream` (from the first ``__anext__``) when ``content_type`` is not an event
     stream's; after ``[DONE]`` the rest of the body is read to its end (so the connection can
     be reused), a transport error there ignored; :class:`StreamEndedEarly` when the body ends
-    without ``[DONE]``; other errors (httpx's) propagate.
+    without ``[DONE]``; other errors propagate.
     """
 
     def __init__(self, read: Callable[[], Awaitable[bytes]], content_type: str) -> None:
@@ -182,15 +152,12 @@ class EventReader:
         if self._content_type is not None:
             kind, self._content_type = self._content_type.partition(";")[0], None
             if "text/event-stream" not in kind:
-                raise SSEError(
-                    f"Expected response header Content-Type to contain 'text/event-stream', "
-                    f"got {kind!r}"
-                )
+                raise NotEventStream(f"expected an event stream, got content type {kind!r}")
         splitter = self._splitter
         while True:
             try:
                 chunk = await self._read()
-            except httpx.HTTPError:
+            except TransportError:
                 if not splitter.done:
                     raise
                 chunk = b""

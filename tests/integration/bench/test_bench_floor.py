@@ -9,7 +9,7 @@ import httpx
 from bench.overhead import FAKE_PREFILL_IDENTITY, MODEL, PREFILL_ENGINE_ID, fake_process
 from bench.routers import floor_router
 from devstack.ports import free_ports
-from router.upstream.sse import iter_data
+from devstack.sse_client import iter_data
 
 
 def test_the_floor_relays_every_event_of_a_streamed_completion(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer, FakeVllmState
 from devstack.ports import free_port
-from router.upstream.sse import iter_data
+from devstack.sse_client import iter_data
 from tests.integration.router.router_fixtures import (
     MODEL,
     make_settings,

@@ -175,7 +175,16 @@ def test_a_hostile_publisher_leaves_the_router_as_its_good_events_alone(
             "models": [MODEL],
             "prefill": {"instances": [_instance(fake["p0"], "p0", pubs["p0"])]},
             "decode": {"instances": [_instance(fake["d0"], "d0", pubs["d0"])]},
-            "kv_events": {"enabled": True, "tokenizer": str(tokenizer_dir), "probe_interval": 0.3},
+            # A replay that takes longer than probe_timeout leaves its gap unfilled and the
+            # batches in it unread (by design: the instance starts over); replaying these
+            # batches (one nested 100,000 deep) can take seconds on a loaded machine, and what
+            # is checked here is that every batch read is judged, so replays get all the time.
+            "kv_events": {
+                "enabled": True,
+                "tokenizer": str(tokenizer_dir),
+                "probe_interval": 0.3,
+                "probe_timeout": 60,
+            },
             "health": {"interval": 3600},
         }
     )
@@ -195,7 +204,8 @@ def test_a_hostile_publisher_leaves_the_router_as_its_good_events_alone(
         bad = f'disagg_router_kv_bad_events_total{{instance="p0",model="{MODEL}",reason='
         wait_until(
             lambda: _metric_sum(router.url, bad) == 10 * len(shapes),
-            what="every hostile batch counted",
+            what=f"every hostile batch counted ({10 * len(shapes)})",
+            timeout=60.0,
         )
         wait_until(
             lambda: _kv_state(router.url)["instances"]["p0"]["blocks"] == good_only.blocks("p0"),

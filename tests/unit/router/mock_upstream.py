@@ -1,18 +1,21 @@
-"""A P/D pair of vLLM instances as an ``httpx.MockTransport`` handler, for app tests without
-servers: the instance URLs, P's ``kv_transfer_params`` and vLLM-shaped answers; and one request
-made of an app as the server would make it (:func:`asgi_messages`)."""
+"""A P/D pair of vLLM instances scripted by one handler (:mod:`tests.support.scripted`), for app
+tests that script upstream answers: P's ``kv_transfer_params``, vLLM-shaped answers, the pair's
+servers (:func:`pair`); and one request made of an app as the server would make it
+(:func:`asgi_messages`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 from fastapi import FastAPI
 
-P, D = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
+from tests.support.scripted import Handler, scripted
+
 KV = {
     "do_remote_prefill": True,
     "remote_engine_id": "eng",
@@ -23,6 +26,13 @@ KV = {
     "remote_request_id": "cmpl-x-0-12345678",
     "remote_block_ids": [[1]],
 }
+
+
+@contextmanager
+def pair(handler: Handler) -> Iterator[tuple[str, str]]:
+    """The URLs of a P and a D server both answering with ``handler``, stopped on exit."""
+    with scripted(handler, 2) as (p, d):
+        yield p.url, d.url
 
 
 def answer(text: str, kv: dict[str, Any] | None) -> dict[str, Any]:
@@ -46,8 +56,8 @@ class Upstream:
         self.tokens = tokens
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            return httpx.Response(200)
+        if request.method == "GET":  # health checks, /v1/models, /metrics
+            return httpx.Response(200 if request.url.path == "/health" else 404)
         body = json.loads(request.content)
         if not body["kv_transfer_params"].get("identity_probe"):
             self.generations += 1

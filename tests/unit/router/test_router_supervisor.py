@@ -16,7 +16,7 @@ from router.config import settings_from_mapping
 from router.http.app import create_app
 from router.observability.metrics import RouterMetrics
 from router.supervisor import Supervisor
-from tests.unit.router.mock_upstream import D, P, answer
+from tests.unit.router.mock_upstream import answer, pair
 
 
 class Flaky:
@@ -58,32 +58,37 @@ async def test_a_crashed_task_is_logged_counted_shown_and_restarted(
     assert sup.status() == {}
 
 
-def test_a_health_monitor_that_crashes_before_its_first_check_holds_no_request() -> None:
-    """A transport bug makes every health check raise an unexpected error: the monitor crashes
-    (and is restarted), /ready shows it, and requests are served without waiting for a first
-    check that will not come (before: 5 s each)."""
+def test_a_health_monitor_that_crashes_before_its_first_check_holds_no_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug makes every health check raise an unexpected error: the monitor crashes (and is
+    restarted), /ready shows it, and requests are served without waiting for a first check that
+    will not come (before: 5 s each)."""
+
+    async def buggy_get(*args: object) -> bytes:
+        raise RuntimeError("transport bug")
+
+    monkeypatch.setattr("router.health.monitor.get_ok", buggy_get)
 
     def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            raise RuntimeError("transport bug")
         return httpx.Response(200, json=answer(" ok", None))
 
-    settings = settings_from_mapping(
-        {
-            "models": ["m"],
-            "mode": "pull",
-            "prefill": {"instances": [{"url": P}]},
-            "decode": {"instances": [{"url": D}]},
-            "disaggregation": {"min_prompt_tokens": 1000},  # D alone: one mocked answer
-        }
-    )
-    app = create_app(settings, transport=httpx.MockTransport(handler))
-    with UvicornThread(app) as server:
-        resp = httpx.post(
-            f"{server.url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=3
+    with pair(handler) as (p, d):
+        settings = settings_from_mapping(
+            {
+                "models": ["m"],
+                "mode": "pull",
+                "prefill": {"instances": [{"url": p}]},
+                "decode": {"instances": [{"url": d}]},
+                "disaggregation": {"min_prompt_tokens": 1000},  # D alone: one scripted answer
+            }
         )
-        ready: dict[str, Any] = httpx.get(f"{server.url}/ready").json()
-        metrics = httpx.get(f"{server.url}/metrics").text
+        with UvicornThread(create_app(settings)) as server:
+            resp = httpx.post(
+                f"{server.url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=3
+            )
+            ready: dict[str, Any] = httpx.get(f"{server.url}/ready").json()
+            metrics = httpx.get(f"{server.url}/metrics").text
     assert resp.status_code == 200, resp.text
     monitor = ready["background"]["health_monitor"]
     assert monitor["crashes"] >= 1 and "transport bug" in monitor["last_error"]

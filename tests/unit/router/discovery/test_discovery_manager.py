@@ -7,13 +7,11 @@ import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-import httpx
-
 from router.config import InstanceConfig, PoolConfig, RouterSettings, settings_from_mapping
 from router.discovery.manager import DiscoveryManager
 from router.discovery.source import Found, Update, found
 from router.instances.state import BackendState
-from router.runtime import Runtime
+from router.runtime import Runtime, http_client
 from router.supervisor import Supervisor
 
 
@@ -65,8 +63,9 @@ async def test_sets_feed_the_pool_and_a_changed_source_restarts() -> None:
         return await asyncio.wait_for(joiners.get(), 5)
 
     sources = Sources({"a.test": [_set(2), _set(2, 3)], "b.test": [_set(4)]})
-    async with httpx.AsyncClient() as client:
-        runtime = Runtime.create(_settings("a.test"), client)
+    settings = _settings("a.test")
+    async with http_client(settings) as client:
+        runtime = Runtime.create(settings, client)
         manager = DiscoveryManager(runtime, check, make=sources.make)
         manager.sync()
         decode = runtime.model("m").decode
@@ -108,8 +107,9 @@ async def test_a_watcher_that_crashes_is_shown_failing_and_restarted() -> None:
     async def check(_: Sequence[BackendState]) -> None:
         return None
 
-    async with httpx.AsyncClient() as client:
-        runtime = Runtime.create(_settings("a.test"), client)
+    settings = _settings("a.test")
+    async with http_client(settings) as client:
+        runtime = Runtime.create(settings, client)
         manager = DiscoveryManager(runtime, check, make=lambda _: Crashing())
         manager.supervisor = Supervisor(runtime.metrics, backoff=0.05)
         manager.sync()

@@ -4,32 +4,37 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import MutableMapping
+from typing import Any
 
-import httpx
 import pytest
-from fastapi import FastAPI
 
 from router import create_app
 from router.config import settings_from_mapping
 from router.dispatch.state import END, Mailbox
-from tests.unit.router.mock_upstream import D, P, Upstream, asgi_messages
+from tests.unit.router.mock_upstream import Upstream, asgi_messages, pair
 
 
-def _app(tokens: int) -> FastAPI:
-    """A 1P1D router app over mock instances whose D streams ``tokens`` events in one body."""
-    settings = settings_from_mapping(
-        {
-            "models": ["m"],
-            "prefill": {"instances": [{"url": P}]},
-            "decode": {"instances": [{"url": D}]},
-        }
-    )
-    return create_app(settings, transport=httpx.MockTransport(Upstream(tokens=tokens)))
+async def _relayed(
+    tokens: int, body: dict[str, Any], mode: str = "push"
+) -> list[MutableMapping[str, Any]]:
+    """What a 1P1D router app sends its client for ``body``, over scripted instances whose D
+    streams ``tokens`` events in one body (one write, so one read on the router's side)."""
+    with pair(Upstream(tokens=tokens)) as (p, d):
+        settings = settings_from_mapping(
+            {
+                "models": ["m"],
+                "mode": mode,
+                "prefill": {"instances": [{"url": p}]},
+                "decode": {"instances": [{"url": d}]},
+            }
+        )
+        return await asgi_messages(create_app(settings), body)
 
 
 async def test_events_d_sent_together_reach_the_client_in_one_write() -> None:
     body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
-    messages = await asgi_messages(_app(tokens=5), body)
+    messages = await _relayed(5, body)
     writes = [m["body"] for m in messages if m["type"] == "http.response.body"]
     assert len(writes) == 1  # one upstream body: one write to the client, not one per event
     events = [e.removeprefix(b"data: ") for e in writes[0].split(b"\n\n") if e]
@@ -38,8 +43,9 @@ async def test_events_d_sent_together_reach_the_client_in_one_write() -> None:
 
 
 async def test_a_usage_event_goes_out_with_the_events_before_it_once_p_has_answered() -> None:
-    """P's usage is in hand when D's events come (P answered first): the usage is merged
-    without holding anything back, so D's one body is still one write."""
+    """P's usage is in hand when D's events come (in pull mode P has answered before D's leg
+    goes out): the usage is merged without holding anything back, so D's one body is still one
+    write."""
     body = {
         "model": "m",
         "prompt": "hi",
@@ -47,7 +53,7 @@ async def test_a_usage_event_goes_out_with_the_events_before_it_once_p_has_answe
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    messages = await asgi_messages(_app(tokens=4), body)
+    messages = await _relayed(4, body, mode="pull")
     [written] = [m["body"] for m in messages if m["type"] == "http.response.body"]
     events = [e.removeprefix(b"data: ") for e in written.split(b"\n\n") if e]
     assert events[-1] == b"[DONE]" and len(events) == 6
@@ -57,7 +63,7 @@ async def test_a_usage_event_goes_out_with_the_events_before_it_once_p_has_answe
 async def test_the_stream_s_last_events_end_the_body_in_the_same_message() -> None:
     """No separate empty message (a write of its own) after the events that end the stream."""
     body = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True}
-    messages = await asgi_messages(_app(tokens=3), body)
+    messages = await _relayed(3, body)
     bodies = [m for m in messages if m["type"] == "http.response.body"]
     assert messages[0]["status"] == 200
     assert all(m["body"] for m in bodies)

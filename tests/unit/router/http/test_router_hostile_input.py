@@ -2,8 +2,8 @@
 there is one, never a 5xx or a traceback, and nothing reaches an instance.
 
 A hand-written list of hostile bodies plus a bounded property-based fuzz (hypothesis) over JSON
-bodies built from the request fields, all through the real app with a mock upstream transport
-that answers like vLLM and counts every generation request it gets.
+bodies built from the request fields, all through the real app with scripted upstream servers
+that answer like vLLM and counts every generation request it gets.
 """
 
 from __future__ import annotations
@@ -20,28 +20,29 @@ from hypothesis import strategies as st
 
 from router.config import settings_from_mapping
 from router.http.app import create_app
-from tests.unit.router.mock_upstream import D, P, Upstream
+from tests.unit.router.mock_upstream import Upstream, pair
 
 
 @pytest.fixture
 async def router() -> AsyncIterator[tuple[httpx.AsyncClient, Upstream]]:
     upstream = Upstream()
-    config = settings_from_mapping(
-        {
-            "models": ["m"],
-            "prefill": {"instances": [{"url": P}]},
-            "decode": {"instances": [{"url": D}]},
-            "limits": {"max_body_bytes": 65536, "max_tokens": 4096},
-        }
-    )
-    app = create_app(config, transport=httpx.MockTransport(upstream))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://router") as client,
-    ):
-        await app.state.runtime.lifecycle.initial_check_done.wait()
-        yield client, upstream
+    with pair(upstream) as (p, d):
+        config = settings_from_mapping(
+            {
+                "models": ["m"],
+                "prefill": {"instances": [{"url": p}]},
+                "decode": {"instances": [{"url": d}]},
+                "limits": {"max_body_bytes": 65536, "max_tokens": 4096},
+            }
+        )
+        app = create_app(config)
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://router") as client,
+        ):
+            await app.state.runtime.lifecycle.initial_check_done.wait()
+            yield client, upstream
 
 
 def _body(field: bytes) -> bytes:
@@ -190,19 +191,20 @@ async def test_fuzzed_bodies_never_get_a_5xx_and_rejected_ones_reach_no_instance
 
 @pytest.mark.parametrize("docs", [False, True])
 async def test_interactive_docs_only_when_configured(docs: bool) -> None:
-    config = settings_from_mapping(
-        {
-            "models": ["m"],
-            "prefill": {"instances": [{"url": P}]},
-            "decode": {"instances": [{"url": D}]},
-            "limits": {"docs": docs},
-        }
-    )
-    app = create_app(config, transport=httpx.MockTransport(Upstream()))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://router") as client,
-    ):
-        pages = [(await client.get(path)).status_code for path in ("/docs", "/openapi.json")]
+    with pair(Upstream()) as (p, d):
+        config = settings_from_mapping(
+            {
+                "models": ["m"],
+                "prefill": {"instances": [{"url": p}]},
+                "decode": {"instances": [{"url": d}]},
+                "limits": {"docs": docs},
+            }
+        )
+        app = create_app(config)
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://router") as client,
+        ):
+            pages = [(await client.get(p)).status_code for p in ("/docs", "/openapi.json")]
     assert pages == ([200, 200] if docs else [404, 404])

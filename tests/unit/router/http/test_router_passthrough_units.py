@@ -1,5 +1,5 @@
-"""The pieces of the pass-through routes that need no server: the ``passthrough_pool`` key, the
-body check, reading ``max_model_len`` from an instance's ``/v1/models``."""
+"""The pieces of the pass-through routes that need no router server: the ``passthrough_pool`` key,
+the body check, reading ``max_model_len`` from an instance's ``/v1/models``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from router.errors import ClientRequestError, ConfigError, ModelNotFound
 from router.health.model_info import learn_max_model_len, model_len_of
 from router.http.validation import parse_passthrough
 from router.instances.state import BackendState
+from router.runtime import http_client
+from tests.support.scripted import scripted
 
 POOLS = {"instances": [{"url": "http://127.0.0.1:8100"}]}
 
@@ -71,20 +73,31 @@ def test_model_len_of_reads_the_served_models_card(answer: Any, found: int | Non
 
 
 def _learn(handler: Any, known: int | None) -> int | None:
-    backend = BackendState(InstanceConfig(url="http://127.0.0.1:8200"), "decode", model="m")
-    backend.max_model_len = known
+    """What a backend knows of its ``max_model_len`` after asking a server scripted by
+    ``handler`` (which sees the ``/v1/models`` request)."""
+    with scripted(handler) as (server,):
+        backend = BackendState(InstanceConfig(url=server.url), "decode", model="m")
+        backend.max_model_len = known
+        settings = settings_from_mapping({"models": ["m"], "prefill": POOLS, "decode": POOLS})
 
-    async def run() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            await learn_max_model_len(client, backend, 5.0)
+        async def run() -> None:
+            async with http_client(settings) as client:
+                await learn_max_model_len(client, backend, 5.0)
 
-    asyncio.run(run())
+        asyncio.run(run())
     return backend.max_model_len
 
 
 def test_learning_keeps_the_known_value_when_the_instance_gives_none() -> None:
     card = {"data": [{"id": "m", "max_model_len": 2048}]}
-    assert _learn(lambda r: httpx.Response(200, json=card), None) == 2048
+    asked: list[str] = []
+
+    def models(request: httpx.Request) -> httpx.Response:
+        asked.append(f"{request.method} {request.url.path}")
+        return httpx.Response(200, json=card)
+
+    assert _learn(models, None) == 2048
+    assert asked == ["GET /v1/models"]
     assert _learn(lambda r: httpx.Response(500, text="boom"), 1024) == 1024
     assert _learn(lambda r: httpx.Response(200, text="not json"), 1024) == 1024
     assert _learn(lambda r: httpx.Response(200, json={"data": []}), 1024) == 1024

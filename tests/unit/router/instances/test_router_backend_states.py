@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 from prometheus_client import CollectorRegistry
 
 from router.config import BreakerConfig, InstanceConfig, RouterSettings, settings_from_mapping
 from router.instances.breaker import Breaker
-from router.runtime import Runtime
+from router.runtime import Runtime, http_client
 
 P0, P1, D0 = "http://127.0.0.1:9101", "http://127.0.0.1:9102", "http://127.0.0.1:9201"
 
@@ -29,7 +28,7 @@ def _two_models(a_prefill: list[str], b_prefill: list[str]) -> RouterSettings:
 
 
 def _runtime(settings: RouterSettings) -> Runtime:
-    return Runtime.create(settings, httpx.AsyncClient())
+    return Runtime.create(settings, http_client(settings))  # makes no call: nothing to close
 
 
 def _sample(rt: Runtime, name: str, **labels: str) -> float | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
@@ -15,7 +14,7 @@ from router.config import InstanceConfig, settings_from_mapping
 from router.health.readiness import readiness
 from router.observability.metrics import RouterMetrics
 from router.routing.kv_routing import KvRouting, stream_target
-from router.runtime import Runtime
+from router.runtime import Runtime, http_client
 
 
 def _settings(prefills: list[str], **kv: Any) -> Any:
@@ -37,8 +36,9 @@ def _settings(prefills: list[str], **kv: Any) -> Any:
 
 async def test_streams_follow_reloads_and_a_changed_config_starts_over() -> None:
     registry = CollectorRegistry()
-    async with httpx.AsyncClient() as client:
-        runtime = Runtime.create(_settings(["p0", "p1"]), client, RouterMetrics(registry))
+    settings = _settings(["p0", "p1"])
+    async with http_client(settings) as client:
+        runtime = Runtime.create(settings, client, RouterMetrics(registry))
         kv = KvRouting()
         ctx = zmq.asyncio.Context()
         try:
@@ -65,8 +65,9 @@ async def test_streams_follow_reloads_and_a_changed_config_starts_over() -> None
 
 async def test_a_failed_stream_task_is_counted_and_restarted() -> None:
     registry = CollectorRegistry()
-    async with httpx.AsyncClient() as client:
-        runtime = Runtime.create(_settings(["p0"]), client, RouterMetrics(registry))
+    settings = _settings(["p0"])
+    async with http_client(settings) as client:
+        runtime = Runtime.create(settings, client, RouterMetrics(registry))
         kv = runtime.kv  # the one /ready reads
         ctx = zmq.asyncio.Context()
         try:

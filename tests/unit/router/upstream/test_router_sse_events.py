@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import json
 import random
+import threading
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -17,7 +18,7 @@ from httpx_sse import EventSource
 from router import create_app
 from router.config import settings_from_mapping
 from router.upstream.sse import EventSplitter
-from tests.unit.router.mock_upstream import KV, D, P, answer, asgi_messages
+from tests.unit.router.mock_upstream import KV, answer, asgi_messages, pair
 
 OPENAI = (
     b"".join(
@@ -85,15 +86,16 @@ class _SlowPrefill:
     """P answers once ``release`` is set; D streams two events and a usage event in one body."""
 
     def __init__(self) -> None:
-        self.release = asyncio.Event()
+        self.release = threading.Event()  # set by the test, waited for in the server's thread
+        self.prefill = ""
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            return httpx.Response(200)
+        if request.method == "GET":
+            return httpx.Response(200 if request.url.path == "/health" else 404)
         body = json.loads(request.content)
-        if str(request.url).startswith(P):
+        if str(request.url).startswith(self.prefill):
             if not body["kv_transfer_params"].get("identity_probe"):
-                await self.release.wait()
+                await asyncio.to_thread(self.release.wait, 30)
             return httpx.Response(200, json={**answer("a", KV), "usage": _usage(7, 1)})
         chunks: list[dict[str, Any]] = [{"choices": [{"text": t}]} for t in ("a", "b")]
         chunks.append({"choices": [], "usage": _usage(3, 2)})
@@ -109,10 +111,6 @@ async def test_events_before_the_usage_event_are_not_held_back_for_ps_usage() ->
     """D's one read holds tokens and the usage event: the tokens reach the client while P has
     not answered; the usage event follows with P's prompt tokens once it has."""
     upstream = _SlowPrefill()
-    pools = {"prefill": {"instances": [{"url": P}]}, "decode": {"instances": [{"url": D}]}}
-    app = create_app(
-        settings_from_mapping({"models": ["m"], **pools}), transport=httpx.MockTransport(upstream)
-    )
     body = {
         "model": "m",
         "prompt": "hi",
@@ -125,7 +123,14 @@ async def test_events_before_the_usage_event_are_not_held_back_for_ps_usage() ->
         if message["type"] == "http.response.body":
             upstream.release.set()  # P answers only once the client has the first write
 
-    messages = await asgi_messages(app, body, release_p)
+    try:
+        with pair(upstream) as (p, d):
+            upstream.prefill = p
+            pools = {"prefill": {"instances": [{"url": p}]}, "decode": {"instances": [{"url": d}]}}
+            app = create_app(settings_from_mapping({"models": ["m"], **pools}))
+            messages = await asgi_messages(app, body, release_p)
+    finally:
+        upstream.release.set()
     writes = [m["body"] for m in messages if m["type"] == "http.response.body"]
     first = [json.loads(e[6:]) for e in writes[0].split(b"\n\n") if e]
     assert [c["choices"][0]["text"] for c in first] == ["a", "b"]
