@@ -28,7 +28,7 @@ from router.dispatch.orchestrator import open_dispatch
 from router.errors import RouterError, error_payload, outcome_label
 from router.http.disconnect import ClientWatch, notice_of, watched
 from router.http.stream import DispatchStream
-from router.observability.reqlog import log_request
+from router.observability.reqlog import Served, log_request
 from router.request import ClientRequest, RequestContext
 from router.runtime import Runtime
 
@@ -42,6 +42,30 @@ def request_context(request: Request) -> RequestContext:
     """The ids the request-id middleware gave this request (fresh ones if it gave none)."""
     ctx: RequestContext = getattr(request.state, "ctx", None) or RequestContext()
     return ctx
+
+
+def finish_request(
+    request: Request,
+    count: Callable[[Runtime], None],
+    *,
+    endpoint: str,
+    model: str | None,
+    outcome: str,
+    status: int,
+    served: Served | None,
+) -> None:
+    """The end of one request of either kind (the generation endpoints', the pass-through
+    routes'): ``count`` records it in the runtime's metrics, then its summary line is logged
+    when ``logging.requests`` is on. Nothing happens without a runtime (the app not started)."""
+    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+    if runtime is None:
+        return
+    count(runtime)
+    if runtime.settings.logging.requests:
+        ctx = request_context(request)
+        log_request(
+            ctx, endpoint=endpoint, model=model, outcome=outcome, status=status, served=served
+        )
 
 
 def error_response(exc: RouterError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -131,19 +155,18 @@ def _finish(
     """Count and log the end of one generation request; one answered in full (``ok``, with
     ``times``: accepted and its TTFT) also records its latency, tokens and time per token.
     The ``model`` label is "" for a request refused before its model was validated."""
-    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
-    if runtime is None:
-        return
-    m = runtime.metrics
     model = req.model if req is not None else ""
-    m.child(m.requests, runtime.settings.mode, endpoint, model, outcome).inc()
-    if outcome == "ok" and times is not None and dispatch is not None and req is not None:
-        e2e = (dispatch.answered or time.monotonic()) - times[0]
-        m.answers.observe(model, req.stream, times[1], e2e, dispatch.usage)
-    if not runtime.settings.logging.requests:
-        return
-    log_request(
-        request_context(request),
+
+    def count(runtime: Runtime) -> None:
+        m = runtime.metrics
+        m.child(m.requests, runtime.settings.mode, endpoint, model, outcome).inc()
+        if outcome == "ok" and times is not None and dispatch is not None and req is not None:
+            e2e = (dispatch.answered or time.monotonic()) - times[0]
+            m.answers.observe(model, req.stream, times[1], e2e, dispatch.usage)
+
+    finish_request(
+        request,
+        count,
         endpoint=endpoint,
         model=req.model if req else None,
         outcome=outcome,

@@ -30,10 +30,9 @@ from router.dispatch.forward import Exchange, Forward, answer_ok, open_exchange
 from router.errors import RouterError, outcome_label
 from router.http.disconnect import ClientWatch, notice_of, watched
 from router.http.exchange import DrainHandle, ProxiedStream
-from router.http.generate import error_response, request_context
+from router.http.generate import error_response, finish_request, request_context
 from router.http.validation import parse_passthrough
 from router.instances.state import Role
-from router.observability.reqlog import log_request
 from router.runtime import Runtime
 from router.upstream.rewrite import strip_client_fields
 
@@ -146,16 +145,15 @@ class PassthroughEndpoint:
         exchange: Exchange | None = None,
     ) -> None:
         """Count and log the end of one pass-through request."""
-        runtime: Runtime | None = getattr(request.app.state, "runtime", None)
-        if runtime is None:
-            return
-        m = runtime.metrics
-        m.child(m.passthrough.requests, self.path, outcome).inc()
-        m.child(m.passthrough.seconds, self.path).observe(time.monotonic() - started)
-        if not runtime.settings.logging.requests:
-            return
-        log_request(
-            request_context(request),
+
+        def count(runtime: Runtime) -> None:
+            m = runtime.metrics
+            m.child(m.passthrough.requests, self.path, outcome).inc()
+            m.child(m.passthrough.seconds, self.path).observe(time.monotonic() - started)
+
+        finish_request(
+            request,
+            count,
             endpoint=self.path,
             model=call.model if call else None,
             outcome=outcome,
