@@ -1,4 +1,4 @@
-# The disagg-router image: the router and its runtime (FastAPI, uvicorn, httpx, ...) only, no vLLM.
+# The disagg-router image: the router and its runtime (FastAPI, uvicorn, httptools, ...) only, no vLLM.
 #
 #   docker build -t disagg/router .
 #   docker run -p 8000:8000 -v $PWD/router.yaml:/etc/disagg-router/config.yaml disagg/router
@@ -11,8 +11,7 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 RUN python3 -m venv /opt/router
 COPY pyproject.toml constraints.txt /src/
-COPY router /src/router
-COPY connector /src/connector
+COPY disagg_router /src/disagg_router
 # A regular (non-editable) install: the runtime stage copies only the venv, not /src. The
 # constraints are the versions CI tested together.
 RUN /opt/router/bin/pip install --no-cache-dir -c /src/constraints.txt /src

@@ -2,8 +2,8 @@
 
 Just the raw agent calls a KV WRITE needs (register, prepare descriptor lists, prepped WRITE,
 poll), with no connector code in between, so it serves as the baseline the connector's WRITE path
-is compared with. NIXL itself comes from :func:`connector.nixl_backend.nixl_api` (the ``nixl``
-package, or a CUDA wheel such as ``nixl-cu13`` installed alone).
+is compared with. NIXL itself comes from :func:`disagg_router.connector.nixl_backend.nixl_api` (the
+``nixl`` package, or a CUDA wheel such as ``nixl-cu13`` installed alone).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from connector.nixl_backend import nixl_api
+from disagg_router.connector.nixl_backend import nixl_api
 
 if TYPE_CHECKING:
     import numpy as np

@@ -4,7 +4,8 @@ Who calls it: the scenario sweep, around each point: :func:`scrape` every ``/met
 of the target (router, P, D or the aggregated instance) before and after, then
 :func:`histogram_means` gives the mean of each histogram below over exactly that point's
 requests (delta of ``_sum`` / delta of ``_count``). The router's stages add up to its TTFT
-(``router.observability.timeline``); vLLM's and the connector's split P's and D's part of it.
+(``disagg_router.router.observability.timeline``); vLLM's and the connector's split P's and D's part
+of it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 ROUTER_STAGES = "disagg_router_ttft_stage_seconds"
-"""The router's TTFT stage histogram (``router.observability.timeline``), one series per ``stage``
-label."""
+"""The router's TTFT stage histogram (``disagg_router.router.observability.timeline``), one series
+per ``stage`` label."""
 
 HISTOGRAMS = (
     ROUTER_STAGES,

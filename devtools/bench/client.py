@@ -18,7 +18,7 @@ from httpx_sse import SSEError
 from bench.dataset import BenchRequest
 from bench.metrics import RequestRecord
 from devstack.sse_client import aiter_data
-from router.upstream.sse import StreamEndedEarly
+from disagg_router.router.upstream.sse import StreamEndedEarly
 
 Endpoint = Literal["completions", "chat"]
 

@@ -10,8 +10,8 @@ rounds so drift hits all alike. Reported per client: this process's CPU time per
 Clients: ``httpx`` (its own httpcore pool), ``httpx-aiohttp`` (httpx's API over aiohttp's
 connections, ``httpx_aiohttp.AiohttpTransport``), ``aiohttp`` (aiohttp alone; its SSE lines are
 split here, a stand-in for a reader the router would need) and ``h1`` (the router's own
-upstream client, :class:`router.upstream.client.UpstreamClient`, read by the router's
-:class:`router.upstream.sse.EventReader`: how every upstream call goes out).
+upstream client, :class:`disagg_router.router.upstream.client.UpstreamClient`, read by the router's
+:class:`disagg_router.router.upstream.sse.EventReader`: how every upstream call goes out).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from bench.overhead import MODEL, cpu_split, fake_process
 from bench.results import log_folder, write_outputs
 from devstack.ports import free_port
 from devstack.sse_client import aiter_data
-from router.upstream.client import ClientLimits, UpstreamClient
-from router.upstream.sse import EventReader
+from disagg_router.router.upstream.client import ClientLimits, UpstreamClient
+from disagg_router.router.upstream.sse import EventReader
 
 KINDS = ("httpx", "httpx-aiohttp", "aiohttp", "h1")
 HEADERS = {"Content-Type": "application/json"}

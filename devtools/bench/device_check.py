@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.device_kv import CacheShape
-from connector.layout import LayoutSpec, descriptor_ids
+from disagg_router.connector.layout import LayoutSpec, descriptor_ids
 
 NIXL_WHEEL_SHA256 = {
     "nixl_cu13-1.5.1-cp310-cp310-manylinux_2_28_x86_64.whl": (

@@ -18,12 +18,17 @@ import torch
 
 from bench.bare_nixl import BareNixlEndpoint, positions
 from bench.device_kv import CacheShape, KVCache
-from connector.config import ConnectorConfig
-from connector.consumer import PushConsumer
-from connector.layout import LayoutSpec, descriptors, layout_from_kv_caches, memory_spans
-from connector.nixl_backend import NixlEndpoint, nixl_api
-from connector.producer import PushProducer
-from connector.specs import RecvSpec, SendSpec
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.consumer import PushConsumer
+from disagg_router.connector.layout import (
+    LayoutSpec,
+    descriptors,
+    layout_from_kv_caches,
+    memory_spans,
+)
+from disagg_router.connector.nixl_backend import NixlEndpoint, nixl_api
+from disagg_router.connector.producer import PushProducer
+from disagg_router.connector.specs import RecvSpec, SendSpec
 
 P_ENGINE = "device-check-p"
 FOREIGN = ("vllm", "fastapi", "httpx", "pydantic", "uvicorn", "starlette", "router", "devstack")

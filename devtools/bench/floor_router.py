@@ -7,9 +7,9 @@ error handling beyond closing what it opened. Per request it does only what any 
 router must: read the client's body, send the P leg (the router's own ``prefill_body``) and the
 D leg with P's identity (``decode_body_push``) at once, and relay D's bytes as they arrive,
 unparsed. It runs on the router's stack (uvicorn with httptools and uvloop, a bare ASGI app,
-the router's own upstream connections, :mod:`router.upstream.h1`), so its CPU per request bounds
-from below what the router could reach by trimming its own work without changing those
-libraries.
+the router's own upstream connections, :mod:`disagg_router.router.upstream.h1`), so its CPU per
+request bounds from below what the router could reach by trimming its own work without changing
+those libraries.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 import httpx
 import uvicorn
 
-from router.config import PushIdentity
-from router.upstream import codec
-from router.upstream.h1 import ConnectionPool, Origin
-from router.upstream.rewrite import decode_body_push, prefill_body
+from disagg_router.router.config import PushIdentity
+from disagg_router.router.upstream import codec
+from disagg_router.router.upstream.h1 import ConnectionPool, Origin
+from disagg_router.router.upstream.rewrite import decode_body_push, prefill_body
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

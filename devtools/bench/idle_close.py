@@ -3,12 +3,12 @@
 Who calls it: a person, for the fault matrix (docs/benchmarks/fault-matrix.md). An upstream on
 loopback closes every kept-alive connection that stays idle ``--idle-close`` seconds (as vLLM's
 uvicorn does after 5 s, or a proxy or mesh sidecar earlier); the router's leg pool
-(:class:`router.upstream.h1.ConnectionPool`, keeping idle connections 4 s as the router does)
-sends ``--requests`` requests to it, one at a time, in four sequences run side by side: JSON and
-chunked streaming answers, each at natural timing (gaps drawn uniformly from 0 to twice the idle
-close) and at the close (gaps of the idle close within +-2 ms, so the close lands as a request
-is written). It prints, per sequence, the requests that failed (goal 0) and how many met the
-race and were sent again on a new connection, and exits 1 if any failed.
+(:class:`disagg_router.router.upstream.h1.ConnectionPool`, keeping idle connections 4 s as the
+router does) sends ``--requests`` requests to it, one at a time, in four sequences run side by side:
+JSON and chunked streaming answers, each at natural timing (gaps drawn uniformly from 0 to twice the
+idle close) and at the close (gaps of the idle close within +-2 ms, so the close lands as a request
+is written). It prints, per sequence, the requests that failed (goal 0) and how many met the race
+and were sent again on a new connection, and exits 1 if any failed.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from router.runtime import UPSTREAM_KEEPALIVE_S
-from router.upstream.h1 import ConnectionPool, Origin
+from disagg_router.router.runtime import UPSTREAM_KEEPALIVE_S
+from disagg_router.router.upstream.h1 import ConnectionPool, Origin
 
 BODY = b'{"prompt": [1, 2], "max_tokens": 1}'
 JSON = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'

@@ -6,13 +6,13 @@ of :mod:`devstack.fakes.kv_hostile` it publishes ``--rounds`` good batches, each
 hostile batch (references: ``good only``; the largest legal batch instead of a hostile one; a
 join replay of ``100 * rounds`` good batches), from the fake vLLM publisher (a child process
 of this command, as vLLM is another process) into the router's
-:class:`~router.routing.kv_events.EventStream` and :class:`~router.routing.kv_index.KvIndex`
-under the default ``kv_events`` limits, and prints one row per shape: restarts of the stream
-task (restarted like the router does), the event loop's longest stall (a task that sleeps 1 ms
-and measures how late it wakes), RSS growth of this process (the peak over the run and what is
-left at its end, against the RSS before the stream starts) and whether the index routes
-exactly as the good batches alone. It exits 1 when any row misses the goals (no restart, stall
-under 50 ms, RSS growth under 50 MB, routing equal).
+:class:`~disagg_router.router.routing.kv_events.EventStream` and
+:class:`~disagg_router.router.routing.kv_index.KvIndex` under the default ``kv_events`` limits, and
+prints one row per shape: restarts of the stream task (restarted like the router does), the event
+loop's longest stall (a task that sleeps 1 ms and measures how late it wakes), RSS growth of this
+process (the peak over the run and what is left at its end, against the RSS before the stream
+starts) and whether the index routes exactly as the good batches alone. It exits 1 when any row
+misses the goals (no restart, stall under 50 ms, RSS growth under 50 MB, routing equal).
 """
 
 from __future__ import annotations
@@ -44,12 +44,17 @@ from devstack.fakes.kv_hostile import (
 )
 from devstack.fakes.kv_publisher import FakeKvPublisher
 from devstack.process import ChildProcess, ProcessSpec
-from router.config import KvEventsConfig
-from router.observability.metrics import KvMetrics
-from router.routing.block_keys import chain_keys
-from router.routing.kv_events import EventStream, StreamLimits, StreamTarget, StreamTiming
-from router.routing.kv_index import KvIndex
-from router.routing.kv_wire import typed_events
+from disagg_router.router.config import KvEventsConfig
+from disagg_router.router.observability.metrics import KvMetrics
+from disagg_router.router.routing.block_keys import chain_keys
+from disagg_router.router.routing.kv_events import (
+    EventStream,
+    StreamLimits,
+    StreamTarget,
+    StreamTiming,
+)
+from disagg_router.router.routing.kv_index import KvIndex
+from disagg_router.router.routing.kv_wire import typed_events
 
 GOOD_ONLY = "good only"
 JOIN_REPLAY = "join replay of 100 x rounds good batches"

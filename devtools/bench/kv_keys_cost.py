@@ -22,7 +22,7 @@ import httpx
 
 from devstack.fake_vllm import FakeVllmServer, FakeVllmState
 from devstack.tiny_model import make_tiny_model
-from router.routing.block_keys import PromptTokenizer, load_tokenizer, request_keys
+from disagg_router.router.routing.block_keys import PromptTokenizer, load_tokenizer, request_keys
 
 ROUNDS = 40
 

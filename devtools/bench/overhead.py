@@ -36,7 +36,7 @@ from bench.results import log_folder, metrics_to_dict
 from bench.routers import floor_router, our_router, pinned, router_config, vllm_router
 from devstack.ports import free_ports
 from devstack.process import ChildProcess, group_cpu_seconds, http_process
-from router.observability.timeline import STAGES
+from disagg_router.router.observability.timeline import STAGES
 
 MODEL = "fake-model"
 PREFILL_ENGINE_ID = "bench-prefill"
@@ -155,7 +155,8 @@ async def _stages_during(
     client: httpx.AsyncClient, name: str, metrics_url: str | None, load: Awaitable[T]
 ) -> tuple[T, dict[str, float] | None]:
     """Await ``load``; with ``metrics_url`` (our router's ``/metrics``) also the mean ms of each
-    of its TTFT stages (``router.observability.timeline``) over exactly that load's requests."""
+    of its TTFT stages (``disagg_router.router.observability.timeline``) over exactly that load's
+    requests."""
     if metrics_url is None:
         return await load, None
     before = await scrape(client, {name: metrics_url})

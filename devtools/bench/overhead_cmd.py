@@ -32,8 +32,8 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline",
         metavar="DIR",
-        help="another checkout of the router (a directory holding router/), run beside ours as "
-        "the target 'baseline' on the same fakes: two commits compared in one run",
+        help="another checkout of the repository (older ones hold router/ at the root), run "
+        "beside ours as the target 'baseline' on the same fakes: two commits compared in one run",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -53,6 +53,14 @@ def router_config(
     }
 
 
+def router_module(source: Path | None) -> str:
+    """The router's command module in ``source`` (a checkout; None: the installed router): a
+    checkout from before the one top-level package holds ``router/cli.py`` at its root."""
+    if source is not None and (source / "router" / "cli.py").is_file():
+        return "router.cli"
+    return "disagg_router.router.cli"
+
+
 def our_router(
     config: dict[str, Any],
     port: int,
@@ -70,7 +78,7 @@ def our_router(
     path.write_text(yaml.safe_dump(config))
     # -P: the working directory is not put first on sys.path, so a checkout it holds cannot
     # stand in for the router meant (the installed one, or ``source``).
-    argv = [_python(), "-P", "-m", "router.cli", "serve", "--config", str(path)]
+    argv = [_python(), "-P", "-m", router_module(source), "serve", "--config", str(path)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     if workers > 1:
         argv += ["--workers", str(workers)]

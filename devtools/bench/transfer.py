@@ -1,13 +1,13 @@
 """Transfer efficiency: the connector's NIXL WRITE path vs a bare NIXL WRITE, two processes.
 
 Who calls it: ``disagg-bench transfer``. For each kind (``bare``: raw agent calls from
-:mod:`bench.bare_nixl`; ``connector``: ``connector.nixl_backend.NixlEndpoint`` with a
-``connector.protocol.LayoutSpec`` and the connector's block-id -> descriptor arithmetic) it spawns a
-target process that registers a DRAM buffer and an initiator process that WRITEs the same bytes in
-the same block count into it, ``iterations`` times, each WRITE carrying a notification and polled
-to completion. Kinds alternate over ``rounds`` so machine noise hits both alike. With
-``p_tp`` > 1 the ``bare`` and ``connector`` kinds run :mod:`bench.transfer_tp` instead: that many
-initiators (P ranks) each WRITE their share of every block into one target.
+:mod:`bench.bare_nixl`; ``connector``: ``disagg_router.connector.nixl_backend.NixlEndpoint`` with a
+``disagg_router.connector.protocol.LayoutSpec`` and the connector's block-id -> descriptor
+arithmetic) it spawns a target process that registers a DRAM buffer and an initiator process that
+WRITEs the same bytes in the same block count into it, ``iterations`` times, each WRITE carrying a
+notification and polled to completion. Kinds alternate over ``rounds`` so machine noise hits both
+alike. With ``p_tp`` > 1 the ``bare`` and ``connector`` kinds run :mod:`bench.transfer_tp` instead:
+that many initiators (P ranks) each WRITE their share of every block into one target.
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ class _Endpoint:
             self.impl = BareNixlEndpoint(name, descs, spans=[(self.addr, spec.block_bytes * n, 0)])
             self.ids = bare_positions(spec)
         else:
-            from connector.layout import LayoutSpec, RegionSpec, descriptor_index
-            from connector.nixl_backend import NixlEndpoint
+            from disagg_router.connector.layout import LayoutSpec, RegionSpec, descriptor_index
+            from disagg_router.connector.nixl_backend import NixlEndpoint
 
             region_bytes = spec.blocks_per_region * spec.block_bytes
             self.layout = LayoutSpec(
@@ -178,7 +178,7 @@ class _Endpoint:
             descs = contiguous_descs(hello["addr"], self.spec.block_bytes, n)
             self.impl.connect(hello["metadata"], descs)
         else:
-            from connector.layout import LayoutSpec
+            from disagg_router.connector.layout import LayoutSpec
 
             remote = LayoutSpec.from_json(hello["layout"])
             self.impl.prepare_remote(peer_name, hello["metadata"], remote)

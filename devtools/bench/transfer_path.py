@@ -9,10 +9,11 @@ system-wide CLOCK_MONOTONIC) right before it starts, D stamps ``t1`` when it see
   ``get_new_notifs`` until it arrives. D waits the connector path's registration lead (50 ms)
   before each "go" too, so both kinds start a WRITE from the same idle machine: back to back,
   the buffers stay in the CPU caches and the copy takes about half as long.
-- ``connector-path``: D registers its blocks with :class:`connector.consumer.PushConsumer` (side
-  channel to P) and waits 50 ms so the registration is in place, as it is in push mode while P
-  prefills; P calls :meth:`connector.producer.PushProducer.add_finished`; the producer's writer
-  thread WRITEs and notifies; D polls ``take_results``. This is the connector's whole WRITE path.
+- ``connector-path``: D registers its blocks with
+  :class:`disagg_router.connector.consumer.PushConsumer` (side channel to P) and waits 50 ms so the
+  registration is in place, as it is in push mode while P prefills; P calls
+  :meth:`disagg_router.connector.producer.PushProducer.add_finished`; the producer's writer thread
+  WRITEs and notifies; D polls ``take_results``. This is the connector's whole WRITE path.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _buffer(spec: TransferSpec) -> Any:
 
 
 def _layout(spec: TransferSpec, addr: int) -> Any:
-    from connector.layout import LayoutSpec, RegionSpec
+    from disagg_router.connector.layout import LayoutSpec, RegionSpec
 
     region_bytes = spec.blocks_per_region * spec.block_bytes
     return LayoutSpec(
@@ -83,10 +84,10 @@ def _p_process(kind: PathKind, spec: TransferSpec, d: Connection) -> None:
             bare.release(handle)
         bare.close()
         return
-    from connector.config import ConnectorConfig
-    from connector.nixl_backend import NixlEndpoint
-    from connector.producer import PushProducer
-    from connector.specs import SendSpec
+    from disagg_router.connector.config import ConnectorConfig
+    from disagg_router.connector.nixl_backend import NixlEndpoint
+    from disagg_router.connector.producer import PushProducer
+    from disagg_router.connector.specs import SendSpec
 
     ep = NixlEndpoint("bench-p", _layout(spec, addr))
     cfg = ConnectorConfig(side_channel_port=0, lease_s=300.0, registration_ttl_s=300.0)
@@ -125,10 +126,10 @@ def _d_process(kind: PathKind, spec: TransferSpec, p: Connection, report: Connec
         p.send("stop")
         bare.close()
     else:
-        from connector.config import ConnectorConfig
-        from connector.consumer import PushConsumer
-        from connector.nixl_backend import NixlEndpoint
-        from connector.specs import RecvSpec
+        from disagg_router.connector.config import ConnectorConfig
+        from disagg_router.connector.consumer import PushConsumer
+        from disagg_router.connector.nixl_backend import NixlEndpoint
+        from disagg_router.connector.specs import RecvSpec
 
         ep = NixlEndpoint("bench-d", _layout(spec, addr))
         cfg = ConnectorConfig(transfer_timeout_s=120.0)

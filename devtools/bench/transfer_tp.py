@@ -6,10 +6,11 @@ Who calls it: :mod:`bench.transfer` (``disagg-bench transfer --p-tp N``, kinds `
 each rank WRITEs its share of the first ``blocks_per_write`` blocks of every region, at its
 offset inside D's blocks, with a notification.
 
-- ``connector``: :class:`connector.nixl_backend.NixlEndpoint` on both sides; each rank states its
-  rank and head range in its :class:`connector.layout.LayoutSpec` and takes its descriptors from
-  the connector's head mapping (:func:`connector.layout.head_transfer`, its narrowed views and
-  :func:`connector.layout.descriptor_index`), as the producer does for a registration.
+- ``connector``: :class:`disagg_router.connector.nixl_backend.NixlEndpoint` on both sides; each rank
+  states its rank and head range in its :class:`disagg_router.connector.layout.LayoutSpec` and takes
+  its descriptors from the connector's head mapping
+  (:func:`disagg_router.connector.layout.head_transfer`, its narrowed views and
+  :func:`disagg_router.connector.layout.descriptor_index`), as the producer does for a registration.
 - ``bare``: raw agent calls (:mod:`bench.bare_nixl`); D's descriptors for rank ``r`` are plain
   arithmetic: ``share_bytes`` at ``block * block_bytes + r * share_bytes``.
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    from connector.layout import Descriptor, LayoutSpec
+    from disagg_router.connector.layout import Descriptor, LayoutSpec
 
 TpKind = Literal["bare", "connector"]
 _POLL_S = 0.0001
@@ -43,7 +44,7 @@ _RUN_S = 600.0
 def _layout(
     spec: TransferSpec, addr: int, rank: int, size: int, memory: tuple[str, int]
 ) -> LayoutSpec:
-    from connector.layout import LayoutSpec, RegionSpec
+    from disagg_router.connector.layout import LayoutSpec, RegionSpec
 
     block = spec.share_bytes * (spec.p_tp // size)
     region_bytes = spec.blocks_per_region * block
@@ -77,7 +78,7 @@ def p_layout(
 def connector_share(p: LayoutSpec, d: LayoutSpec) -> tuple[LayoutSpec, LayoutSpec]:
     """``(P's, D's)`` views the rank's WRITE uses: the connector's head mapping, as the
     producer prepares them for a registration. Raises ``ValueError`` when it refuses."""
-    from connector.layout import head_transfer
+    from disagg_router.connector.layout import head_transfer
 
     transfer = head_transfer(p, d)
     if isinstance(transfer, str):
@@ -87,7 +88,7 @@ def connector_share(p: LayoutSpec, d: LayoutSpec) -> tuple[LayoutSpec, LayoutSpe
 
 def connector_remote_descs(spec: TransferSpec, rank: int, d_addr: int) -> list[Descriptor]:
     """The D descriptors rank ``rank``'s ``connector`` WRITE hits (for tests and readers)."""
-    from connector.layout import descriptor_index, descriptors
+    from disagg_router.connector.layout import descriptor_index, descriptors
 
     _, view = connector_share(p_layout(spec, rank, 0), d_layout(spec, d_addr))
     every = descriptors(view)
@@ -174,8 +175,8 @@ class _Rank:
             ids = bare_positions(spec)
             self._post: Callable[[bytes], Any] = lambda notif: self.impl.write(ids, notif)
             return
-        from connector.layout import LayoutSpec, descriptor_index
-        from connector.nixl_backend import NixlEndpoint
+        from disagg_router.connector.layout import LayoutSpec, descriptor_index
+        from disagg_router.connector.nixl_backend import NixlEndpoint
 
         p = p_layout(spec, rank, mem.addr, mem.memory)
         p_view, d_view = connector_share(p, LayoutSpec.from_json(hello["layout"]))
@@ -239,7 +240,7 @@ def _target_main(
         )
         notifs = impl.notifs
     else:
-        from connector.nixl_backend import NixlEndpoint
+        from disagg_router.connector.nixl_backend import NixlEndpoint
 
         impl = NixlEndpoint(name, layout)
         notifs = impl.take_notifs

@@ -41,11 +41,9 @@ def router_mode(kind: str) -> Literal["push", "pull"]:
 
 
 def _our_connector_names() -> tuple[str, str]:
-    import connector
+    from disagg_router import connector
 
-    class_name: str = connector.CONNECTOR_CLASS_NAME
-    module_path: str = getattr(connector, "CONNECTOR_MODULE_PATH", "connector")
-    return class_name, module_path
+    return connector.CONNECTOR_CLASS_NAME, connector.CONNECTOR_MODULE_PATH
 
 
 def kv_transfer_config(

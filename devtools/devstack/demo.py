@@ -35,7 +35,7 @@ from devstack.process import ProcessStartError, http_process
 from devstack.sse_client import iter_data
 from devstack.stack import Stack, StackOptions, start_stack
 from devstack.vllm_server import VllmServerError
-from router.upstream.sse import StreamEndedEarly
+from disagg_router.router.upstream.sse import StreamEndedEarly
 
 DEFAULT_PROMPT = "Explain in one sentence why prefill and decode run on different machines."
 READY_TIMEOUT_S = 120.0
@@ -128,7 +128,7 @@ def _router_process(config: Path, port: int, log_file: Path) -> Iterator[str]:
     """``disagg-router serve`` as a managed subprocess (its own process group, stopped on exit);
     yields its URL once ``/ready`` is 200."""
     url = f"http://{LOOPBACK}:{port}"
-    command = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
+    command = [sys.executable, "-m", "disagg_router.router.cli", "serve", "--config", str(config)]
     command += ["--host", LOOPBACK, "--port", str(port), "--log-level", "warning"]
     router = http_process(
         "router", command, f"{url}/ready", log_file, ready_timeout_s=READY_TIMEOUT_S

@@ -3,7 +3,7 @@
 Who uses it: the demo (:mod:`devstack.demo`), the bench clients (:mod:`bench.client`,
 :mod:`bench.clients`) and the tests, over an ``httpx`` response read with ``httpx-sse``. The
 readers yield each event's data up to that terminator (not yielded) and raise
-:class:`router.upstream.sse.StreamEndedEarly` when the stream ends without it;
+:class:`disagg_router.router.upstream.sse.StreamEndedEarly` when the stream ends without it;
 ``httpx_sse.SSEError`` when the answer is not an event stream; httpx errors propagate.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 from httpx_sse import EventSource
 
-from router.upstream.sse import DONE, StreamEndedEarly
+from disagg_router.router.upstream.sse import DONE, StreamEndedEarly
 
 
 async def aiter_data(response: httpx.Response) -> AsyncIterator[str]:

@@ -3,8 +3,9 @@
 Who calls it: e2e fixtures, the demo, benchmarks and deploy scripts. :func:`start_stack` picks free
 loopback ports, assigns each instance a fixed NIXL engine id, starts all instances at once and
 returns a :class:`Stack`; the caller must :meth:`Stack.stop` it (or use it as a context manager).
-:meth:`Stack.router_config` renders the router's YAML config (``router.config`` schema) for the
-stack, with or without the prefill identities (without them the router probes for them).
+:meth:`Stack.router_config` renders the router's YAML config (``disagg_router.router.config``
+schema) for the stack, with or without the prefill identities (without them the router probes for
+them).
 
 Core pinning (sized for a 2-core machine): prefill instances on core 0, decode instances on
 core 1; an aggregated instance on ``aggregated_core`` (default 0). A tensor-parallel instance
@@ -164,7 +165,8 @@ class Stack:
         prefill_names: Sequence[str] | None = None,
         kv_events: bool = False,
     ) -> dict[str, Any]:
-        """The router config mapping (validate with ``router.config.settings_from_mapping``).
+        """The router config mapping (validate with
+        ``disagg_router.router.config.settings_from_mapping``).
 
         ``with_identity`` writes each prefill instance's push identity into the config; without
         it the router must probe the instances for their identities. ``prefill_names`` limits

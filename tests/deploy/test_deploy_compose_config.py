@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import connector
-from router.config import RouterSettings, settings_from_mapping
+from disagg_router import connector
+from disagg_router.router.config import RouterSettings, settings_from_mapping
 from tests.deploy.deploy_support import (
     COMPOSE_FILE,
     command_flag,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from connector.config import KV_TRANSFER_CONFIG_KEYS, ConnectorConfig
+from disagg_router.connector.config import KV_TRANSFER_CONFIG_KEYS, ConnectorConfig
 from tests.deploy.deploy_support import K8S, compose_services, kv_transfer_config
 
 SIDE_CHANNEL_ENV = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT")

@@ -85,6 +85,11 @@ def test_copied_sources_survive_dockerignore(dockerfile: Path) -> None:
 
 def test_dockerignore_keeps_the_venv_and_git_out() -> None:
     patterns = _dockerignore()
-    for path in (".venv/bin/python", ".git/HEAD", "tests/deploy/test_x.py", "router/x.pyc"):
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/deploy/test_x.py",
+        "disagg_router/router/x.pyc",
+    ):
         assert _ignored(path, patterns), path
-    assert not _ignored("router/http/app.py", patterns)
+    assert not _ignored("disagg_router/router/http/app.py", patterns)

@@ -3,9 +3,9 @@ really exist; the alert rules pass promtool's own checks and unit tests.
 
 Router metric names come from the router itself (a :class:`RouterMetrics` on a fresh registry, with
 the sample suffixes Prometheus exposes: ``_total``, ``_bucket``, ...). Our connector's
-``disagg_push_*`` names are read from connector/stats.py (building its metrics needs a running vLLM
-engine's config). vLLM metric names are looked up in the installed vLLM's source (found without
-importing vLLM, which takes seconds).
+``disagg_push_*`` names are read from disagg_router/connector/stats.py (building its metrics needs a
+running vLLM engine's config). vLLM metric names are looked up in the installed vLLM's source (found
+without importing vLLM, which takes seconds).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from router.observability.metrics import RouterMetrics
+from disagg_router.router.observability.metrics import RouterMetrics
 from tests.deploy.deploy_support import DASHBOARD, DEPLOY, REPO, require_tool
 
 ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
@@ -65,7 +65,7 @@ def _router_sample_names() -> set[str]:
 
 def _connector_family_names() -> set[str]:
     """The ``disagg_push_*`` metric names our connector defines (string literals of stats.py)."""
-    tree = ast.parse((REPO / "connector" / "stats.py").read_text())
+    tree = ast.parse((REPO / "disagg_router" / "connector" / "stats.py").read_text())
     literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
     return {s for s in literals if isinstance(s, str) and s.startswith("disagg_push_")}
 
@@ -110,7 +110,7 @@ def test_router_metrics_exist_in_the_router() -> None:
     }
     assert used, "the dashboard shows router metrics"
     assert used <= exported, (
-        f"not exported by router/observability/metrics.py: {sorted(used - exported)}"
+        f"not exported by disagg_router/router/observability/metrics.py: {sorted(used - exported)}"
     )
     # Every router metric family is on the dashboard.
     exported = {n for n in exported if n.startswith("disagg_router_")}
@@ -134,7 +134,9 @@ def test_connector_metrics_exist_in_the_connector() -> None:
     used = {n for e in _exprs() for n in _metric_names(e) if n.startswith("disagg_push_")}
     # Counters are defined with their _total; histograms are queried by their _bucket.
     families = {n if n.endswith("_total") else _SAMPLE_SUFFIX.sub("", n) for n in used}
-    assert families <= defined, f"not defined in connector/stats.py: {sorted(families - defined)}"
+    assert families <= defined, (
+        f"not defined in disagg_router/connector/stats.py: {sorted(families - defined)}"
+    )
     assert defined <= families, f"missing from the dashboard: {defined - families}"
 
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-import connector
-from router.cli import build_parser
-from router.config import KubernetesDiscovery, RouterSettings, settings_from_mapping
+from disagg_router import connector
+from disagg_router.router.cli import build_parser
+from disagg_router.router.config import KubernetesDiscovery, RouterSettings, settings_from_mapping
 from tests.deploy.deploy_support import K8S, require_tool
 
 KUSTOMIZATIONS = sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization.yaml"))

@@ -58,13 +58,13 @@ def _top_level_packages(wheel: Path) -> set[str]:
 
 def test_router_wheel_holds_only_router_and_connector(tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
-    src = _copy_sources(["pyproject.toml", "README.md", "router", "connector"], tmp_path / "src")
+    src = _copy_sources(["pyproject.toml", "README.md", "disagg_router"], tmp_path / "src")
     wheel = _build_wheel(src, tmp_path / "dist")
-    assert _top_level_packages(wheel) == {"router", "connector"}
+    assert _top_level_packages(wheel) == {"disagg_router"}
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
-    assert "router/http/app.py" in names
-    assert "connector/facade.py" in names
+    assert "disagg_router/router/http/app.py" in names
+    assert "disagg_router/connector/facade.py" in names
     assert not [n for n in names if "fake" in n or "bench" in n or "devstack" in n]
 
 

@@ -21,8 +21,8 @@ import openai
 from devstack.fake_vllm import UvicornThread
 from devstack.stack import Stack, StackInstance, StackOptions, start_stack
 from devstack.vllm_server import read_metrics_text
-from router.config import RouterSettings, settings_from_mapping
-from router.http.app import create_app
+from disagg_router.router.config import RouterSettings, settings_from_mapping
+from disagg_router.router.http.app import create_app
 from tests.support.wait import wait_until
 
 MAX_TOKENS = 24

@@ -23,8 +23,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from connector.contract import decode_leg_params, prefill_leg_params, read_prefill_answer
 from devstack.stack import Stack, StackInstance
+from disagg_router.connector.contract import (
+    decode_leg_params,
+    prefill_leg_params,
+    read_prefill_answer,
+)
 from tests.e2e.e2e_support import (
     MAX_TOKENS,
     Greedy,

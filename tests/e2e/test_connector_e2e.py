@@ -28,7 +28,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from connector.contract import (
+from devstack.stack import Stack, StackInstance, StackOptions
+from disagg_router.connector.contract import (
     KV_TRANSFER_PARAMS,
     PeerIdentity,
     decode_leg_params,
@@ -38,7 +39,6 @@ from connector.contract import (
     read_engine_shape,
     read_prefill_answer,
 )
-from devstack.stack import Stack, StackInstance, StackOptions
 from tests.e2e.e2e_support import metrics, module_stack, wait_idle
 from tests.support.wait import wait_until
 

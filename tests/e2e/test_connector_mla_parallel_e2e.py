@@ -52,7 +52,8 @@ def stack(e2e_dir: Path) -> Iterator[Stack]:
         connector_extra_config=EXTRA,
         # vLLM CPU compiles the MLA model in every worker at start-up (about 5 min for the eight
         # workers on two cores). --enforce-eager would skip it, but with it D's answers differ
-        # from the reference even at TP 1 (connector/README.md, "Model shapes": cause not found).
+        # from the reference even at TP 1 (disagg_router/connector/README.md, "Model shapes": cause
+        # not found).
         startup_timeout_s=900.0,
     )
     with module_stack(options, e2e_dir) as s:

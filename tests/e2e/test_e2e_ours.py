@@ -34,8 +34,8 @@ from tests.e2e.pd_cases import PDRouterCases
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(
-        importlib.util.find_spec("connector.facade") is None,
-        reason="connector.facade (our vLLM connector) is not in this checkout",
+        importlib.util.find_spec("disagg_router.connector.facade") is None,
+        reason="disagg_router.connector.facade (our vLLM connector) is not in this checkout",
     ),
 ]
 

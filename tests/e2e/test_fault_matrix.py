@@ -35,26 +35,28 @@ import httpx
 import pytest
 import yaml
 
-from connector.config import ConnectorConfig
-from connector.faults import INJECTED
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
 from devstack.stack import Stack, StackInstance, StackOptions
 from devstack.vllm_server import VllmServer
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.faults import INJECTED
 from tests.e2e.e2e_support import RunningRouter, make_prompt, module_stack, running_router
 from tests.support.wait import wait_until
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(
-        importlib.util.find_spec("connector.facade") is None,
-        reason="connector.facade (our vLLM connector) is not in this checkout",
+        importlib.util.find_spec("disagg_router.connector.facade") is None,
+        reason="disagg_router.connector.facade (our vLLM connector) is not in this checkout",
     ),
 ]
 
 CONNECTOR = ConnectorConfig()  # the stack runs the connector's defaults
 MARGIN_S = 5.0  # engine steps that report the release, and /metrics catching up
-IMMEDIATE_BOUND_S = MARGIN_S  # connector/README.md: P answers D's cancel, P frees at once
+IMMEDIATE_BOUND_S = (
+    MARGIN_S  # disagg_router/connector/README.md: P answers D's cancel, P frees at once
+)
 P_DEAD_BOUND_S = 2 * CONNECTOR.liveness_interval_s + MARGIN_S  # README: "P dies" (two pings)
 LONG_PROMPT_WORDS = 2000  # ~7k tokens of the tiny model: under max_model_len 16384
 # Killing P mid-prefill needs a prefill that spans several engine steps (vLLM updates its running
@@ -69,13 +71,16 @@ SIGTERM_MAX_TOKENS = 6000
 ROWS: list[dict[str, str]] = []
 
 
-WRITE_FAULT_FILE = "p-write-fault"  # connector/faults.py: its appearance fails P's next WRITE
+WRITE_FAULT_FILE = (
+    "p-write-fault"  # disagg_router/connector/faults.py: its appearance fails P's next WRITE
+)
 CONCURRENT_STREAMS = 128
 
 
 @pytest.fixture(scope="module")
 def stack(e2e_dir: Path) -> Iterator[Stack]:
-    # Test-only fault injection, dormant until a case creates the file (connector/faults.py).
+    # Test-only fault injection, dormant until a case creates the file
+    # (disagg_router/connector/faults.py).
     extra = {"fault_injection_file": str(e2e_dir / WRITE_FAULT_FILE)}
     options = StackOptions(
         kind="ours", topology="1p1d", connector_extra_config=extra, enforce_eager=True
@@ -285,7 +290,16 @@ def test_router_sigterm_with_requests_in_flight(stack: Stack, tmp_path: Path) ->
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
-    argv = (sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port))
+    argv = (
+        sys.executable,
+        "-m",
+        "disagg_router.router.cli",
+        "serve",
+        "--config",
+        str(path),
+        "--port",
+        str(port),
+    )
     url = f"http://127.0.0.1:{port}"
     with ChildProcess(ProcessSpec("router", argv, tmp_path / "router.log")) as proc:
         wait_until(lambda: _ready(url), 60, "the router process to be ready")

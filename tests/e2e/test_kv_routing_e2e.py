@@ -20,17 +20,17 @@ import pytest
 import zmq
 
 from devstack.stack import Stack, StackOptions
-from router.routing.block_keys import PromptTokenizer, load_tokenizer, request_keys
-from router.routing.kv_index import KvIndex
-from router.routing.kv_wire import BadBatch, KvEvent, typed_events
+from disagg_router.router.routing.block_keys import PromptTokenizer, load_tokenizer, request_keys
+from disagg_router.router.routing.kv_index import KvIndex
+from disagg_router.router.routing.kv_wire import BadBatch, KvEvent, typed_events
 from tests.e2e.e2e_support import RunningRouter, module_stack, running_router, wait_idle
 from tests.support.wait import wait_until
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(
-        importlib.util.find_spec("connector.facade") is None,
-        reason="connector.facade (our vLLM connector) is not in this checkout",
+        importlib.util.find_spec("disagg_router.connector.facade") is None,
+        reason="disagg_router.connector.facade (our vLLM connector) is not in this checkout",
     ),
 ]
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = {
-    "router": REPO,
-    "connector": REPO,
+    "disagg_router": REPO,
     "devstack": REPO / "devtools",
     "bench": REPO / "devtools",
 }

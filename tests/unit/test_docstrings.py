@@ -67,9 +67,11 @@ def test_router_docstrings_name_their_callers_as_references() -> None:
     unchecked = [
         name
         for name in _modules()
-        if name.startswith("router") and _who_calls(name) is not None and not _named_callers(name)
+        if name.startswith("disagg_router.router")
+        and _who_calls(name) is not None
+        and not _named_callers(name)
     ]
-    assert unchecked == [], "name the calling module as :mod:`router....` in 'Who calls it:'"
+    assert unchecked == [], "name the calling module as :mod:`disagg_router....` in 'Who calls it:'"
 
 
 @pytest.mark.parametrize(("module", "caller"), CASES, ids=[f"{m}<-{c}" for m, c in CASES])

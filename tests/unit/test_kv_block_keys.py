@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 
-from router.routing.block_keys import PromptTokenizer, chain_keys, load_tokenizer, request_keys
+from disagg_router.router.routing.block_keys import (
+    PromptTokenizer,
+    chain_keys,
+    load_tokenizer,
+    request_keys,
+)
 
 RECORDING = Path(__file__).parent / "router" / "recorded" / "vllm_kv_events.json"
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import yaml
 
-import connector
-from connector.config import ConnectorConfig
-from router.config import settings_from_mapping
+from disagg_router import connector
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.router.config import settings_from_mapping
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -4,7 +4,7 @@ Over every file git tracks (``git ls-files``; a symlink is checked by its target
 development sessions, owners or roles, no absolute path of a particular machine's checkout or
 home directory, and no run's temporary directory as a value in committed data. Also: README.md
 stays short (it is the user's entry point; reference material lives in ``docs/`` and
-``connector/README.md``).
+``disagg_router/connector/README.md``).
 Skipped outside a git checkout (e.g. an unpacked sdist), where there is no file list to check.
 """
 

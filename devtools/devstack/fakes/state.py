@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.contract import EngineShape
+from disagg_router.connector.contract import EngineShape
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from connector.contract import (
+from devstack.fakes.routes import add_passthrough_routes
+from devstack.fakes.state import FakeVllmState, RecordedRequest
+from disagg_router.connector.contract import (
     IDENTITY_PROBE_KEY,
     KV_TRANSFER_PARAMS,
     REMOTE_PREFILL_CACHED_TOKENS,
@@ -38,10 +40,8 @@ from connector.contract import (
     read_prefill_leg,
     with_engine_suffix,
 )
-from connector.errors import ContractError
-from devstack.fakes.routes import add_passthrough_routes
-from devstack.fakes.state import FakeVllmState, RecordedRequest
-from router.upstream.sse import DONE, encode_data
+from disagg_router.connector.errors import ContractError
+from disagg_router.router.upstream.sse import DONE, encode_data
 
 _POLL_S = 0.005
 _HANG_CAP_S = 600.0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.nixl_backend import nixl_available
+from disagg_router.connector.nixl_backend import nixl_available
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="no NIXL")]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from connector.layout import LayoutSpec, RegionSpec
+from disagg_router.connector.layout import LayoutSpec, RegionSpec
 
 NUM_REGIONS = 2
 

@@ -13,10 +13,10 @@ import sys
 
 import numpy as np
 
-from connector.config import ConnectorConfig
-from connector.nixl_backend import NixlEndpoint
-from connector.producer import PushProducer
-from connector.specs import SendAbort, SendSpec
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.nixl_backend import NixlEndpoint
+from disagg_router.connector.producer import PushProducer
+from disagg_router.connector.specs import SendAbort, SendSpec
 from tests.integration.connector.nixl_layouts import make_regions
 
 

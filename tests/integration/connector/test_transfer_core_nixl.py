@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from connector.config import ConnectorConfig
-from connector.consumer import PushConsumer
-from connector.nixl_backend import NixlEndpoint, nixl_available
-from connector.records import TransferRecord
-from connector.specs import RecvSpec
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.consumer import PushConsumer
+from disagg_router.connector.nixl_backend import NixlEndpoint, nixl_available
+from disagg_router.connector.records import TransferRecord
+from disagg_router.connector.specs import RecvSpec
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not nixl_available(), reason="no NIXL")]

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from router.config import DnsDiscovery, InstanceConfig
-from router.discovery.dns import DnsSource
-from router.discovery.source import Failed, Found
-from router.discovery.watcher import PoolDiscovery
-from router.observability.metrics import RouterMetrics
+from disagg_router.router.config import DnsDiscovery, InstanceConfig
+from disagg_router.router.discovery.dns import DnsSource
+from disagg_router.router.discovery.source import Failed, Found
+from disagg_router.router.discovery.watcher import PoolDiscovery
+from disagg_router.router.observability.metrics import RouterMetrics
 from tests.integration.discovery.dns_server import DOMAIN, LISTEN, DnsServer
 
 NAME = f"decode.{DOMAIN}"

@@ -13,12 +13,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from devstack.fake_vllm import UvicornThread
-from router.config import InstanceConfig, KubernetesDiscovery
-from router.discovery.kubernetes import KubernetesSource
-from router.discovery.source import Failed, Found, Update
-from router.discovery.watcher import PoolDiscovery
-from router.observability.metrics import RouterMetrics
-from router.supervisor import Supervisor
+from disagg_router.router.config import InstanceConfig, KubernetesDiscovery
+from disagg_router.router.discovery.kubernetes import KubernetesSource
+from disagg_router.router.discovery.source import Failed, Found, Update
+from disagg_router.router.discovery.watcher import PoolDiscovery
+from disagg_router.router.observability.metrics import RouterMetrics
+from disagg_router.router.supervisor import Supervisor
 from tests.integration.discovery.kube_api import TOKEN, KubeApiTranscript, kubeconfig, recorded
 
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"

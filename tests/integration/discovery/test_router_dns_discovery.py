@@ -20,8 +20,8 @@ import pytest
 
 from devstack.fake_vllm import FakeVllmServer, FakeVllmState, KvFabric, PushIdentity, UvicornThread
 from devstack.ports import free_port
-from router.config import RouterSettings, settings_from_mapping
-from router.http.app import create_app
+from disagg_router.router.config import RouterSettings, settings_from_mapping
+from disagg_router.router.http.app import create_app
 from tests.integration.discovery.dns_server import DOMAIN, LISTEN, DnsServer
 from tests.integration.discovery.traffic import Traffic
 from tests.support.wait import wait_until

@@ -12,8 +12,8 @@ import httpx
 from httpx_sse import EventSource
 
 from devstack.fake_vllm import UvicornThread
-from router.config import RouterSettings, settings_from_mapping
-from router.http.app import create_app
+from disagg_router.router.config import RouterSettings, settings_from_mapping
+from disagg_router.router.http.app import create_app
 from tests.support.wait import wait_until
 
 MODEL = "fake-model"

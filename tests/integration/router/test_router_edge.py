@@ -49,7 +49,16 @@ def _router(
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
-    argv = (sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port))
+    argv = (
+        sys.executable,
+        "-m",
+        "disagg_router.router.cli",
+        "serve",
+        "--config",
+        str(path),
+        "--port",
+        str(port),
+    )
     with ChildProcess(ProcessSpec("router", argv, tmp_path / "router.log")) as proc:
         wait_until(lambda: _ready(f"http://127.0.0.1:{port}"), 30, "the router to be ready")
         yield proc, ("127.0.0.1", port)

@@ -315,7 +315,10 @@ def test_no_retry_is_logged_or_counted_without_a_fresh_pair(
     no retry is logged or counted (none happened)."""
     p, d = fake["p0"], fake["d0"]
     settings = _settings(p, d, timeouts={"prefill": 0.3, "first_token": 5, "total": 10})
-    with caplog.at_level(logging.INFO, logger="router"), running_router(settings) as router:
+    with (
+        caplog.at_level(logging.INFO, logger="disagg_router.router"),
+        running_router(settings) as router,
+    ):
         p.state.behavior = FakeBehavior(hang=True)
         resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=10)
         metrics = httpx.get(f"{router.url}/metrics").text

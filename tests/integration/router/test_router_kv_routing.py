@@ -20,9 +20,9 @@ from devstack.fake_vllm import FakeVllmServer
 from devstack.fakes.kv_hostile import SHAPES, good, hostile
 from devstack.fakes.kv_publisher import FakeKvPublisher
 from devstack.tiny_model import make_tiny_model
-from router.config import settings_from_mapping
-from router.routing.kv_index import KvIndex
-from router.routing.kv_wire import typed_events
+from disagg_router.router.config import settings_from_mapping
+from disagg_router.router.routing.kv_index import KvIndex
+from disagg_router.router.routing.kv_wire import typed_events
 from tests.integration.router.router_fixtures import MODEL, running_router
 from tests.support.wait import wait_until
 

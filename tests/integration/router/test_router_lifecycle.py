@@ -53,7 +53,16 @@ def _router_process(tmp_path: Path, config: dict[str, Any]) -> Iterator[tuple[Ch
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
-    argv = (sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port))
+    argv = (
+        sys.executable,
+        "-m",
+        "disagg_router.router.cli",
+        "serve",
+        "--config",
+        str(path),
+        "--port",
+        str(port),
+    )
     spec = ProcessSpec("router", argv, tmp_path / "router.log")
     with ChildProcess(spec) as proc:
         url = f"http://127.0.0.1:{port}"

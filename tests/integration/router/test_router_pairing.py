@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from connector.contract import IDENTITY_PROBE_KEY, EngineShape
 from devstack.fake_vllm import FakeVllmServer
+from disagg_router.connector.contract import IDENTITY_PROBE_KEY, EngineShape
 from tests.integration.router.router_fixtures import MODEL, make_settings, running_router
 from tests.support.wait import wait_until
 

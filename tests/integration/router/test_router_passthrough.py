@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer, FakeVllmState, UvicornThread
-from router.http.passthrough import PASSTHROUGH_PATHS
+from disagg_router.router.http.passthrough import PASSTHROUGH_PATHS
 from tests.integration.router.router_fixtures import MODEL, make_settings, running_router
 from tests.integration.router.test_router_lifecycle import _config, _router_process
 from tests.support.wait import wait_until

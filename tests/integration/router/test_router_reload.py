@@ -17,7 +17,7 @@ import yaml
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
-from router.config import load_config
+from disagg_router.router.config import load_config
 from tests.integration.router.router_fixtures import MODEL, running_router, sse_text
 from tests.support.wait import wait_until
 
@@ -115,7 +115,16 @@ def test_sighup_reloads_the_serving_process(
     _write(path, _config([p.url], [d.url]))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = (sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port))
+    argv = (
+        sys.executable,
+        "-m",
+        "disagg_router.router.cli",
+        "serve",
+        "--config",
+        str(path),
+        "--port",
+        str(port),
+    )
     with ChildProcess(ProcessSpec("router", argv, tmp_path / "router.log")) as proc:
         wait_until(lambda: _up(url), timeout=60, what="the router to serve")
         _write(path, {**_config([p.url], [d.url]), "models": [MODEL, "second"]})

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from devstack.fake_vllm import FakeBehavior, FakeVllmServer
-from router.observability.reqlog import JsonFormatter
+from disagg_router.router.observability.reqlog import JsonFormatter
 from tests.integration.router.router_fixtures import (
     MODEL,
     make_settings,
@@ -170,7 +170,10 @@ def test_request_ids_and_json_summary_log(
     logged but never sent to vLLM; an unsafe one is ignored; the summary record has the fields."""
     p, d = fake["p0"], fake["d0"]
     settings = make_settings([p.url], [d.url], health={"interval": 3600})
-    with caplog.at_level(logging.INFO, logger="router.requests"), running_router(settings) as r:
+    with (
+        caplog.at_level(logging.INFO, logger="disagg_router.router.requests"),
+        running_router(settings) as r,
+    ):
         ok = httpx.post(
             f"{r.url}/v1/completions", json=SHORT, headers={"X-Request-Id": "client-42"}
         )
@@ -185,7 +188,7 @@ def test_request_ids_and_json_summary_log(
     assert stream.headers["x-request-id"] == d_legs[1].headers["x-request-id"]
     assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == 32
     assert missing.status_code == 404 and missing.headers["x-request-id"]
-    summaries = [rec for rec in caplog.records if rec.name == "router.requests"]
+    summaries = [rec for rec in caplog.records if rec.name == "disagg_router.router.requests"]
     first = json.loads(JsonFormatter().format(summaries[0]))
     assert first["request_id"] == ok.headers["x-request-id"]
     assert first["client_request_id"] == "client-42"

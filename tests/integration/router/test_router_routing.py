@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from devstack.fake_vllm import FakeVllmServer, FakeVllmState, KvFabric, PushIdentity
-from router.config import settings_from_mapping
+from disagg_router.router.config import settings_from_mapping
 from tests.integration.router.router_fixtures import MODEL, make_settings, running_router
 
 OTHER = "other-model"

@@ -66,8 +66,8 @@ def test_trace_is_continued_propagated_to_both_legs_and_exported(
 def test_tracing_off_imports_no_opentelemetry() -> None:
     code = (
         "import sys, asyncio\n"
-        "from router.http.app import create_app\n"
-        "from router.config import settings_from_mapping\n"
+        "from disagg_router.router.http.app import create_app\n"
+        "from disagg_router.router.config import settings_from_mapping\n"
         "s = settings_from_mapping({'models': ['m'], 'prefill': {'instances': [{'url': "
         "'http://127.0.0.1:9'}]}, 'decode': {'instances': [{'url': 'http://127.0.0.1:9'}]}})\n"
         "app = create_app(s)\n"

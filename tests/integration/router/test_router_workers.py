@@ -69,7 +69,7 @@ def test_metrics_of_two_workers_are_one_router(
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
+    argv = [sys.executable, "-m", "disagg_router.router.cli", "serve", "--config", str(path)]
     argv += ["--port", str(port), "--workers", "2"]
     requests = 12
     with ChildProcess(ProcessSpec("router", tuple(argv), tmp_path / "router.log")) as proc:
@@ -116,7 +116,7 @@ def test_workers_are_replaced_reloaded_and_drained_with_503(
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(path)]
+    argv = [sys.executable, "-m", "disagg_router.router.cli", "serve", "--config", str(path)]
     argv += ["--port", str(port), "--workers", "2"]
     body = {**STREAM, "max_tokens": 150}
     with ChildProcess(ProcessSpec("router", tuple(argv), tmp_path / "router.log")) as proc:

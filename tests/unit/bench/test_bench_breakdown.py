@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from bench.breakdown import histogram_means, totals
-from router.observability.metrics import RouterMetrics
+from disagg_router.router.observability.metrics import RouterMetrics
 
 
 def test_means_cover_only_the_observations_between_the_scrapes() -> None:

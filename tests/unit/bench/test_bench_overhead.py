@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from bench.overhead import FAKE_PREFILL_IDENTITY as IDENTITY
 from bench.overhead import _stages_during, derive, fake_process, format_report, pooled
 from bench.routers import our_router, router_config
-from router.config import settings_from_mapping
-from router.observability.metrics import RouterMetrics
+from disagg_router.router.config import settings_from_mapping
+from disagg_router.router.observability.metrics import RouterMetrics
 
 
 def test_router_config_is_valid_for_the_router() -> None:
@@ -161,11 +161,17 @@ def test_rounds_pool_cpu_over_all_requests_and_keep_the_median_rounds_latencies(
 
 
 def test_a_baseline_checkout_runs_its_own_router_package(tmp_path: Path) -> None:
-    """``--baseline DIR``: the router process imports ``router`` from DIR first; ours keeps the
-    environment it was given."""
+    """``--baseline DIR``: the router process imports the router from DIR first (its
+    ``disagg_router.router``, or ``router`` in a checkout from before the one top-level
+    package); ours keeps the environment it was given."""
     config = router_config("m", "http://127.0.0.1:1", "http://127.0.0.1:2", identity=IDENTITY)
     other = tmp_path / "other-checkout"
     baseline = our_router(config, 1, tmp_path, source=other).process
     assert baseline.env is not None and baseline.env["PYTHONPATH"] == str(other.resolve())
-    assert baseline.argv[1:4] == ("-P", "-m", "router.cli")  # the working dir cannot shadow it
+    # -P: the working dir cannot shadow it
+    assert baseline.argv[1:4] == ("-P", "-m", "disagg_router.router.cli")
+    (other / "router").mkdir(parents=True)
+    (other / "router" / "cli.py").write_text("")
+    older = our_router(config, 3, tmp_path, source=other).process
+    assert older.argv[1:4] == ("-P", "-m", "router.cli")
     assert our_router(config, 2, tmp_path).process.env is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.device_kv import CacheShape, KVCache
-from connector.layout import layout_from_kv_caches
+from disagg_router.connector.layout import layout_from_kv_caches
 
 SHAPE = CacheShape(layers=2, heads=4, block_size=16, content=32, num_blocks=8)
 

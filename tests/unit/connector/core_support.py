@@ -1,9 +1,9 @@
 """Support for the transfer-core unit tests: an in-memory endpoint, a fake clock, a wait helper.
 
-:class:`MemoryEndpoint` implements :class:`connector.endpoint.Endpoint` (mypy checks it, see
-``_conforms``) and behaves like ``NixlEndpoint`` without NIXL's progress thread: a posted WRITE
-reports ``write_state`` (``DONE`` by default) when polled, a sent notification leaves (lands in
-``notifs``) only when ``progress`` runs, and ``take_notifs`` returns what ``deliver`` put in.
+:class:`MemoryEndpoint` implements :class:`disagg_router.connector.endpoint.Endpoint` (mypy checks
+it, see ``_conforms``) and behaves like ``NixlEndpoint`` without NIXL's progress thread: a posted
+WRITE reports ``write_state`` (``DONE`` by default) when polled, a sent notification leaves (lands
+in ``notifs``) only when ``progress`` runs, and ``take_notifs`` returns what ``deliver`` put in.
 ``progress_errors`` and ``notif_errors`` are raised, one per call, by ``progress`` and
 ``take_notifs`` (a NIXL error is a :class:`TransferError`; anything else stands for a bug).
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from connector.endpoint import Endpoint, XferState
-from connector.errors import TransferError
-from connector.layout import DescriptorIndex, LayoutSpec, RegionSpec
-from connector.protocol import Notification, decode_notification
+from disagg_router.connector.endpoint import Endpoint, XferState
+from disagg_router.connector.errors import TransferError
+from disagg_router.connector.layout import DescriptorIndex, LayoutSpec, RegionSpec
+from disagg_router.connector.protocol import Notification, decode_notification
 from tests.support.wait import wait_until
 
 LAYOUT = LayoutSpec(regions=(RegionSpec(0, 64, 64, 32),))

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from connector.config import ConnectorConfig
-from connector.consumer import PushConsumer
-from connector.consumer_state import ConsumerState
-from connector.errors import ProtocolError, SideChannelError, SideChannelRefusedError
-from connector.protocol import (
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.consumer import PushConsumer
+from disagg_router.connector.consumer_state import ConsumerState
+from disagg_router.connector.errors import ProtocolError, SideChannelError, SideChannelRefusedError
+from disagg_router.connector.protocol import (
     Notification,
     Reply,
     decode_request,
@@ -21,7 +21,7 @@ from connector.protocol import (
     encode_reply,
     registration_from_body,
 )
-from connector.specs import KeyCancel, RecvSpec
+from disagg_router.connector.specs import KeyCancel, RecvSpec
 from tests.unit.connector.core_support import LAYOUT, FakeClock, MemoryEndpoint, until
 
 CFG = ConnectorConfig(transfer_timeout_s=10.0, max_inflight_s=4.0, liveness_interval_s=0.5)

@@ -3,10 +3,10 @@ P rank it takes KV heads from, and a missing or failed one fails the request wit
 
 from __future__ import annotations
 
-from connector.config import ConnectorConfig
-from connector.consumer_state import ConsumerState
-from connector.errors import SideChannelRefusedError
-from connector.protocol import (
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.consumer_state import ConsumerState
+from disagg_router.connector.errors import SideChannelRefusedError
+from disagg_router.connector.protocol import (
     Notification,
     Reply,
     cancel_from_body,
@@ -14,7 +14,7 @@ from connector.protocol import (
     encode_notification,
     registration_from_body,
 )
-from connector.specs import KeyCancel, RecvSpec
+from disagg_router.connector.specs import KeyCancel, RecvSpec
 from tests.unit.connector.core_support import FakeClock
 from tests.unit.connector.test_tp_layout import rank_layout
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.contract import (
+from disagg_router.connector.contract import (
     DecodeLeg,
     EngineShape,
     PeerIdentity,
@@ -22,7 +22,7 @@ from connector.contract import (
     read_prefill_answer,
     read_prefill_leg,
 )
-from connector.errors import ContractError
+from disagg_router.connector.errors import ContractError
 
 PEER = PeerIdentity("p0", "10.0.0.1", 5600, tp_size=1, pp_size=1)
 

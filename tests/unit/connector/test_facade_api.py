@@ -14,11 +14,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-import connector
-from connector.facade import DisaggPushConnector
-from connector.metadata import PushConnectorMetadata
-from connector.specs import SendSpec
-from connector.worker import WorkerStep
+from disagg_router import connector
+from disagg_router.connector.facade import DisaggPushConnector
+from disagg_router.connector.metadata import PushConnectorMetadata
+from disagg_router.connector.specs import SendSpec
+from disagg_router.connector.worker import WorkerStep
 
 
 def test_class_name_resolves_like_vllms_factory_and_is_not_a_builtin_name() -> None:

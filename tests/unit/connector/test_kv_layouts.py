@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from connector.errors import LayoutError, UnsupportedSetupError
-from connector.layout import (
+from disagg_router.connector.errors import LayoutError, UnsupportedSetupError
+from disagg_router.connector.layout import (
     HeadTransfer,
     LayoutSpec,
     check_buffer_device,
@@ -35,7 +35,7 @@ from connector.layout import (
     layout_from_kv_caches,
     memory_spans,
 )
-from connector.setup_checks import connector_kv_heads
+from disagg_router.connector.setup_checks import connector_kv_heads
 
 NUM_BLOCKS = 10
 LAYERS = 3

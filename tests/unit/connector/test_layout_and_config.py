@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from connector.config import ConnectorConfig
-from connector.errors import ConfigError, LayoutError
-from connector.facade import resolve_config
-from connector.layout import (
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.errors import ConfigError, LayoutError
+from disagg_router.connector.facade import resolve_config
+from disagg_router.connector.layout import (
     LayoutSpec,
     RegionSpec,
     descriptor_ids,

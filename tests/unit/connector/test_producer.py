@@ -9,16 +9,16 @@ from typing import Any
 
 import pytest
 
-from connector.config import ConnectorConfig
-from connector.producer import PushProducer
-from connector.protocol import (
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.producer import PushProducer
+from disagg_router.connector.protocol import (
     Notification,
     Registration,
     decode_reply,
     encode_registration,
     encode_request,
 )
-from connector.specs import SendAbort, SendSpec
+from disagg_router.connector.specs import SendAbort, SendSpec
 from tests.unit.connector.core_support import LAYOUT, FakeClock, MemoryEndpoint, until
 
 

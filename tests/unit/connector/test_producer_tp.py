@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from connector.config import ConnectorConfig
-from connector.layout import LayoutSpec
-from connector.producer_state import ProducerState
-from connector.protocol import Registration, decode_notification
-from connector.specs import SendSpec
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.layout import LayoutSpec
+from disagg_router.connector.producer_state import ProducerState
+from disagg_router.connector.protocol import Registration, decode_notification
+from disagg_router.connector.specs import SendSpec
 from tests.unit.connector.core_support import FakeClock
 from tests.unit.connector.test_pp_layout import model_layout
 from tests.unit.connector.test_tp_layout import HEAD, rank_layout

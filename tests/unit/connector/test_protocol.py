@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from connector.errors import ProtocolError
-from connector.layout import LayoutSpec, RegionSpec
-from connector.protocol import (
+from disagg_router.connector.errors import ProtocolError
+from disagg_router.connector.layout import LayoutSpec, RegionSpec
+from disagg_router.connector.protocol import (
     NOTIF_PREFIX,
     PROTOCOL_VERSION,
     Notification,

@@ -9,7 +9,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
-from connector.contract import (
+from disagg_router.connector.contract import (
     EngineShape,
     base_request_id,
     identity_probe_params,
@@ -17,8 +17,8 @@ from connector.contract import (
     read_engine_shape,
     read_prefill_answer,
 )
-from connector.scheduler import PushScheduler
-from connector.specs import KeyCancel, RecvSpec, SendAbort, SendSpec
+from disagg_router.connector.scheduler import PushScheduler
+from disagg_router.connector.specs import KeyCancel, RecvSpec, SendAbort, SendSpec
 
 P_IDENTITY = {
     "do_remote_prefill": True,
@@ -221,8 +221,8 @@ def test_d_answers_a_bare_identity_probe_with_its_shape_and_keeps_nothing() -> N
 
 
 def test_probe_key_is_the_one_the_router_sends() -> None:
-    from connector.contract import IDENTITY_PROBE_KEY
-    from router.upstream.rewrite import prefill_body
+    from disagg_router.connector.contract import IDENTITY_PROBE_KEY
+    from disagg_router.router.upstream.rewrite import prefill_body
 
     body = prefill_body({"model": "m", "prompt": "ping"}, chat=False, transfer_id="x", probe=True)
     assert body["kv_transfer_params"][IDENTITY_PROBE_KEY] is True
@@ -253,9 +253,13 @@ def test_plain_request_is_untouched() -> None:
 def test_scheduler_and_router_speak_the_same_contract() -> None:
     """The router's leg bodies read as the scheduler expects, and P's answer reads back with the
     contract's reader and the router's ``identity_from_kv``."""
-    from connector.contract import PeerIdentity, PrefillAnswer, read_prefill_answer
-    from router.config import PushIdentity
-    from router.upstream.rewrite import decode_body_push, identity_from_kv, prefill_body
+    from disagg_router.connector.contract import PeerIdentity, PrefillAnswer, read_prefill_answer
+    from disagg_router.router.config import PushIdentity
+    from disagg_router.router.upstream.rewrite import (
+        decode_body_push,
+        identity_from_kv,
+        prefill_body,
+    )
 
     p = PushScheduler("p0", "127.0.0.1", 18250, 128)
     p_body = prefill_body({"model": "m", "prompt": "x"}, False, "tid")
@@ -284,7 +288,7 @@ def test_scheduler_and_router_speak_the_same_contract() -> None:
 def test_engine_shape_reads_vllms_config() -> None:
     from types import SimpleNamespace
 
-    from connector.scheduler import engine_shape
+    from disagg_router.connector.scheduler import engine_shape
 
     config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),

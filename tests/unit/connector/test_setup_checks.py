@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from connector.config import ConnectorConfig
-from connector.consumer_state import ConsumerState
-from connector.errors import UnsupportedSetupError
-from connector.layout import LayoutSpec
-from connector.producer_state import ProducerState
-from connector.protocol import decode_request, registration_from_body
-from connector.setup_checks import connector_kv_heads, refuse_unsupported
-from connector.specs import RecvSpec
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.consumer_state import ConsumerState
+from disagg_router.connector.errors import UnsupportedSetupError
+from disagg_router.connector.layout import LayoutSpec
+from disagg_router.connector.producer_state import ProducerState
+from disagg_router.connector.protocol import decode_request, registration_from_body
+from disagg_router.connector.setup_checks import connector_kv_heads, refuse_unsupported
+from disagg_router.connector.specs import RecvSpec
 from tests.unit.connector.core_support import LAYOUT, FakeClock
 
 
@@ -100,7 +100,7 @@ def test_a_mismatched_layout_is_refused_and_both_sides_log_why(
     p = ProducerState("p0", p_layout, ConnectorConfig(), clock)
     d = ConsumerState(ConnectorConfig(), d_layout, "d-agent", b"meta", clock)
     [ask] = d.register(RecvSpec("d-1", "k1", "p0", "10.0.0.1", 5600, (1,), first_block=0))
-    caplog.set_level(logging.WARNING, logger="connector")
+    caplog.set_level(logging.WARNING, logger="disagg_router.connector")
     reply = p.register(registration_from_body(decode_request(ask.payload)[1]))
     d.answer(ask, reply)
     why = "incompatible KV layout: block size (tokens) differs: 32 vs 16"

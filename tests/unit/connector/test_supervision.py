@@ -12,16 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from connector.config import ConnectorConfig
-from connector.consumer import PushConsumer
-from connector.errors import SideChannelError, TransferCoreFailedError, TransferError
-from connector.faults import INJECTED, FaultInjectingEndpoint
-from connector.producer import PushProducer
-from connector.protocol import Notification, decode_reply, encode_notification, encode_request
-from connector.side_channel import request
-from connector.specs import RecvSpec, SendSpec
-from connector.stats import PushTransferStats
-from connector.worker import PushWorker, WorkerSetup
+from disagg_router.connector.config import ConnectorConfig
+from disagg_router.connector.consumer import PushConsumer
+from disagg_router.connector.errors import SideChannelError, TransferCoreFailedError, TransferError
+from disagg_router.connector.faults import INJECTED, FaultInjectingEndpoint
+from disagg_router.connector.producer import PushProducer
+from disagg_router.connector.protocol import (
+    Notification,
+    decode_reply,
+    encode_notification,
+    encode_request,
+)
+from disagg_router.connector.side_channel import request
+from disagg_router.connector.specs import RecvSpec, SendSpec
+from disagg_router.connector.stats import PushTransferStats
+from disagg_router.connector.worker import PushWorker, WorkerSetup
 from tests.unit.connector.core_support import FakeClock, MemoryEndpoint, until
 from tests.unit.connector.test_consumer import Transport
 from tests.unit.connector.test_producer import reg

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from connector.layout import (
+from disagg_router.connector.layout import (
     HeadCopy,
     HeadTransfer,
     LayoutSpec,

@@ -13,7 +13,7 @@ from devstack.connectors import kv_transfer_config, router_mode
 from devstack.ports import free_ports
 from devstack.stack import Stack, StackInstance, StackOptions, build_specs
 from devstack.vllm_server import VllmServer, VllmServerSpec, read_metrics_text
-from router.config import settings_from_mapping
+from disagg_router.router.config import settings_from_mapping
 
 
 def test_kv_transfer_config_for_vllm_connectors() -> None:
@@ -30,11 +30,11 @@ def test_kv_transfer_config_for_vllm_connectors() -> None:
 
 
 def test_kv_transfer_config_for_our_connector_uses_the_package_names() -> None:
-    import connector
+    from disagg_router import connector
 
     config = kv_transfer_config("ours", "decode")
     assert config["kv_connector"] == connector.CONNECTOR_CLASS_NAME
-    assert config["kv_connector_module_path"] == "connector"
+    assert config["kv_connector_module_path"] == "disagg_router.connector"
     assert config["kv_role"] == "kv_consumer"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router import cli
+from disagg_router.router import cli
 
 
 def test_serve_rejects_a_bad_config(capsys: pytest.CaptureFixture[str]) -> None:

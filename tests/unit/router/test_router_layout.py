@@ -1,5 +1,5 @@
 """The import direction of the router's packages, read from the syntax trees (lazy imports and
-``TYPE_CHECKING`` imports count):
+``TYPE_CHECKING`` imports count); ``router`` below is ``disagg_router.router``:
 
 - nothing imports ``router.http`` except the router's top-level modules (``router/*.py``), nor
   do the dev tools;
@@ -13,8 +13,8 @@
 - ``router.http`` makes no upstream call: of ``router.upstream`` it imports only the JSON codec
   and the body rewriting (the calls go through ``dispatch``);
 - no two files of the router import each other, directly or through others;
-- ``connector`` never imports ``router``;
-- ``router`` never imports the dev tools (``devstack``, ``bench``).
+- ``disagg_router.connector`` never imports the router;
+- the router never imports the dev tools (``devstack``, ``bench``).
 """
 
 from __future__ import annotations
@@ -26,12 +26,25 @@ import pytest
 from tests.support.imports import imported_modules
 
 REPO = Path(__file__).resolve().parents[3]
+ROUTER = "disagg_router.router"
+CONNECTOR = "disagg_router.connector"
 REQUEST_PATH = ("http", "dispatch", "routing", "health", "discovery")
 
 
+def _r(name: str) -> str:
+    """The router's module ``name`` (``"http"`` -> ``disagg_router.router.http``)."""
+    return f"{ROUTER}.{name}"
+
+
+def _path(package: str) -> Path:
+    """The folder of a dotted package name."""
+    return REPO.joinpath(*package.split("."))
+
+
 def _modules(package: str) -> dict[str, Path]:
+    """Every module under ``package`` (a dotted name, or a folder such as ``devtools``)."""
     out = {}
-    for path in sorted((REPO / package).rglob("*.py")):
+    for path in sorted(_path(package).rglob("*.py")):
         parts = path.relative_to(REPO).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
@@ -56,48 +69,51 @@ def _violations(
 
 
 def _top_level(name: str) -> bool:
-    """``router`` itself or one of ``router/*.py``."""
-    parts = name.split(".")
-    return parts == ["router"] or (
-        len(parts) == 2 and (REPO / "router" / f"{parts[1]}.py").is_file()
-    )
+    """The router package itself or one of its top-level modules (``router/*.py``)."""
+    if name == ROUTER:
+        return True
+    rest = name.removeprefix(ROUTER + ".")
+    return rest != name and "." not in rest and (_path(ROUTER) / f"{rest}.py").is_file()
 
 
-def test_the_rules_seeimported_modules() -> None:
+def test_the_rules_see_imported_modules() -> None:
     """The reader finds what it must (else every rule below would pass vacuously)."""
-    imports = imported_modules("router.http.generate", REPO / "router" / "http" / "generate.py")
-    assert {"router.dispatch.orchestrator", "router.runtime"} <= imports
-    assert "router.http.app" in imported_modules("router.server", REPO / "router" / "server.py")
+    generate = _path(_r("http")) / "generate.py"
+    imports = imported_modules(_r("http.generate"), generate)
+    assert {_r("dispatch.orchestrator"), _r("runtime")} <= imports
+    assert _r("http.app") in imported_modules(_r("server"), _path(ROUTER) / "server.py")
+    assert _top_level(_r("server")) and not _top_level(_r("http.app"))
 
 
 def test_only_the_top_level_imports_router_http() -> None:
+    http = _r("http")
     importers = [
         (name, imported)
-        for name, imported in _violations("router", ("router.http",), allowed=("router.http",))
+        for name, imported in _violations(ROUTER, (http,), allowed=(http,))
         if not _top_level(name)
     ]
     assert importers == []
-    assert _violations("devtools", ("router.http",)) == []  # they start the router by its top level
+    assert _violations("devtools", (http,)) == []  # they start the router by its top level
 
 
-@pytest.mark.parametrize("lower", ["router.upstream", "router.observability"])
+@pytest.mark.parametrize("lower", [_r("upstream"), _r("observability")])
 def test_lower_layers_import_no_request_path_package(lower: str) -> None:
-    forbidden = tuple(f"router.{p}" for p in REQUEST_PATH)
+    forbidden = tuple(_r(p) for p in REQUEST_PATH)
     found = [
         (name, imported)
-        for name, imported in _violations("router", forbidden)
+        for name, imported in _violations(ROUTER, forbidden)
         if _within(name, lower)
     ]
     assert found == []
 
 
 def test_instances_are_the_bottom_layer() -> None:
-    allowed = ("router.instances", "router.config", "router.errors", "router.observability")
+    allowed = tuple(_r(p) for p in ("instances", "config", "errors", "observability"))
     found = [
         (name, imported)
-        for name, path in _modules("router/instances").items()
+        for name, path in _modules(_r("instances")).items()
         for imported in imported_modules(name, path)
-        if _within(imported, "router") and not any(_within(imported, a) for a in allowed)
+        if _within(imported, ROUTER) and not any(_within(imported, a) for a in allowed)
     ]
     assert found == []
 
@@ -105,23 +121,23 @@ def test_instances_are_the_bottom_layer() -> None:
 @pytest.mark.parametrize(
     ("importer", "forbidden"),
     [
-        ("router.routing", ("router.health", "router.dispatch")),
-        ("router.health", ("router.dispatch",)),
-        ("router.dispatch", ("router.health",)),
+        (_r("routing"), (_r("health"), _r("dispatch"))),
+        (_r("health"), (_r("dispatch"),)),
+        (_r("dispatch"), (_r("health"),)),
     ],
 )
 def test_package_never_imports(importer: str, forbidden: tuple[str, ...]) -> None:
-    found = [(n, i) for n, i in _violations("router", forbidden) if _within(n, importer)]
+    found = [(n, i) for n, i in _violations(ROUTER, forbidden) if _within(n, importer)]
     assert found == []
 
 
 def test_http_makes_no_upstream_call() -> None:
-    # ``from router.upstream import codec`` reads as the package and its module
-    allowed = ("router.upstream", "router.upstream.codec", "router.upstream.rewrite")
+    # ``from disagg_router.router.upstream import codec`` reads as the package and its module
+    allowed = (_r("upstream"), _r("upstream.codec"), _r("upstream.rewrite"))
     found = [
         (name, imported)
-        for name, imported in _violations("router", ("router.upstream",))
-        if _within(name, "router.http") and imported not in allowed
+        for name, imported in _violations(ROUTER, (_r("upstream"),))
+        if _within(name, _r("http")) and imported not in allowed
     ]
     assert found == []
 
@@ -175,7 +191,7 @@ def test_cycles_finds_a_circle() -> None:
 
 
 def test_no_import_circle_between_files_of_the_router() -> None:
-    modules = _modules("router")
+    modules = _modules(ROUTER)
     graph = {
         name: {i for i in imported_modules(name, path) if i in modules and i != name}
         for name, path in modules.items()
@@ -184,8 +200,9 @@ def test_no_import_circle_between_files_of_the_router() -> None:
 
 
 def test_the_connector_never_imports_the_router() -> None:
-    assert _violations("connector", ("router",)) == []
+    assert _violations(CONNECTOR, (ROUTER,)) == []
+    assert _modules(CONNECTOR)  # the rule reads the connector's files
 
 
 def test_the_router_never_imports_the_dev_tools() -> None:
-    assert _violations("router", ("devstack", "bench")) == []
+    assert _violations(ROUTER, ("devstack", "bench")) == []

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI
 
-import router
+from disagg_router import router
 
 
 def test_public_api_builds_an_app_from_a_config_file(tmp_path: Path) -> None:

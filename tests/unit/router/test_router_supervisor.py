@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from devstack.fake_vllm import UvicornThread
-from router.config import settings_from_mapping
-from router.http.app import create_app
-from router.observability.metrics import RouterMetrics
-from router.supervisor import Supervisor
+from disagg_router.router.config import settings_from_mapping
+from disagg_router.router.http.app import create_app
+from disagg_router.router.observability.metrics import RouterMetrics
+from disagg_router.router.supervisor import Supervisor
 from tests.unit.router.mock_upstream import answer, pair
 
 
@@ -43,7 +43,7 @@ async def test_a_crashed_task_is_logged_counted_shown_and_restarted(
     sup = Supervisor(RouterMetrics(registry), backoff=0.01, max_backoff=0.02)
     flaky = Flaky()
     errors: list[str] = []
-    with caplog.at_level(logging.ERROR, logger="router.supervisor"):
+    with caplog.at_level(logging.ERROR, logger="disagg_router.router.supervisor"):
         task = sup.start("flaky", flaky.run, on_crash=errors.append)
         await asyncio.wait_for(flaky.steady.wait(), 10)
     health = sup.status()["flaky"]
@@ -68,7 +68,7 @@ def test_a_health_monitor_that_crashes_before_its_first_check_holds_no_request(
     async def buggy_get(*args: object) -> bytes:
         raise RuntimeError("transport bug")
 
-    monkeypatch.setattr("router.health.monitor.get_ok", buggy_get)
+    monkeypatch.setattr("disagg_router.router.health.monitor.get_ok", buggy_get)
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json=answer(" ok", None))

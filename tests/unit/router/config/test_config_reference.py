@@ -1,7 +1,7 @@
 """The config reference (the YAML blocks of docs/router.md and docs/discovery.md) and the config
-model (``router.config.RouterSettings``) name the same options: a new option must be documented,
-and a documented option must exist. Checked by name (the reference shows each section once,
-e.g. ``prefill`` for both pools, the top level for a model's own settings)."""
+model (``disagg_router.router.config.RouterSettings``) name the same options: a new option must be
+documented, and a documented option must exist. Checked by name (the reference shows each section
+once, e.g. ``prefill`` for both pools, the top level for a model's own settings)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from router.config import RouterSettings
+from disagg_router.router.config import RouterSettings
 
 DOCS = Path(__file__).resolve().parents[4] / "docs"
 REFERENCE = (DOCS / "router.md", DOCS / "discovery.md")

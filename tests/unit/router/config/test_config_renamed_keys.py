@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import yaml
 
-import router.observability.reqlog
-import router.server
-from router.cli import main
-from router.config import load_config, settings_from_mapping
-from router.errors import ConfigError
+import disagg_router.router.observability.reqlog
+import disagg_router.router.server
+from disagg_router.router.cli import main
+from disagg_router.router.config import load_config, settings_from_mapping
+from disagg_router.router.errors import ConfigError
 
 OLD = {
     "timeouts": {"discovery": 7},
@@ -109,18 +109,22 @@ def test_serve_logs_the_deprecation(
     def fake_serve(settings: Any, *args: Any, **kwargs: Any) -> None:
         served.append(settings.timeouts.identity_probe)
 
-    monkeypatch.setattr(router.server, "serve", fake_serve)  # no server: only the start's log
-    monkeypatch.setattr(router.observability.reqlog, "configure_logging", lambda *a: None)
-    with caplog.at_level(logging.WARNING, logger="router.config"):
+    monkeypatch.setattr(
+        disagg_router.router.server, "serve", fake_serve
+    )  # no server: only the start's log
+    monkeypatch.setattr(
+        disagg_router.router.observability.reqlog, "configure_logging", lambda *a: None
+    )
+    with caplog.at_level(logging.WARNING, logger="disagg_router.router.config"):
         assert main(["serve", "--config", str(_write(tmp_path, OLD))]) == 0
     assert served == [7]
-    logged = [r.getMessage() for r in caplog.records if r.name == "router.config"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "disagg_router.router.config"]
     assert [_named(m) for m in logged] == RENAMES
 
 
 def test_load_config_logs_by_default_as_a_reload_does(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="router.config"):
+    with caplog.at_level(logging.WARNING, logger="disagg_router.router.config"):
         load_config(_write(tmp_path, {"timeouts": {"discovery": 7}}))
     assert [_named(r.getMessage()) for r in caplog.records] == RENAMES[:1]

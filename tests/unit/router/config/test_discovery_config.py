@@ -10,9 +10,14 @@ import pytest
 from kubernetes_asyncio.config import incluster_config
 from kubernetes_asyncio.config.config_exception import ConfigException
 
-from router.config import DnsDiscovery, KubernetesDiscovery, StaticDiscovery, settings_from_mapping
-from router.discovery.kubernetes import api_client, namespace
-from router.errors import ConfigError
+from disagg_router.router.config import (
+    DnsDiscovery,
+    KubernetesDiscovery,
+    StaticDiscovery,
+    settings_from_mapping,
+)
+from disagg_router.router.discovery.kubernetes import api_client, namespace
+from disagg_router.router.errors import ConfigError
 
 
 def _settings(prefill: dict[str, Any]) -> Any:

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 
-from router.cli import main
-from router.config import load_config, settings_from_mapping
-from router.errors import ConfigError
+from disagg_router.router.cli import main
+from disagg_router.router.config import load_config, settings_from_mapping
+from disagg_router.router.errors import ConfigError
 
 VALID = """
 models: [tiny]

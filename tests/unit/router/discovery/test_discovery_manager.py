@@ -7,12 +7,17 @@ import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from router.config import InstanceConfig, PoolConfig, RouterSettings, settings_from_mapping
-from router.discovery.manager import DiscoveryManager
-from router.discovery.source import Found, Update, found
-from router.instances.state import BackendState
-from router.runtime import Runtime, http_client
-from router.supervisor import Supervisor
+from disagg_router.router.config import (
+    InstanceConfig,
+    PoolConfig,
+    RouterSettings,
+    settings_from_mapping,
+)
+from disagg_router.router.discovery.manager import DiscoveryManager
+from disagg_router.router.discovery.source import Found, Update, found
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.runtime import Runtime, http_client
+from disagg_router.router.supervisor import Supervisor
 
 
 def _settings(decode_name: str) -> RouterSettings:

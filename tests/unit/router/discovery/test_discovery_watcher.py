@@ -7,10 +7,10 @@ from collections.abc import AsyncGenerator
 
 from prometheus_client import CollectorRegistry
 
-from router.config import InstanceConfig
-from router.discovery.source import Failed, Found, Update, base_url, found
-from router.discovery.watcher import PoolDiscovery
-from router.observability.metrics import RouterMetrics
+from disagg_router.router.config import InstanceConfig
+from disagg_router.router.discovery.source import Failed, Found, Update, base_url, found
+from disagg_router.router.discovery.watcher import PoolDiscovery
+from disagg_router.router.observability.metrics import RouterMetrics
 
 
 class ScriptedSource:

@@ -12,14 +12,14 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.config import AdmissionConfig, InstanceConfig, settings_from_mapping
-from router.dispatch.holds import Holds
-from router.dispatch.orchestrator import open_dispatch
-from router.instances.admission import Gate
-from router.instances.state import BackendState
-from router.observability.metrics import RouterMetrics
-from router.request import ClientRequest
-from router.runtime import open_runtime
+from disagg_router.router.config import AdmissionConfig, InstanceConfig, settings_from_mapping
+from disagg_router.router.dispatch.holds import Holds
+from disagg_router.router.dispatch.orchestrator import open_dispatch
+from disagg_router.router.instances.admission import Gate
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.observability.metrics import RouterMetrics
+from disagg_router.router.request import ClientRequest
+from disagg_router.router.runtime import open_runtime
 from tests.support.scripted import scripted
 from tests.unit.router.mock_upstream import KV, answer
 

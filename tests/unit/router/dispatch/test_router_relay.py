@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from router import create_app
-from router.config import settings_from_mapping
-from router.dispatch.state import END, Mailbox
+from disagg_router.router import create_app
+from disagg_router.router.config import settings_from_mapping
+from disagg_router.router.dispatch.state import END, Mailbox
 from tests.unit.router.mock_upstream import Upstream, asgi_messages, pair
 
 

@@ -7,16 +7,16 @@ from typing import Any
 import httpx
 import pytest
 
-import router.http.app
-from router.config import settings_from_mapping
-from router.http.app import create_app
+import disagg_router.router.http.app
+from disagg_router.router.config import settings_from_mapping
+from disagg_router.router.http.app import create_app
 
 
 async def test_unexpected_error_is_json_500(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*_: Any) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(router.http.app, "parse_client_request", broken)
+    monkeypatch.setattr(disagg_router.router.http.app, "parse_client_request", broken)
     settings = settings_from_mapping(
         {
             "models": ["m"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.http.disconnect import NOTICE, ClientWatch, DisconnectNotice, notice_of
+from disagg_router.router.http.disconnect import NOTICE, ClientWatch, DisconnectNotice, notice_of
 
 
 class Receive:

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.config import settings_from_mapping
-from router.http.app import create_app
+from disagg_router.router.config import settings_from_mapping
+from disagg_router.router.http.app import create_app
 from tests.unit.router.mock_upstream import Upstream, pair
 
 

@@ -9,12 +9,12 @@ from typing import Any
 import httpx
 import pytest
 
-from router.config import InstanceConfig, LimitsConfig, settings_from_mapping
-from router.errors import ClientRequestError, ConfigError, ModelNotFound
-from router.health.model_info import learn_max_model_len, model_len_of
-from router.http.validation import parse_passthrough
-from router.instances.state import BackendState
-from router.runtime import http_client
+from disagg_router.router.config import InstanceConfig, LimitsConfig, settings_from_mapping
+from disagg_router.router.errors import ClientRequestError, ConfigError, ModelNotFound
+from disagg_router.router.health.model_info import learn_max_model_len, model_len_of
+from disagg_router.router.http.validation import parse_passthrough
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.runtime import http_client
 from tests.support.scripted import scripted
 
 POOLS = {"instances": [{"url": "http://127.0.0.1:8100"}]}

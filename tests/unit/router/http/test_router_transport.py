@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 
 from devstack.fake_vllm import UvicornThread
-from router.config import settings_from_mapping
-from router.health.monitor import HealthMonitor
-from router.http.app import create_app
-from router.runtime import Runtime, http_client
+from disagg_router.router.config import settings_from_mapping
+from disagg_router.router.health.monitor import HealthMonitor
+from disagg_router.router.http.app import create_app
+from disagg_router.router.runtime import Runtime, http_client
 from tests.support.scripted import scripted
 from tests.unit.router.mock_upstream import KV, answer, pair
 

@@ -7,9 +7,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from router.config import BreakerConfig, InstanceConfig, RouterSettings, settings_from_mapping
-from router.instances.breaker import Breaker
-from router.runtime import Runtime, http_client
+from disagg_router.router.config import (
+    BreakerConfig,
+    InstanceConfig,
+    RouterSettings,
+    settings_from_mapping,
+)
+from disagg_router.router.instances.breaker import Breaker
+from disagg_router.router.runtime import Runtime, http_client
 
 P0, P1, D0 = "http://127.0.0.1:9101", "http://127.0.0.1:9102", "http://127.0.0.1:9201"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from router.config import InstanceConfig
-from router.instances.load import backend_load, parse_signals
-from router.instances.state import BackendState, LoadSignals
-from router.routing.policies.power_of_two import PowerOfTwo
+from disagg_router.router.config import InstanceConfig
+from disagg_router.router.instances.load import backend_load, parse_signals
+from disagg_router.router.instances.state import BackendState, LoadSignals
+from disagg_router.router.routing.policies.power_of_two import PowerOfTwo
 
 VLLM_METRICS = """
 # HELP vllm:num_requests_running Number of requests in model execution batches.

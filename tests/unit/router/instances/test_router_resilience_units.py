@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from router.config import AdmissionConfig, BreakerConfig
-from router.errors import Overloaded, error_payload
-from router.instances.admission import Gate
-from router.instances.breaker import Breaker
+from disagg_router.router.config import AdmissionConfig, BreakerConfig
+from disagg_router.router.errors import Overloaded, error_payload
+from disagg_router.router.instances.admission import Gate
+from disagg_router.router.instances.breaker import Breaker
 
 
 class Clock:

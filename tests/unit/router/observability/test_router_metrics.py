@@ -11,7 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.observability.metrics import MULTIPROC_ENV, RouterMetrics
+from disagg_router.router.observability.metrics import MULTIPROC_ENV, RouterMetrics
 
 REPO = Path(__file__).parents[4]
 
@@ -54,7 +54,7 @@ _WORKER = """
 import os, sys
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import mark_process_dead
-from router.observability.metrics import RouterMetrics
+from disagg_router.router.observability.metrics import RouterMetrics
 
 class Instance:
     role, label = "decode", "d0"

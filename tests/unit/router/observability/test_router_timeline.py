@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.observability.timeline import STAGES, ttft_stages
+from disagg_router.router.observability.timeline import STAGES, ttft_stages
 
 
 def _timeline(**marks: float) -> dict[str, float]:

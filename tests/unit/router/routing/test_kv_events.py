@@ -13,10 +13,15 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from devstack.fakes.kv_publisher import FakeKvPublisher
-from router.observability.metrics import KvMetrics
-from router.routing.kv_events import EventStream, StreamLimits, StreamTarget, StreamTiming
-from router.routing.kv_index import KvIndex
-from router.routing.kv_wire import KvEvent, typed_events
+from disagg_router.router.observability.metrics import KvMetrics
+from disagg_router.router.routing.kv_events import (
+    EventStream,
+    StreamLimits,
+    StreamTarget,
+    StreamTiming,
+)
+from disagg_router.router.routing.kv_index import KvIndex
+from disagg_router.router.routing.kv_wire import KvEvent, typed_events
 from tests.support.wait import wait_until
 
 RECORDING = Path(__file__).parents[1] / "recorded" / "vllm_kv_events.json"

@@ -15,12 +15,17 @@ from prometheus_client import CollectorRegistry
 
 from devstack.fakes.kv_hostile import HOSTILE_TOKENS, SHAPES, good, good_tokens, hostile
 from devstack.fakes.kv_publisher import FakeKvPublisher
-from router.config import KvEventsConfig
-from router.observability.metrics import KvMetrics
-from router.routing.block_keys import chain_keys
-from router.routing.kv_events import EventStream, StreamLimits, StreamTarget, StreamTiming
-from router.routing.kv_index import KvIndex
-from router.routing.kv_wire import typed_events
+from disagg_router.router.config import KvEventsConfig
+from disagg_router.router.observability.metrics import KvMetrics
+from disagg_router.router.routing.block_keys import chain_keys
+from disagg_router.router.routing.kv_events import (
+    EventStream,
+    StreamLimits,
+    StreamTarget,
+    StreamTiming,
+)
+from disagg_router.router.routing.kv_index import KvIndex
+from disagg_router.router.routing.kv_wire import typed_events
 from tests.support.wait import wait_until
 
 ROUNDS = 100

@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.routing.block_keys import chain_keys
-from router.routing.kv_index import KvIndex
-from router.routing.kv_wire import BadBatch, KvEvent, decode_batch, typed_events
+from disagg_router.router.routing.block_keys import chain_keys
+from disagg_router.router.routing.kv_index import KvIndex
+from disagg_router.router.routing.kv_wire import BadBatch, KvEvent, decode_batch, typed_events
 
 RECORDING = Path(__file__).parents[1] / "recorded" / "vllm_kv_events.json"
 

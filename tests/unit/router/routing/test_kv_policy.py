@@ -7,26 +7,31 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.config import (
+from disagg_router.router.config import (
     DisaggregationConfig,
     InstanceConfig,
     KvEventsConfig,
     ModelRoute,
     PoolConfig,
 )
-from router.dispatch.orchestrator import CACHED_ON_DECODE, DISAGGREGATED, decide
-from router.instances.state import BackendState, Role
-from router.observability.metrics import KvMetrics
-from router.routing.block_keys import PromptTokenizer
-from router.routing.kv_events import EventStream, StreamLimits, StreamTarget, StreamTiming
-from router.routing.kv_index import KvIndex
-from router.routing.kv_model import KvModel, KvRequest
-from router.routing.kv_wire import BlockStored
-from router.routing.policies.base import RoutingInput
-from router.routing.policies.kv_aware import KvAware
-from router.routing.policies.prefix_affinity import PrefixAffinity
-from router.routing.pools import Pool
-from router.routing.table import ModelPools
+from disagg_router.router.dispatch.orchestrator import CACHED_ON_DECODE, DISAGGREGATED, decide
+from disagg_router.router.instances.state import BackendState, Role
+from disagg_router.router.observability.metrics import KvMetrics
+from disagg_router.router.routing.block_keys import PromptTokenizer
+from disagg_router.router.routing.kv_events import (
+    EventStream,
+    StreamLimits,
+    StreamTarget,
+    StreamTiming,
+)
+from disagg_router.router.routing.kv_index import KvIndex
+from disagg_router.router.routing.kv_model import KvModel, KvRequest
+from disagg_router.router.routing.kv_wire import BlockStored
+from disagg_router.router.routing.policies.base import RoutingInput
+from disagg_router.router.routing.policies.kv_aware import KvAware
+from disagg_router.router.routing.policies.prefix_affinity import PrefixAffinity
+from disagg_router.router.routing.pools import Pool
+from disagg_router.router.routing.table import ModelPools
 
 BLOCK = 16
 PROMPT = list(range(1, 16 * 10 + 2))  # 10 full blocks before the last token

@@ -10,11 +10,11 @@ from typing import Any
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from router.config import InstanceConfig, settings_from_mapping
-from router.health.readiness import readiness
-from router.observability.metrics import RouterMetrics
-from router.routing.kv_routing import KvRouting, stream_target
-from router.runtime import Runtime, http_client
+from disagg_router.router.config import InstanceConfig, settings_from_mapping
+from disagg_router.router.health.readiness import readiness
+from disagg_router.router.observability.metrics import RouterMetrics
+from disagg_router.router.routing.kv_routing import KvRouting, stream_target
+from disagg_router.router.runtime import Runtime, http_client
 
 
 def _settings(prefills: list[str], **kv: Any) -> Any:

@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.routing.block_keys import chain_keys
-from router.routing.kv_index import KvIndex
-from router.routing.kv_wire import (
+from disagg_router.router.routing.block_keys import chain_keys
+from disagg_router.router.routing.kv_index import KvIndex
+from disagg_router.router.routing.kv_wire import (
     AllBlocksCleared,
     BadBatch,
     BlockRemoved,

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 from collections import Counter
 
-from router.config import InstanceConfig
-from router.instances.state import BackendState
-from router.routing.policies.affinity import load_bound, rendezvous_order
-from router.routing.policies.base import RoutingInput
-from router.routing.policies.prefix_affinity import PrefixAffinity
-from router.routing.policies.session_affinity import SessionAffinity
-from router.routing.prompt_keys import estimated_tokens, prefix_key, prompt_of, render_messages
+from disagg_router.router.config import InstanceConfig
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.routing.policies.affinity import load_bound, rendezvous_order
+from disagg_router.router.routing.policies.base import RoutingInput
+from disagg_router.router.routing.policies.prefix_affinity import PrefixAffinity
+from disagg_router.router.routing.policies.session_affinity import SessionAffinity
+from disagg_router.router.routing.prompt_keys import (
+    estimated_tokens,
+    prefix_key,
+    prompt_of,
+    render_messages,
+)
 
 
 def _backends(n: int, first: int = 0) -> list[BackendState]:

@@ -6,15 +6,20 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector.contract import EngineShape, engine_shape_params
-from router.config import InstanceConfig, PoolConfig, RouterSettings
-from router.errors import NoBackendAvailable
-from router.health.shapes import count_refused, learn_shape, speaks_shapes, unprobed_decodes
-from router.instances.state import BackendState
-from router.observability.metrics import RouterMetrics
-from router.routing.pairing import RefusedPair, choose_pair, refused_pairs
-from router.routing.pools import Pool
-from router.routing.table import LiveRouting
+from disagg_router.connector.contract import EngineShape, engine_shape_params
+from disagg_router.router.config import InstanceConfig, PoolConfig, RouterSettings
+from disagg_router.router.errors import NoBackendAvailable
+from disagg_router.router.health.shapes import (
+    count_refused,
+    learn_shape,
+    speaks_shapes,
+    unprobed_decodes,
+)
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.observability.metrics import RouterMetrics
+from disagg_router.router.routing.pairing import RefusedPair, choose_pair, refused_pairs
+from disagg_router.router.routing.pools import Pool
+from disagg_router.router.routing.table import LiveRouting
 
 TP1, TP2, TP3 = (EngineShape(tp, 1, 16) for tp in (1, 2, 3))
 
@@ -88,7 +93,7 @@ def test_learn_shape_records_changes_and_logs_a_missing_shape_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     backend = _backend()
-    caplog.set_level("INFO", logger="router.health.shapes")
+    caplog.set_level("INFO", logger="disagg_router.router.health.shapes")
     assert learn_shape(backend, engine_shape_params(TP2)) is True
     assert backend.shape == TP2
     assert learn_shape(backend, engine_shape_params(TP2)) is False

@@ -6,18 +6,18 @@ from typing import get_args
 
 import pytest
 
-from router.config import InstanceConfig, PolicyName, PoolConfig, PushIdentity
-from router.errors import NoBackendAvailable
-from router.instances.state import BackendState
-from router.routing.policies.base import RoutingInput
-from router.routing.policies.factory import POLICIES, make_policy
-from router.routing.policies.kv_aware import KvAware
-from router.routing.policies.least_in_flight import LeastInFlight
-from router.routing.policies.power_of_two import PowerOfTwo
-from router.routing.policies.prefix_affinity import PrefixAffinity
-from router.routing.policies.round_robin import RoundRobin
-from router.routing.policies.session_affinity import SessionAffinity
-from router.routing.pools import Pool
+from disagg_router.router.config import InstanceConfig, PolicyName, PoolConfig, PushIdentity
+from disagg_router.router.errors import NoBackendAvailable
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.routing.policies.base import RoutingInput
+from disagg_router.router.routing.policies.factory import POLICIES, make_policy
+from disagg_router.router.routing.policies.kv_aware import KvAware
+from disagg_router.router.routing.policies.least_in_flight import LeastInFlight
+from disagg_router.router.routing.policies.power_of_two import PowerOfTwo
+from disagg_router.router.routing.policies.prefix_affinity import PrefixAffinity
+from disagg_router.router.routing.policies.round_robin import RoundRobin
+from disagg_router.router.routing.policies.session_affinity import SessionAffinity
+from disagg_router.router.routing.pools import Pool
 
 
 def _backends(n: int) -> list[BackendState]:

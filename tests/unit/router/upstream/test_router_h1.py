@@ -1,5 +1,5 @@
-"""The router's upstream HTTP/1.1 connections (:mod:`router.upstream.h1`) over real loopback
-sockets: answers, keep-alive reuse, and the transport error for each failure."""
+"""The router's upstream HTTP/1.1 connections (:mod:`disagg_router.router.upstream.h1`) over real
+loopback sockets: answers, keep-alive reuse, and the transport error for each failure."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from devstack.ports import free_port
-from router.upstream.h1 import (
+from disagg_router.router.upstream.h1 import (
     MAX_ANSWER_HEAD_BYTES,
     AnswerHeadersTooLarge,
     ConnectError,

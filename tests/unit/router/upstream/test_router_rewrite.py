@@ -8,13 +8,18 @@ from typing import Any
 
 import pytest
 
-from connector.contract import has_engine_suffix
-from router.config import PushIdentity, settings_from_mapping
-from router.errors import ClientRequestError, UpstreamHTTPError, error_payload, outcome_label
-from router.http.validation import parse_client_request
-from router.ids import new_request_id
-from router.routing.table import LiveRouting
-from router.upstream.rewrite import (
+from disagg_router.connector.contract import has_engine_suffix
+from disagg_router.router.config import PushIdentity, settings_from_mapping
+from disagg_router.router.errors import (
+    ClientRequestError,
+    UpstreamHTTPError,
+    error_payload,
+    outcome_label,
+)
+from disagg_router.router.http.validation import parse_client_request
+from disagg_router.router.ids import new_request_id
+from disagg_router.router.routing.table import LiveRouting
+from disagg_router.router.upstream.rewrite import (
     client_response,
     decode_body_pull,
     decode_body_push,

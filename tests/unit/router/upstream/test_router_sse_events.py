@@ -15,9 +15,9 @@ import httpx
 import pytest
 from httpx_sse import EventSource
 
-from router import create_app
-from router.config import settings_from_mapping
-from router.upstream.sse import EventSplitter
+from disagg_router.router import create_app
+from disagg_router.router.config import settings_from_mapping
+from disagg_router.router.upstream.sse import EventSplitter
 from tests.unit.router.mock_upstream import KV, answer, asgi_messages, pair
 
 OPENAI = (

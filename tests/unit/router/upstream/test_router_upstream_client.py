@@ -1,5 +1,5 @@
-"""The router's upstream calls (:mod:`router.upstream.calls`) through its one client over real
-loopback sockets: the request each call writes, and our error for each failure."""
+"""The router's upstream calls (:mod:`disagg_router.router.upstream.calls`) through its one client
+over real loopback sockets: the request each call writes, and our error for each failure."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ from contextlib import asynccontextmanager
 import pytest
 
 from devstack.ports import free_port
-from router.config import InstanceConfig
-from router.errors import (
+from disagg_router.router.config import InstanceConfig
+from disagg_router.router.errors import (
     UpstreamHTTPError,
     UpstreamProtocolError,
     UpstreamTimeout,
     UpstreamUnavailable,
     UpstreamUnreachable,
 )
-from router.instances.state import BackendState
-from router.upstream import codec
-from router.upstream.calls import _head, _target, get_ok, open_raw, post_json
-from router.upstream.client import ClientLimits, Target, UpstreamClient
-from router.upstream.h1 import MAX_ANSWER_HEAD_BYTES
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.upstream import codec
+from disagg_router.router.upstream.calls import _head, _target, get_ok, open_raw, post_json
+from disagg_router.router.upstream.client import ClientLimits, Target, UpstreamClient
+from disagg_router.router.upstream.h1 import MAX_ANSWER_HEAD_BYTES
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK_JSON = b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"ok":true}'

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from router.config import PushIdentity
-from router.upstream.rewrite import decode_body_pull, decode_body_push, prefill_body
+from disagg_router.router.config import PushIdentity
+from disagg_router.router.upstream.rewrite import decode_body_pull, decode_body_push, prefill_body
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

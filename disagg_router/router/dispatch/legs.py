@@ -1,0 +1,233 @@
+"""The two legs of one attempt: P's prefill (one token, not streamed) and D's decode.
+
+Who calls it: :func:`disagg_router.router.dispatch.commit.until_first_token` runs each leg as a task
+of its own. The P leg returns P's answer after checking its ``kv_transfer_params``; the D leg puts
+what D sends on the attempt's queue (SSE events as they are read, or the one JSON answer), then
+``END`` or the error that ended it, and never raises a :class:`RouterError`. In push mode D's body
+carries the P identity it was paired with and goes out at once; in pull mode it waits for P's
+answer. Each leg's outcome feeds its instance's breaker (a 4xx is the client's fault, not the
+instance's); a stream counts as D's success only when it ended cleanly. Neither leg waits without a
+bound: P's by ``timeouts.prefill``, D's by the commit point's and the relay's timers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from disagg_router.router.dispatch.holds import Holds
+from disagg_router.router.dispatch.state import END, Attempt
+from disagg_router.router.errors import (
+    RouterError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from disagg_router.router.instances.identity import learn_identity
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.observability.tracing import NO_SPAN, Span, span_attributes
+from disagg_router.router.runtime import Runtime
+from disagg_router.router.upstream.calls import open_sse, post_json
+from disagg_router.router.upstream.rewrite import (
+    decode_body_pull,
+    decode_body_push,
+    identity_from_kv,
+    prefill_body,
+    strip_client_fields,
+)
+
+log = logging.getLogger(__name__)
+
+
+def leg_failed(runtime: Runtime, backend: BackendState, exc: UpstreamError) -> None:
+    """Feed a leg's failure to its instance's breaker (a 4xx is not the instance's fault)."""
+    if exc.instance_fault and backend.breaker.record_failure(exc.message, trip=exc.unreachable):
+        log.warning("%s %s taken out by its breaker: %s", backend.role, backend.label, exc)
+        m = runtime.metrics
+        m.child(m.breaker_open, backend.role, backend.label).set(1)
+
+
+def leg_ok(runtime: Runtime, backend: BackendState) -> None:
+    """Feed a leg's success to its instance's breaker."""
+    if not backend.breaker.closed or backend.breaker.failures:
+        backend.breaker.record_success()
+        m = runtime.metrics
+        m.child(m.breaker_open, backend.role, backend.label).set(0)
+
+
+class _Tracked:
+    """Around one leg: its trace span; after it, its in-flight count and slot are given back.
+    A class, not a generator context manager: it runs twice per request."""
+
+    def __init__(self, attempt: Attempt, holds: Holds, backend: BackendState) -> None:
+        self._holds = holds
+        self._role = backend.role
+        trace = attempt.ctx.trace
+        self._span = trace  # tracing off: the no-op span is its own child, no attributes built
+        if trace is not NO_SPAN:
+            attributes = span_attributes(backend=backend.label, request_id=attempt.request_id)
+            self._span = trace.child(backend.role, attributes)
+
+    def __enter__(self) -> Span:
+        return self._span
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        if kind is None:
+            error = None
+        elif isinstance(exc, RouterError):
+            error = exc.message
+        else:
+            error = "cancelled"
+        self._span.end(error)
+        self._holds.release(self._role)
+
+
+async def prefill_leg(attempt: Attempt, holds: Holds, prefill: BackendState) -> dict[str, Any]:
+    """P leg: 1 token, not streamed; P's answer once its kv params are checked."""
+    outcome = "error"
+    start = time.monotonic()
+    attempt.stamp("prefill_sent")
+    limit = attempt.runtime.settings.timeouts.prefill
+    try:
+        with _Tracked(attempt, holds, prefill) as span:
+            try:
+                data = await _post_prefill(attempt, prefill, span, limit)
+            except TimeoutError as exc:
+                outcome = "timeout"
+                raise UpstreamTimeout(
+                    "prefill", prefill.label, f"no answer within {limit:g}s"
+                ) from exc
+        check_prefill_answer(attempt, prefill, data)
+        leg_ok(attempt.runtime, prefill)
+        attempt.mark("prefill_done")
+        outcome = "ok"
+        if log.isEnabledFor(logging.DEBUG):
+            took = time.monotonic() - start
+            log.debug(
+                "dispatch %s: prefill %s answered in %.3fs", attempt.request_id, prefill.label, took
+            )
+        return data
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+        raise
+    except UpstreamError as exc:
+        leg_failed(attempt.runtime, prefill, exc)
+        raise
+    finally:
+        m = attempt.runtime.metrics
+        m.child(m.prefill_duration, prefill.label, outcome).observe(time.monotonic() - start)
+
+
+async def _post_prefill(
+    attempt: Attempt, prefill: BackendState, span: Span, limit: float
+) -> dict[str, Any]:
+    """P's answer within ``limit`` seconds (:class:`TimeoutError` after it)."""
+    body = prefill_body(attempt.request.body, attempt.request.chat, attempt.transfer_id)
+    async with asyncio.timeout(limit):
+        return await post_json(
+            attempt.runtime.client,
+            prefill,
+            "prefill",
+            attempt.request.path,
+            body,
+            attempt.request_id,
+            span.headers(),
+        )
+
+
+def check_prefill_answer(attempt: Attempt, prefill: BackendState, data: dict[str, Any]) -> None:
+    """:class:`UpstreamProtocolError` unless P's answer carries ``kv_transfer_params`` and (push
+    mode) names the engine D was paired with; a changed engine id is learned for later pairs."""
+    kv = data.get("kv_transfer_params")
+    if not isinstance(kv, dict):
+        raise UpstreamProtocolError(
+            "prefill",
+            prefill.label,
+            "answer has no kv_transfer_params (is a NIXL KV connector configured?)",
+        )
+    if attempt.sent_identity is None:
+        return
+    try:
+        answered = identity_from_kv(kv, attempt.sent_identity)
+    except ValueError as exc:
+        raise UpstreamProtocolError("prefill", prefill.label, str(exc)) from exc
+    sent = attempt.sent_identity.engine_id
+    if answered.engine_id == sent:
+        return
+    if prefill.config.identity is not None:
+        raise UpstreamProtocolError(
+            "prefill",
+            prefill.label,
+            f"configured engine_id {sent} does not match the instance's "
+            f"{answered.engine_id}; fix the router config",
+        )
+    learn_identity(prefill, answered, attempt.runtime.metrics)
+    raise UpstreamProtocolError(
+        "prefill",
+        prefill.label,
+        f"engine id changed from {sent} to {answered.engine_id}; "
+        "the decode leg was paired with the old one",
+    )
+
+
+async def decode_leg(attempt: Attempt, holds: Holds) -> None:
+    """D leg: queues D's events (or its one JSON answer), then ``END`` or the error."""
+    decode = attempt.decode
+    try:
+        body = await _decode_body(attempt)
+        attempt.stamp("decode_sent")
+        with _Tracked(attempt, holds, decode) as span:
+            if attempt.request.stream:
+                await _relay_stream(attempt, body, span)
+            else:
+                await _one_answer(attempt, body, span)
+        leg_ok(attempt.runtime, decode)  # a stream succeeded only once it ended cleanly
+        attempt.queue.put_nowait(END)
+    except RouterError as exc:
+        # In pull mode D's body waits for P: P's error surfaces here too, and is P's fault.
+        if isinstance(exc, UpstreamError) and exc.leg == "decode":
+            leg_failed(attempt.runtime, decode, exc)
+        attempt.queue.put_nowait(exc)
+
+
+async def _relay_stream(attempt: Attempt, body: dict[str, Any], span: Span) -> None:
+    """Queue the SSE events of D's stream as they are read, noting when they came."""
+    runtime, decode = attempt.runtime, attempt.decode
+    first = runtime.metrics.child(runtime.metrics.decode_first_token, decode.label)
+    start = time.monotonic()
+    args = (runtime.client, decode, "decode", attempt.request.path, body)
+    async with open_sse(*args, attempt.request_id, span.headers()) as reads:
+        async for events in reads:
+            attempt.last_token = time.monotonic()
+            if start:
+                first.observe(attempt.last_token - start)
+                start = 0.0
+            attempt.queue.put_nowait(events)
+
+
+async def _one_answer(attempt: Attempt, body: dict[str, Any], span: Span) -> None:
+    """Queue D's whole (non-streamed) answer."""
+    runtime, decode = attempt.runtime, attempt.decode
+    start = time.monotonic()
+    args = (runtime.client, decode, "decode", attempt.request.path, body)
+    answer = await post_json(*args, attempt.request_id, span.headers())
+    runtime.metrics.child(runtime.metrics.decode_first_token, decode.label).observe(
+        time.monotonic() - start
+    )
+    attempt.queue.put_nowait(answer)
+
+
+async def _decode_body(attempt: Attempt) -> dict[str, Any]:
+    """D's body: the client's (D alone), with P's identity (push) or with P's answer (pull)."""
+    request = attempt.request
+    if attempt.prefill is None:
+        return strip_client_fields(request.body)
+    if attempt.sent_identity is not None:
+        return decode_body_push(
+            request.body, attempt.sent_identity, attempt.request_id, attempt.transfer_id
+        )
+    assert attempt.p_task is not None
+    answer = await asyncio.shield(attempt.p_task)
+    return decode_body_pull(request.body, answer["kv_transfer_params"], attempt.transfer_id)

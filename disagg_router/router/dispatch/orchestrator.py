@@ -1,0 +1,118 @@
+"""Chooses the route and the instances for a client request, opens the dispatch, retries once if
+configured.
+
+Who calls it: the app's generation endpoints (:mod:`disagg_router.router.http.generate`). The
+request's ``model`` picks its pools and its disaggregation rule from the current routing table (read
+once: a reload during the request does not move it). The rule decides whether a P is used at all
+(:func:`decide`); P (if any) and D are both chosen before any leg starts, each counted in flight by
+its pool, as a pair the KV connector can serve
+(:func:`disagg_router.router.routing.pairing.choose_pair`: pairs whose learned shapes it refuses are
+skipped; with none served, a 503 names the reason). Retries
+(:mod:`disagg_router.router.dispatch.retry`, the one loop pass-through requests use too) happen only
+when ``retry_on_fresh_pair`` is set (the default), the failure is retryable (not a 4xx from vLLM)
+and nothing has been sent to the client yet (we are still before the commit point); the retry never
+re-picks the instance that failed, whatever the policy, and uses a fresh request id. Every attempt
+shares one ``timeouts.total`` deadline, counted from the first attempt: a retry does not restart it.
+The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from disagg_router.router.dispatch.attempt import Dispatch
+from disagg_router.router.dispatch.retry import first_that_opens
+from disagg_router.router.dispatch.state import Attempt
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.request import ClientRequest, RequestContext
+from disagg_router.router.routing.pairing import choose_pair
+from disagg_router.router.routing.policies.base import RoutingInput
+from disagg_router.router.routing.prompt_keys import estimated_tokens
+from disagg_router.router.routing.table import ModelPools
+from disagg_router.router.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+DISAGGREGATED = "disaggregated"
+SHORT_PROMPT = "decode_only_short_prompt"
+NO_PREFILL = "decode_only_no_prefill"
+CACHED_ON_DECODE = "decode_only_cached"
+
+
+def decide(found: ModelPools, routed: RoutingInput) -> str:
+    """How to serve a request: with a P leg, or by D alone (short prompt; a D holds most of
+    the prompt in its KV cache, ``kv_events.decode_only_fraction``; no usable P)."""
+    rule = found.route.disaggregation
+    short = estimated_tokens(routed.prompt, rule.chars_per_token) < rule.min_prompt_tokens
+    if rule.min_prompt_tokens and short:
+        return SHORT_PROMPT
+    if routed.kv is not None and routed.kv.decode_holds(found.decode.usable()):
+        return CACHED_ON_DECODE
+    if rule.when_no_prefill == "decode_only" and not found.prefill.usable():
+        return NO_PREFILL
+    return DISAGGREGATED
+
+
+async def open_dispatch(
+    runtime: Runtime, request: ClientRequest, ctx: RequestContext | None = None
+) -> Dispatch:
+    """An opened dispatch (first token in hand); the caller must ``close()`` it.
+
+    Raises the last attempt's :class:`RouterError`; failed attempts are closed here.
+    ``ctx``: the client request's ids; the first attempt uses ``ctx.request_id``.
+    """
+    ctx = ctx or RequestContext()
+    found = runtime.model(request.model)
+    kv = runtime.kv.request(request.model, request.body, request.chat)
+    routed = RoutingInput(request.body, request.chat, request.headers, kv)
+    decision = decide(found, routed)
+    runtime.metrics.child(runtime.metrics.routing_decisions, request.model, decision).inc()
+    deadline = time.monotonic() + runtime.settings.timeouts.total
+
+    def choose(avoid: set[str], strict: bool) -> tuple[BackendState | None, BackendState]:
+        return _choose_pair(found, decision, routed, avoid, strict)
+
+    async def open_attempt(
+        pair: tuple[BackendState | None, BackendState], request_id: str
+    ) -> Dispatch:
+        dispatch = Dispatch(Attempt(runtime, request, *pair, ctx, request_id, deadline))
+        _log_attempt(dispatch, request, decision)
+        await _open(dispatch)
+        return dispatch
+
+    return await first_that_opens(runtime, "dispatch", ctx.request_id, choose, open_attempt)
+
+
+async def _open(dispatch: Dispatch) -> None:
+    """``dispatch.open()``; a dispatch that failed to open is closed before the error goes on."""
+    opened = False
+    try:
+        await dispatch.open()
+        opened = True
+    finally:
+        if not opened:
+            await dispatch.close()
+
+
+def _choose_pair(
+    found: ModelPools, decision: str, routed: RoutingInput, avoid: set[str], strict: bool
+) -> tuple[BackendState | None, BackendState]:
+    """P (None: D alone) and D for one attempt, each counted in flight by its pool; when D
+    cannot be chosen, P's count is given back before :class:`NoBackendAvailable` propagates."""
+    if decision == DISAGGREGATED:
+        return choose_pair(found.prefill, found.decode, avoid, routed, strict)
+    return None, found.decode.choose(avoid, routed, strict)
+
+
+def _log_attempt(dispatch: Dispatch, request: ClientRequest, decision: str) -> None:
+    if not log.isEnabledFor(logging.INFO):
+        return
+    log.info(
+        "request %s model=%s route=%s prefill=%s decode=%s",
+        dispatch.request_id,
+        request.model,
+        decision,
+        dispatch.prefill.label if dispatch.prefill is not None else "-",
+        dispatch.decode.label,
+    )

@@ -1,0 +1,119 @@
+"""What the pieces of one dispatch attempt share: its pair, ids, clock, deadline, the queue of
+D's payloads and the tasks of both legs.
+
+Who calls it: the orchestrator (:mod:`disagg_router.router.dispatch.orchestrator`) builds one
+:class:`Attempt` per attempt for its :class:`disagg_router.router.dispatch.attempt.Dispatch`; the
+legs (:mod:`disagg_router.router.dispatch.legs`), the commit point
+(:mod:`disagg_router.router.dispatch.commit`) and the relay
+(:mod:`disagg_router.router.dispatch.relay`) read and write it. Everything runs on the router's
+event loop, so nothing here locks. It does no I/O and starts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+from disagg_router.router.config import PushIdentity
+from disagg_router.router.errors import RouterError
+from disagg_router.router.ids import new_request_id
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.request import ClientRequest, RequestContext
+from disagg_router.router.runtime import Runtime
+
+
+class End:
+    """Queue sentinel: the D leg finished cleanly."""
+
+
+END = End()
+DecodeItem = bytes | dict[str, Any] | RouterError | End
+"""What the D leg queues: SSE events as the client gets them (``data: ...\n\n``, one or more:
+what one read of D's stream completed), the one JSON answer, the error that ends it, or END."""
+
+
+class Mailbox:
+    """What the D leg, the relay's timers and a drain hand to the request's task, in order.
+
+    One reader (the request's task: the commit point, then the relay), any number of writers
+    on the same loop. The subset of ``asyncio.Queue``'s API the dispatch uses (unbounded:
+    ``put_nowait`` never blocks; ``get_nowait`` raises ``asyncio.QueueEmpty``), without the
+    queue's event, getter and putter deques and task accounting, built for every request. A
+    cancelled ``get`` takes nothing."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[DecodeItem] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: DecodeItem) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def get_nowait(self) -> DecodeItem:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self) -> DecodeItem:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
+class Attempt:
+    """The shared state of one attempt on one (P, D) pair with one fresh request id.
+
+    ``prefill`` None: D alone (conditional disaggregation). ``deadline``: the
+    ``time.monotonic()`` by which the client request must end (``timeouts.total`` counted from
+    the first attempt; default: from now).
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        request: ClientRequest,
+        prefill: BackendState | None,
+        decode: BackendState,
+        ctx: RequestContext | None = None,
+        request_id: str | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.request = request
+        self.prefill = prefill
+        self.decode = decode
+        self.ctx = ctx or RequestContext()
+        self.request_id = request_id or new_request_id()
+        self.transfer_id = self.request_id
+        self.started = time.monotonic()
+        self.deadline = deadline or self.started + runtime.settings.timeouts.total
+        self.outcome = "in_progress"
+        self.queue = Mailbox()
+        self.p_task: asyncio.Task[dict[str, Any]] | None = None
+        self.d_task: asyncio.Task[None] | None = None
+        self.sent_identity: PushIdentity | None = None  # push mode: the P identity D was given
+        self.first: DecodeItem = END  # D's first events (the commit point)
+        self.last_token = 0.0  # time.monotonic() of D's last streamed events
+        self.timings: dict[str, float] = {}  # stage -> seconds since ``started``
+        self.stamps: dict[str, float] = {}  # more moments for the TTFT stages, same clock
+        self.usage: Any = None  # the usage the client got (merged), once the relay sent it
+        self.answered = 0.0  # time.monotonic() when the answer's last chunk was ready; 0: not
+
+    def mark(self, stage: str) -> None:
+        """Note when ``stage`` was reached (once; reported in the request log)."""
+        self.timings.setdefault(stage, round(time.monotonic() - self.started, 6))
+
+    def stamp(self, moment: str) -> None:
+        """A moment only the TTFT stages use
+        (:func:`disagg_router.router.observability.timeline.ttft_stages`)."""
+        self.stamps.setdefault(moment, time.monotonic() - self.started)

@@ -1,0 +1,66 @@
+"""The streamed answer of one dispatch, as a plain ASGI app: D's events as they come, written
+in the request's own task.
+
+Who calls it: :mod:`disagg_router.router.http.generate` returns one for a streamed request whose
+dispatch has passed its commit point; the server then calls it with the request's ASGI
+``scope``/``receive``/ ``send``. Unlike Starlette's ``StreamingResponse`` it spawns no task group
+per request (docs/benchmarks/README.md, "Router overhead"). However the stream ends (done, failed,
+client gone, router stopping) the dispatch is closed and ``on_close`` is called once; it must not
+raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import aclosing
+
+from starlette.types import Receive, Scope, Send
+
+from disagg_router.router.dispatch.attempt import Dispatch
+from disagg_router.router.http.disconnect import ClientWatch
+
+
+class DispatchStream:
+    """An ASGI app that writes one dispatch's SSE stream (see the module docstring).
+
+    ``watch`` (armed by the handler) cancels the relay if the client leaves.
+    """
+
+    def __init__(
+        self, dispatch: Dispatch, watch: ClientWatch, on_close: Callable[[Dispatch], None]
+    ) -> None:
+        self.dispatch = dispatch
+        self.watch = watch
+        self.on_close = on_close
+        self.headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"x-request-id", dispatch.request_id.encode()),
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            if not await self._relay(send):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not self.watch.left():
+                raise
+        finally:
+            self.watch.stop()  # before anything below awaits (disagg_router.router.http.disconnect)
+            if self.dispatch.outcome == "in_progress":
+                self.dispatch.outcome = "client_disconnected"
+            await self.dispatch.close()
+            self.on_close(self.dispatch)
+
+    async def _relay(self, send: Send) -> bool:
+        """Write the dispatch's events; True when the last write also ended the body."""
+        last = False
+        async with aclosing(self.dispatch.sse_events()) as events:
+            async for chunk in events:
+                # The chunk that ends the stream (outcome set) also ends the body: one write.
+                last = self.dispatch.outcome != "in_progress"
+                if last:
+                    self.watch.stop()  # the answer is complete: a disconnect changes nothing
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+        return last

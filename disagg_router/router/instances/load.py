@@ -1,0 +1,57 @@
+"""An instance's load as vLLM reports it (its Prometheus ``/metrics``) and as policies compare it.
+
+Who calls it: the scraper (:mod:`disagg_router.router.health.load_signals`) parses each page with
+:func:`parse_signals`; the ``power_of_two`` policy compares instances with :func:`backend_load`.
+Pure functions: no I/O, nothing raised into a request.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from disagg_router.router.instances.state import BackendState, LoadSignals
+
+_WAITING = "vllm:num_requests_waiting"
+_RUNNING = "vllm:num_requests_running"
+_KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+def parse_signals(text: str, model: str, at: float) -> LoadSignals | None:
+    """The signals for ``model`` in a vLLM ``/metrics`` page (summed over its engines).
+
+    Samples whose ``model_name`` label differs from ``model`` are ignored (when ``model`` is
+    empty, all count). None when the page has neither request gauge or does not parse.
+    """
+    sums = {_WAITING: 0.0, _RUNNING: 0.0, _KV_USAGE: 0.0}
+    seen: set[str] = set()
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name not in sums:
+                    continue
+                if model and sample.labels.get("model_name", model) != model:
+                    continue
+                sums[sample.name] += sample.value
+                seen.add(sample.name)
+    except ValueError:
+        return None
+    if _WAITING not in seen and _RUNNING not in seen:
+        return None
+    return LoadSignals(sums[_WAITING], sums[_RUNNING], min(sums[_KV_USAGE], 1.0), at)
+
+
+def backend_load(backend: BackendState, now: float, stale_after: float) -> float:
+    """The load ``power_of_two`` compares: this router's legs in flight now, plus the requests
+    vLLM reported beyond this router's own at the last scrape, plus KV cache usage.
+
+    With fresh signals: ``in_flight + max(0, running + waiting - own_in_flight_at_scrape) +
+    kv_usage``. The middle term is the load other routers (or clients) put on the instance; this
+    router's own share is always the live count, never a stale one, so choices do not herd onto
+    one instance between two scrapes. KV usage (0..1) breaks ties toward the emptier cache.
+    Stale (older than ``stale_after``) or missing signals: ``in_flight`` alone.
+    """
+    s = backend.signals
+    if s is None or now - s.at > stale_after:
+        return float(backend.in_flight)
+    others = max(0.0, s.running + s.waiting - s.own_in_flight)
+    return backend.in_flight + others + s.kv_usage

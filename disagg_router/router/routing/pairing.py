@@ -1,0 +1,86 @@
+"""Which P and D may serve a request together: the connector's pairing rule over learned shapes.
+
+Who calls it: :mod:`disagg_router.router.dispatch.orchestrator` (:func:`choose_pair`, once per
+disaggregated attempt), :mod:`disagg_router.router.health.readiness` and
+:mod:`disagg_router.router.health.shapes` (:func:`refused_pairs`, for ``/ready`` and the
+``disagg_router_refused_pairs`` gauge). The rule itself is the connector's
+(:func:`disagg_router.connector.contract.pairing_refusal`); here it is applied to the shapes the
+identity probes learned (:attr:`BackendState.shape`). A backend whose shape is unknown (its
+connector answers none, or it was not probed) pairs with every other one, as before shapes existed.
+Nothing here does I/O or awaits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from disagg_router.connector.contract import pairing_refusal
+from disagg_router.router.errors import NoBackendAvailable
+from disagg_router.router.instances.state import BackendState
+from disagg_router.router.routing.policies.base import NO_INPUT, RoutingInput
+from disagg_router.router.routing.pools import Pool
+
+
+@dataclass(frozen=True)
+class RefusedPair:
+    """A P and a D the connector cannot serve together, and why."""
+
+    prefill: str
+    decode: str
+    reason: str
+
+
+def refusal(prefill: BackendState, decode: BackendState) -> str | None:
+    """Why ``prefill`` and ``decode`` cannot be paired; ``None`` when they can (or a shape is
+    unknown)."""
+    if prefill.shape is None or decode.shape is None:
+        return None
+    return pairing_refusal(prefill.shape, decode.shape)
+
+
+def refused_pairs(
+    prefill: Iterable[BackendState], decode: Sequence[BackendState]
+) -> list[RefusedPair]:
+    """Every refused (P, D) combination of the given backends, P-major."""
+    return [
+        RefusedPair(p.label, d.label, why)
+        for p in prefill
+        for d in decode
+        if (why := refusal(p, d)) is not None
+    ]
+
+
+def _refused_as(prefill: BackendState, decode: BackendState) -> str | None:
+    """The refusal of the pair, naming both instances."""
+    why = refusal(prefill, decode)
+    return None if why is None else f"prefill {prefill.label} / decode {decode.label}: {why}"
+
+
+def _first_refusal(prefill: BackendState, decode: Sequence[BackendState]) -> str | None:
+    """``None`` when ``prefill`` pairs with one of ``decode`` (or there is none), else the
+    reason it does not pair with the first."""
+    reasons = [_refused_as(prefill, d) for d in decode]
+    return None if not reasons or None in reasons else reasons[0]
+
+
+def choose_pair(
+    prefill: Pool,
+    decode: Pool,
+    avoid: Collection[str] = (),
+    request: RoutingInput = NO_INPUT,
+    strict: bool = False,
+) -> tuple[BackendState, BackendState]:
+    """A served (P, D) pair, each counted in flight by its pool (see :meth:`Pool.choose`).
+
+    P is chosen among those that pair with at least one usable D, then D among those that pair
+    with the chosen P; :class:`NoBackendAvailable` naming the refusal when no pair is served.
+    When D cannot be chosen, P's count is given back before the error propagates."""
+    decodes = decode.usable()
+    p = prefill.choose(avoid, request, strict, refuse=lambda b: _first_refusal(b, decodes))
+    try:
+        d = decode.choose(avoid, request, strict, refuse=lambda b: _refused_as(p, b))
+    except NoBackendAvailable:
+        p.in_flight -= 1
+        raise
+    return p, d

@@ -1,4 +1,0 @@
-"""Where a request can go: the routing table (model -> P and D pools), the pools, the policies
-that pick one instance (one per module, :mod:`router.routing.policies`), what they read from a
-prompt, and the KV index they may consult. Builds on :mod:`router.instances`; never imports
-health or dispatch."""
