@@ -197,8 +197,8 @@ async def open_exchange(runtime: Runtime, call: Forward, request_id: str) -> Exc
     routed = RoutingInput(call.body, "messages" in call.body, call.headers)
     deadline = time.monotonic() + runtime.settings.timeouts.total
 
-    def choose(avoid: set[str], strict: bool) -> BackendState:
-        return pool.choose(avoid, routed, strict)
+    def choose(avoid: set[str], failed: UpstreamError | None) -> BackendState:
+        return pool.choose(avoid, routed, strict=failed is not None)
 
     async def open_attempt(backend: BackendState, rid: str) -> Exchange:
         exchange = Exchange(runtime, backend, rid, deadline)

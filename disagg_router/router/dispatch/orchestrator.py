@@ -11,7 +11,10 @@ skipped; with none served, a 503 names the reason). Retries
 (:mod:`disagg_router.router.dispatch.retry`, the one loop pass-through requests use too) happen only
 when ``retry_on_fresh_pair`` is set (the default), the failure is retryable (not a 4xx from vLLM)
 and nothing has been sent to the client yet (we are still before the commit point); the retry never
-re-picks the instance that failed, whatever the policy, and uses a fresh request id. Every attempt
+re-picks the instance that failed, whatever the policy, and uses a fresh request id. When D failed,
+the retry keeps the attempt's P (while it is usable and pairs with another D), whatever the policy:
+that P has computed, or is computing, the prompt's KV, which vLLM's prefix cache (on by default)
+can serve the retry from, where another P would prefill the whole prompt again. Every attempt
 shares one ``timeouts.total`` deadline, counted from the first attempt: a retry does not restart it.
 The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
 """
@@ -24,6 +27,7 @@ import time
 from disagg_router.router.dispatch.attempt import Dispatch
 from disagg_router.router.dispatch.retry import first_that_opens
 from disagg_router.router.dispatch.state import Attempt
+from disagg_router.router.errors import UpstreamError
 from disagg_router.router.instances.state import BackendState
 from disagg_router.router.request import ClientRequest, RequestContext
 from disagg_router.router.routing.pairing import choose_pair
@@ -70,8 +74,15 @@ async def open_dispatch(
     runtime.metrics.child(runtime.metrics.routing_decisions, request.model, decision).inc()
     deadline = time.monotonic() + runtime.settings.timeouts.total
 
-    def choose(avoid: set[str], strict: bool) -> tuple[BackendState | None, BackendState]:
-        return _choose_pair(found, decision, routed, avoid, strict)
+    tried: list[BackendState | None] = []  # the P of the last attempt
+
+    def choose(
+        avoid: set[str], failed: UpstreamError | None
+    ) -> tuple[BackendState | None, BackendState]:
+        keep = tried[-1] if failed is not None and failed.leg == "decode" and tried else None
+        pair = _choose_pair(found, decision, routed, avoid, failed is not None, keep)
+        tried.append(pair[0])
+        return pair
 
     async def open_attempt(
         pair: tuple[BackendState | None, BackendState], request_id: str
@@ -96,12 +107,18 @@ async def _open(dispatch: Dispatch) -> None:
 
 
 def _choose_pair(
-    found: ModelPools, decision: str, routed: RoutingInput, avoid: set[str], strict: bool
+    found: ModelPools,
+    decision: str,
+    routed: RoutingInput,
+    avoid: set[str],
+    strict: bool,
+    keep: BackendState | None = None,
 ) -> tuple[BackendState | None, BackendState]:
     """P (None: D alone) and D for one attempt, each counted in flight by its pool; when D
-    cannot be chosen, P's count is given back before :class:`NoBackendAvailable` propagates."""
+    cannot be chosen, P's count is given back before :class:`NoBackendAvailable` propagates.
+    ``keep``: the P to choose again if it is still usable and pairs with a D."""
     if decision == DISAGGREGATED:
-        return choose_pair(found.prefill, found.decode, avoid, routed, strict)
+        return choose_pair(found.prefill, found.decode, avoid, routed, strict, keep)
     return None, found.decode.choose(avoid, routed, strict)
 
 

@@ -4,10 +4,11 @@ Who calls it: :mod:`disagg_router.router.dispatch.orchestrator` (a generation re
 and :mod:`disagg_router.router.dispatch.forward` (a pass-through request's instance), with how to
 choose (instances counted in flight by their pools) and how to open one attempt. An attempt that
 fails with a retryable :class:`UpstreamError` before anything went to the client is retried once on
-instances that exclude the one that failed, when ``retry_on_fresh_pair`` is on; the retry is logged
-and counted (``disagg_router_retries_total``) only when it happens (no other usable instance: the
-first failure is the answer). Each attempt gets a fresh request id but the first, which keeps the
-client's; all share the request's one deadline, which the caller sets.
+instances that exclude the one that failed (the caller's choice sees the failure, so a dispatch
+whose D failed keeps its P), when ``retry_on_fresh_pair`` is on; the retry is logged and counted
+(``disagg_router_retries_total``) only when it happens (no other usable instance: the first failure
+is the answer). Each attempt gets a fresh request id but the first, which keeps the client's; all
+share the request's one deadline, which the caller sets.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ log = logging.getLogger(__name__)
 C = TypeVar("C")
 R = TypeVar("R")
 
-Choose = Callable[[set[str], bool], C]
-"""``(labels to avoid, strict) -> the chosen instance(s)``, counted in flight by their pools;
-``strict``: a retry, which must not fall back to an avoided instance
-(:class:`NoBackendAvailable` instead)."""
+Choose = Callable[[set[str], UpstreamError | None], C]
+"""``(labels to avoid, failure) -> the chosen instance(s)``, counted in flight by their pools;
+``failure``: the failed attempt's error for a retry (None for the first attempt), which must not
+fall back to an avoided instance (:class:`NoBackendAvailable` instead)."""
 
 
 async def first_that_opens(
@@ -49,7 +50,7 @@ async def first_that_opens(
     failure: tuple[str, UpstreamError] | None = None  # the failed attempt's id and error
     for number in range(1, attempts + 1):
         try:
-            chosen = choose(avoid, failure is not None)
+            chosen = choose(avoid, failure[1] if failure is not None else None)
         except NoBackendAvailable:
             if failure is not None:
                 raise failure[1] from None

@@ -70,14 +70,22 @@ def choose_pair(
     avoid: Collection[str] = (),
     request: RoutingInput = NO_INPUT,
     strict: bool = False,
+    keep: BackendState | None = None,
 ) -> tuple[BackendState, BackendState]:
     """A served (P, D) pair, each counted in flight by its pool (see :meth:`Pool.choose`).
 
-    P is chosen among those that pair with at least one usable D, then D among those that pair
-    with the chosen P; :class:`NoBackendAvailable` naming the refusal when no pair is served.
-    When D cannot be chosen, P's count is given back before the error propagates."""
-    decodes = decode.usable()
-    p = prefill.choose(avoid, request, strict, refuse=lambda b: _first_refusal(b, decodes))
+    P is chosen among those that pair with at least one usable D (``keep`` itself when it is
+    one of them and not avoided, whatever the policy), then D among those that pair with the
+    chosen P; :class:`NoBackendAvailable` naming the refusal when no pair is served. When D
+    cannot be chosen, P's count is given back before the error propagates."""
+    decodes = [d for d in decode.usable() if d.label not in avoid] if strict else decode.usable()
+
+    def refuse(b: BackendState) -> str | None:
+        return _first_refusal(b, decodes)
+
+    p = None if keep is None or keep.label in avoid else prefill.claim(keep, refuse)
+    if p is None:
+        p = prefill.choose(avoid, request, strict, refuse=refuse)
     try:
         d = decode.choose(avoid, request, strict, refuse=lambda b: _refused_as(p, b))
     except NoBackendAvailable:

@@ -114,6 +114,17 @@ class Pool:
         chosen.in_flight += 1
         return chosen
 
+    def claim(
+        self, backend: BackendState, refuse: Callable[[BackendState], str | None] | None = None
+    ) -> BackendState | None:
+        """``backend`` counted in flight, as :meth:`choose` would count it, when it is usable
+        here and ``refuse`` lets it through; None (nothing counted) otherwise."""
+        usable = any(b is backend for b in self.usable())
+        if not usable or (refuse is not None and refuse(backend) is not None):
+            return None
+        backend.in_flight += 1
+        return backend
+
     def _served(
         self, usable: list[BackendState], refuse: Callable[[BackendState], str | None]
     ) -> list[BackendState]:

@@ -1,5 +1,5 @@
-"""Dispatches on one event loop over mock P and D instances (no servers): what happens between
-choosing the pair and the legs' first bytes."""
+"""Dispatches on one event loop over scripted P and D instances: what happens between choosing the
+pair and the legs' first bytes, and which pair a retry takes."""
 
 from __future__ import annotations
 
@@ -62,6 +62,48 @@ async def test_a_burst_with_one_prefix_keeps_every_prefill_within_the_load_bound
     assert sum(legs.values()) == 30, json.dumps(legs)
     assert max(legs.values()) <= 13, legs
     assert in_flight == [0, 0, 0, 0]  # every count taken by a choice was given back
+
+
+@pytest.mark.parametrize("failing", ["decode", "prefill"])
+async def test_a_retry_after_ds_failure_keeps_p_and_after_ps_takes_another(failing: str) -> None:
+    """2P2D, round robin: the first attempt's D (or P) answers 503. After D's failure the retry
+    goes to the same P (its prefix cache holds the prompt) and the other D; after P's, to the
+    other P. The client's request succeeds either way."""
+    legs: list[tuple[str, int | None]] = []
+    bad: set[int | None] = set()
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        role = "prefill" if body["kv_transfer_params"].get("do_remote_decode") else "decode"
+        legs.append((role, request.url.port))
+        if request.url.port in bad:
+            return httpx.Response(503, json={"error": {"message": "engine dead"}})
+        return httpx.Response(200, json=answer("a", KV if role == "prefill" else None))
+
+    body = {"model": "m", "prompt": "a long prompt " * 20, "max_tokens": 2}
+    request = ClientRequest(body=body, chat=False, stream=False, model="m")
+    with scripted(upstream, 4) as servers:
+        p_ports, d_ports = [s.port for s in servers[:2]], [s.port for s in servers[2:]]
+        pools = {
+            "prefill": {
+                "instances": [{"url": s.url, "identity": IDENTITY} for s in servers[:2]],
+                "policy": "round_robin",
+            },
+            "decode": {"instances": [{"url": s.url} for s in servers[2:]], "policy": "round_robin"},
+        }
+        settings = settings_from_mapping({"models": ["m"], "mode": "pull", **pools})
+        bad.add(p_ports[0] if failing == "prefill" else d_ports[0])  # round robin's first choice
+        async with open_runtime(settings) as runtime:
+            dispatch = await open_dispatch(runtime, request)
+            await dispatch.close()
+    prefills = [port for role, port in legs if role == "prefill"]
+    decodes = [port for role, port in legs if role == "decode"]
+    if failing == "decode":
+        assert prefills == [p_ports[0], p_ports[0]]  # the retry kept P
+        assert decodes == [d_ports[0], d_ports[1]]
+    else:
+        assert prefills == [p_ports[0], p_ports[1]]
+        assert len(decodes) == 1
 
 
 def _pair(max_in_flight: int = 1) -> tuple[BackendState, BackendState]:
