@@ -39,9 +39,9 @@ from devstack.vllm_server import (
     stop_servers,
 )
 
-Topology = Literal["1p1d", "2p1d", "2p2d", "3p2d", "aggregated"]
+Topology = Literal["1p1d", "1p2d", "2p1d", "2p2d", "3p2d", "aggregated"]
 InstanceRole = Literal["prefill", "decode", "aggregated"]
-TOPOLOGIES: tuple[Topology, ...] = ("1p1d", "2p1d", "2p2d", "3p2d", "aggregated")
+TOPOLOGIES: tuple[Topology, ...] = ("1p1d", "1p2d", "2p1d", "2p2d", "3p2d", "aggregated")
 MODEL_NAME = "tiny"
 PREFILL_CORE = 0
 DECODE_CORE = 1

@@ -11,12 +11,13 @@ skipped; with none served, a 503 names the reason). Retries
 (:mod:`disagg_router.router.dispatch.retry`, the one loop pass-through requests use too) happen only
 when ``retry_on_fresh_pair`` is set (the default), the failure is retryable (not a 4xx from vLLM)
 and nothing has been sent to the client yet (we are still before the commit point); the retry never
-re-picks the instance that failed, whatever the policy, and uses a fresh request id. When D failed,
-the retry keeps the attempt's P (while it is usable and pairs with another D), whatever the policy:
-that P has computed, or is computing, the prompt's KV, which vLLM's prefix cache (on by default)
-can serve the retry from, where another P would prefill the whole prompt again. Every attempt
-shares one ``timeouts.total`` deadline, counted from the first attempt: a retry does not restart it.
-The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
+re-picks the instance that failed, whatever the policy, and uses a fresh request id. When D's leg
+broke without an answer (D unreachable, its connection lost, or silent past its timeout: D died or
+hangs), the retry keeps the attempt's P (while it is usable and pairs with another D), whatever the
+policy: that P has computed, or is computing, the prompt's KV, which vLLM's prefix cache (on by
+default) can serve the retry from, where another P would prefill the whole prompt again. Every
+attempt shares one ``timeouts.total`` deadline, counted from the first attempt: a retry does not
+restart it. The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from disagg_router.router.dispatch.attempt import Dispatch
 from disagg_router.router.dispatch.retry import first_that_opens
 from disagg_router.router.dispatch.state import Attempt
-from disagg_router.router.errors import UpstreamError
+from disagg_router.router.errors import UpstreamError, UpstreamHTTPError, UpstreamProtocolError
 from disagg_router.router.instances.state import BackendState
 from disagg_router.router.request import ClientRequest, RequestContext
 from disagg_router.router.routing.pairing import choose_pair
@@ -79,7 +80,7 @@ async def open_dispatch(
     def choose(
         avoid: set[str], failed: UpstreamError | None
     ) -> tuple[BackendState | None, BackendState]:
-        keep = tried[-1] if failed is not None and failed.leg == "decode" and tried else None
+        keep = tried[-1] if tried and _d_went_away(failed) else None
         pair = _choose_pair(found, decision, routed, avoid, failed is not None, keep)
         tried.append(pair[0])
         return pair
@@ -104,6 +105,17 @@ async def _open(dispatch: Dispatch) -> None:
     finally:
         if not opened:
             await dispatch.close()
+
+
+def _d_went_away(failed: UpstreamError | None) -> bool:
+    """Whether ``failed`` is D's leg breaking without an answer (unreachable, connection lost,
+    timed out: D died or hangs), after which the retry keeps P. An error D answered (a 5xx,
+    e.g. a KV transfer that failed) may be P's doing, so that retry takes a fresh pair."""
+    return (
+        failed is not None
+        and failed.leg == "decode"
+        and not isinstance(failed, UpstreamHTTPError | UpstreamProtocolError)
+    )
 
 
 def _choose_pair(

@@ -64,11 +64,14 @@ async def test_a_burst_with_one_prefix_keeps_every_prefill_within_the_load_bound
     assert in_flight == [0, 0, 0, 0]  # every count taken by a choice was given back
 
 
-@pytest.mark.parametrize("failing", ["decode", "prefill"])
-async def test_a_retry_after_ds_failure_keeps_p_and_after_ps_takes_another(failing: str) -> None:
-    """2P2D, round robin: the first attempt's D (or P) answers 503. After D's failure the retry
-    goes to the same P (its prefix cache holds the prompt) and the other D; after P's, to the
-    other P. The client's request succeeds either way."""
+@pytest.mark.parametrize("failing", ["dead decode", "decode answering 503", "prefill"])
+async def test_a_retry_after_a_dead_d_keeps_p_and_after_any_other_failure_takes_a_fresh_pair(
+    failing: str,
+) -> None:
+    """2P2D, round robin: the first attempt's D is gone (its port refuses), or D or P answers
+    503. After the dead D the retry goes to the same P (its prefix cache holds the prompt) and
+    the other D; after an error answer (which may be P's doing when D's), to the other P. The
+    client's request succeeds every time."""
     legs: list[tuple[str, int | None]] = []
     bad: set[int | None] = set()
 
@@ -92,14 +95,21 @@ async def test_a_retry_after_ds_failure_keeps_p_and_after_ps_takes_another(faili
             "decode": {"instances": [{"url": s.url} for s in servers[2:]], "policy": "round_robin"},
         }
         settings = settings_from_mapping({"models": ["m"], "mode": "pull", **pools})
-        bad.add(p_ports[0] if failing == "prefill" else d_ports[0])  # round robin's first choice
+        # round robin's first choices are p0 and d0
+        if failing == "dead decode":
+            servers[2].stop()  # its port refuses connections
+        else:
+            bad.add(p_ports[0] if failing == "prefill" else d_ports[0])
         async with open_runtime(settings) as runtime:
             dispatch = await open_dispatch(runtime, request)
             await dispatch.close()
     prefills = [port for role, port in legs if role == "prefill"]
     decodes = [port for role, port in legs if role == "decode"]
-    if failing == "decode":
+    if failing == "dead decode":
         assert prefills == [p_ports[0], p_ports[0]]  # the retry kept P
+        assert decodes == [d_ports[1]]  # d0 never answered
+    elif failing == "decode answering 503":
+        assert prefills == [p_ports[0], p_ports[1]]
         assert decodes == [d_ports[0], d_ports[1]]
     else:
         assert prefills == [p_ports[0], p_ports[1]]

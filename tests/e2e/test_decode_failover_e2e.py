@@ -1,0 +1,145 @@
+"""A D that dies before the first token, on real vLLM CPU (1P2D, our connector): the request goes
+on with the same P and the other D, and P serves the retry from its prefix cache instead of
+prefilling the prompt again.
+
+D0 is stopped (SIGSTOP to its whole process group: its port still accepts, nothing answers), the
+request goes out (round robin pairs P with D0 first), P's prefill ends (its finished-requests
+counter moves), then D0 is killed: D's leg breaks, the router retries once keeping P and taking D1.
+Ordered by what P reports, not by time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from devstack.process import group_members
+from devstack.stack import Stack, StackInstance, StackOptions
+from tests.e2e.e2e_support import make_prompt, module_stack, running_router
+from tests.support.wait import wait_until
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("disagg_router.connector.facade") is None,
+        reason="disagg_router.connector.facade (our vLLM connector) is not in this checkout",
+    ),
+]
+
+LEASE_S = 10.0
+"""P's lease on a finished prefill's blocks (shorter than the default 30 s: P's blocks of the
+dead D's transfer are back within it)."""
+MARGIN_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def stack(e2e_dir: Path) -> Iterator[Stack]:
+    options = StackOptions(
+        kind="ours",
+        topology="1p2d",
+        enforce_eager=True,
+        connector_extra_config={"lease_s": LEASE_S},
+    )
+    with module_stack(options, e2e_dir) as started:
+        yield started
+
+
+def _metrics(instance: StackInstance | str) -> str:
+    url = instance if isinstance(instance, str) else instance.url
+    return httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def _sum(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets)."""
+    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+def _block_size(p: StackInstance) -> int:
+    found = re.search(r'block_size="(\d+)"', _metrics(p))
+    assert found is not None, "vllm:cache_config_info names the block size"
+    return int(found.group(1))
+
+
+def _blocks(instance: StackInstance) -> int:
+    text = _metrics(instance)
+    usage = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    total = re.search(r'num_gpu_blocks="(\d+)"', text)
+    assert usage is not None and total is not None, f"{instance.name}: no KV usage in /metrics"
+    return round(float(usage.group(1)) * int(total.group(1)))
+
+
+@contextlib.contextmanager
+def stopped(instance: StackInstance) -> Iterator[None]:
+    """Every process of ``instance`` that serves requests stopped (SIGSTOP) until the block ends;
+    continued then, however it is left (a killed one is gone: nothing to continue).
+    multiprocessing's resource trackers keep running: they serve nothing, and after a kill they
+    unlink what the dead processes registered."""
+    pid = instance.server.pid
+    assert pid is not None, f"{instance.name} is not running"
+    members = [m for m in group_members(pid) if "resource_tracker" not in " ".join(m.cmdline())]
+    for proc in members:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.suspend()
+    try:
+        yield
+    finally:
+        for proc in members:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()
+
+
+def test_a_d_killed_before_its_first_token_leaves_p_no_second_prefill(stack: Stack) -> None:
+    [p], [d0, d1] = stack.prefill, stack.decode
+    block = _block_size(p)
+    timeouts = {"prefill": 60.0, "first_token": 90.0, "total": 120.0}
+    with running_router(
+        stack, with_identity=True, timeouts=timeouts, health_interval_s=3600.0
+    ) as router:
+        before_p, before_d1 = _metrics(p), _metrics(d1)
+        body = {"model": stack.model_name, "prompt": make_prompt("failover", 1500), "max_tokens": 8}
+        answer: dict[str, httpx.Response] = {}
+
+        def send() -> None:
+            answer["r"] = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+
+        client = threading.Thread(target=send)
+        with stopped(d0):
+            client.start()
+            finished = "vllm:request_success_total"
+            wait_until(
+                lambda: _sum(_metrics(p), finished) > _sum(before_p, finished),
+                timeout=60.0,
+                what="P's prefill to end (D0 stopped)",
+            )
+            d0.server.kill()  # D's leg breaks: the router retries with P and D1
+        client.join(timeout=120)
+        assert not client.is_alive(), "the client got no answer"
+        resp = answer["r"]
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"]
+        assert _sum(_metrics(router.url), "disagg_router_retries_total") == 1.0
+        prompt_tokens = resp.json()["usage"]["prompt_tokens"]
+        after_p = _metrics(p)
+        hits = _sum(after_p, "vllm:prefix_cache_hits_total") - _sum(
+            before_p, "vllm:prefix_cache_hits_total"
+        )
+        # The retry's prefill found every full block of the prompt in P's cache: P computed at
+        # most the last partial block of the prompt a second time.
+        assert hits >= prompt_tokens - block, (hits, prompt_tokens, block)
+        served = _sum(_metrics(d1), finished) - _sum(before_d1, finished)
+        assert served == 1.0  # D1 decoded it
+        for instance in (p, d1):
+            wait_until(
+                lambda instance=instance: _blocks(instance) == 0,  # type: ignore[misc]
+                timeout=LEASE_S + MARGIN_S,
+                what=f"{instance.name}'s KV blocks back to 0",
+            )
