@@ -233,7 +233,7 @@ def tp_throughput(
 ) -> list[dict[str, Any]]:
     """``--tp N``: per size, median GB/s of N P ranks writing their shares into one D,
     connector (NixlEndpoint, the connector's head mapping) vs bare NIXL."""
-    from bench.transfer import TransferSpec
+    from bench.transfer_spec import TransferSpec
     from bench.transfer_tp import run_tp_kind
 
     rows = []

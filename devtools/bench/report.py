@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.routing import SUMMARY_KEYS, routing_summary
-from bench.transfer import key_suffix
+from bench.transfer_spec import key_suffix
 
 Rows = list[dict[str, Any]]
 

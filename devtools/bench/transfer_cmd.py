@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from bench.results import write_json
-from bench.transfer import ALL_KINDS, TP_KINDS, AnyKind, TransferSpec, run_transfer
+from bench.transfer import ALL_KINDS, TP_KINDS, AnyKind, run_transfer
+from bench.transfer_spec import TransferSpec
 
 
 def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from bench.transfer import TransferSpec, await_report, bare_positions
+from bench.transfer_spec import TransferSpec, await_report, bare_positions
 
 PathKind = Literal["bare-notify", "connector-path"]
 _REGISTRATION_LEAD_S = 0.05

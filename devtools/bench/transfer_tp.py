@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Literal
 
-from bench.transfer import TransferSpec, await_report, bare_positions, write_stats
+from bench.transfer_spec import TransferSpec, await_report, bare_positions, write_stats
 
 if TYPE_CHECKING:
     import numpy as np

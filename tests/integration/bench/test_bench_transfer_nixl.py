@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.transfer import TransferSpec, run_transfer
+from bench.transfer import run_transfer
+from bench.transfer_spec import TransferSpec
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ from multiprocessing.process import BaseProcess
 
 import pytest
 
-from bench.transfer import await_report
+from bench.transfer_spec import await_report
 
 CTX = mp.get_context("spawn")
 

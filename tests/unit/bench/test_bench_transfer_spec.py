@@ -7,7 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench.transfer import TransferSpec, bare_positions, key_suffix, run_transfer
+from bench.transfer import run_transfer
+from bench.transfer_spec import TransferSpec, bare_positions, key_suffix
 from bench.transfer_tp import (
     bare_remote_descs,
     connector_remote_descs,
