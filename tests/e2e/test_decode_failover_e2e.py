@@ -134,6 +134,7 @@ def test_a_d_killed_before_its_first_token_leaves_p_no_second_prefill(stack: Sta
         )
         # The retry's prefill found every full block of the prompt in P's cache: P computed at
         # most the last partial block of the prompt a second time.
+        print(f"\nprompt {prompt_tokens} tokens, block {block}: P's cache served {hits:g}")
         assert hits >= prompt_tokens - block, (hits, prompt_tokens, block)
         served = _sum(_metrics(d1), finished) - _sum(before_d1, finished)
         assert served == 1.0  # D1 decoded it
