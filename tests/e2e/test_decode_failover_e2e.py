@@ -126,7 +126,10 @@ def test_a_d_killed_before_its_first_token_leaves_p_no_second_prefill(stack: Sta
         resp = answer["r"]
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"]
-        assert _sum(_metrics(router.url), "disagg_router_retries_total") == 1.0
+        router_metrics = _metrics(router.url)
+        assert _sum(router_metrics, "disagg_router_retries_total") == 1.0
+        kept = 'disagg_router_decode_failovers_total{phase="before_first_token",prefill="kept"}'
+        assert f"{kept} 1.0" in router_metrics
         prompt_tokens = resp.json()["usage"]["prompt_tokens"]
         after_p = _metrics(p)
         hits = _sum(after_p, "vllm:prefix_cache_hits_total") - _sum(

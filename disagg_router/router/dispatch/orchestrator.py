@@ -80,9 +80,14 @@ async def open_dispatch(
     def choose(
         avoid: set[str], failed: UpstreamError | None
     ) -> tuple[BackendState | None, BackendState]:
-        keep = tried[-1] if tried and _d_went_away(failed) else None
+        gone = _d_went_away(failed)
+        keep = tried[-1] if tried and gone else None
         pair = _choose_pair(found, decision, routed, avoid, failed is not None, keep)
         tried.append(pair[0])
+        if gone:
+            kept = "kept" if keep is not None and pair[0] is keep else "other"
+            m = runtime.metrics
+            m.child(m.decode_failovers, "before_first_token", kept).inc()
         return pair
 
     async def open_attempt(

@@ -153,6 +153,13 @@ class RouterMetrics:
             "Dispatches retried on a fresh P/D pair",
             registry=self.registry,
         )
+        self.decode_failovers = Counter(
+            "disagg_router_decode_failovers",
+            "Dispatches whose D died or hung, retried on another D: by phase (before_first_token) "
+            "and by whether the retry kept the attempt's P (kept) or took another (other)",
+            ["phase", "prefill"],
+            registry=self.registry,
+        )
         self.routing_decisions = Counter(
             "disagg_router_routing_decisions",
             "Requests by model and route: disaggregated, or decode_only_short_prompt / "

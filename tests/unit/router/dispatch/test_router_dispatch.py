@@ -103,6 +103,16 @@ async def test_a_retry_after_a_dead_d_keeps_p_and_after_any_other_failure_takes_
         async with open_runtime(settings) as runtime:
             dispatch = await open_dispatch(runtime, request)
             await dispatch.close()
+            registry: CollectorRegistry = runtime.metrics.registry
+            failovers = {
+                kept: registry.get_sample_value(
+                    "disagg_router_decode_failovers_total",
+                    {"phase": "before_first_token", "prefill": kept},
+                )
+                for kept in ("kept", "other")
+            }
+    gone = 1.0 if failing == "dead decode" else None
+    assert failovers == {"kept": gone, "other": None}
     prefills = [port for role, port in legs if role == "prefill"]
     decodes = [port for role, port in legs if role == "decode"]
     if failing == "dead decode":
