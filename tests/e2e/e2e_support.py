@@ -9,6 +9,7 @@ References are never taken from D, so D's prefix cache only ever holds what came
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -97,6 +98,16 @@ def metrics(instance: StackInstance) -> dict[str, float]:
     response = httpx.get(instance.url + "/metrics", timeout=httpx.Timeout(10.0))
     response.raise_for_status()
     return read_metrics_text(response.text)
+
+
+def kv_blocks(instance: StackInstance) -> int:
+    """KV blocks in use on ``instance`` (usage fraction x its number of blocks)."""
+    text = httpx.get(f"{instance.url}/metrics", timeout=10).text
+    usage = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    total = re.search(r'num_gpu_blocks="(\d+)"', text)
+    if usage is None or total is None:
+        raise AssertionError(f"{instance.name}: no KV usage in /metrics")
+    return round(float(usage.group(1)) * int(total.group(1)))
 
 
 def load(instance: StackInstance) -> tuple[float, float]:

@@ -23,7 +23,8 @@ import pytest
 
 from devstack.process import group_members
 from devstack.stack import Stack, StackInstance, StackOptions
-from tests.e2e.e2e_support import make_prompt, module_stack, running_router
+from devstack.vllm_server import read_metrics_text
+from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, module_stack, running_router
 from tests.support.wait import wait_until
 
 pytestmark = [
@@ -52,29 +53,11 @@ def stack(e2e_dir: Path) -> Iterator[Stack]:
         yield started
 
 
-def _metrics(instance: StackInstance | str) -> str:
-    url = instance if isinstance(instance, str) else instance.url
-    return httpx.get(f"{url}/metrics", timeout=10).text
-
-
-def _sum(text: str, name: str) -> float:
-    """The sum of every sample of ``name`` (all label sets)."""
-    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$"
-    return sum(float(v) for v in re.findall(pattern, text, re.M))
-
-
 def _block_size(p: StackInstance) -> int:
-    found = re.search(r'block_size="(\d+)"', _metrics(p))
+    text = httpx.get(f"{p.url}/metrics", timeout=10).text
+    found = re.search(r'block_size="(\d+)"', text)
     assert found is not None, "vllm:cache_config_info names the block size"
     return int(found.group(1))
-
-
-def _blocks(instance: StackInstance) -> int:
-    text = _metrics(instance)
-    usage = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
-    total = re.search(r'num_gpu_blocks="(\d+)"', text)
-    assert usage is not None and total is not None, f"{instance.name}: no KV usage in /metrics"
-    return round(float(usage.group(1)) * int(total.group(1)))
 
 
 @contextlib.contextmanager
@@ -104,19 +87,22 @@ def test_a_d_killed_before_its_first_token_leaves_p_no_second_prefill(stack: Sta
     with running_router(
         stack, with_identity=True, timeouts=timeouts, health_interval_s=3600.0
     ) as router:
-        before_p, before_d1 = _metrics(p), _metrics(d1)
+        before_p, before_d1 = metrics(p), metrics(d1)
         body = {"model": stack.model_name, "prompt": make_prompt("failover", 1500), "max_tokens": 8}
         answer: dict[str, httpx.Response] = {}
 
         def send() -> None:
             answer["r"] = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
 
+        def moved(instance: StackInstance, before: dict[str, float], name: str) -> float:
+            return metrics(instance).get(name, 0.0) - before.get(name, 0.0)
+
+        finished = "vllm:request_success_total"
         client = threading.Thread(target=send)
         with stopped(d0):
             client.start()
-            finished = "vllm:request_success_total"
             wait_until(
-                lambda: _sum(_metrics(p), finished) > _sum(before_p, finished),
+                lambda: moved(p, before_p, finished) > 0,
                 timeout=60.0,
                 what="P's prefill to end (D0 stopped)",
             )
@@ -126,24 +112,21 @@ def test_a_d_killed_before_its_first_token_leaves_p_no_second_prefill(stack: Sta
         resp = answer["r"]
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"]
-        router_metrics = _metrics(router.url)
-        assert _sum(router_metrics, "disagg_router_retries_total") == 1.0
+        routed = read_metrics_text(httpx.get(f"{router.url}/metrics", timeout=10).text)
+        assert routed["disagg_router_retries_total"] == 1.0
+        assert routed["disagg_router_decode_failovers_total"] == 1.0
         kept = 'disagg_router_decode_failovers_total{phase="before_first_token",prefill="kept"}'
-        assert f"{kept} 1.0" in router_metrics
+        assert f"{kept} 1.0" in httpx.get(f"{router.url}/metrics", timeout=10).text
         prompt_tokens = resp.json()["usage"]["prompt_tokens"]
-        after_p = _metrics(p)
-        hits = _sum(after_p, "vllm:prefix_cache_hits_total") - _sum(
-            before_p, "vllm:prefix_cache_hits_total"
-        )
+        hits = moved(p, before_p, "vllm:prefix_cache_hits_total")
         # The retry's prefill found every full block of the prompt in P's cache: P computed at
         # most the last partial block of the prompt a second time.
         print(f"\nprompt {prompt_tokens} tokens, block {block}: P's cache served {hits:g}")
         assert hits >= prompt_tokens - block, (hits, prompt_tokens, block)
-        served = _sum(_metrics(d1), finished) - _sum(before_d1, finished)
-        assert served == 1.0  # D1 decoded it
+        assert moved(d1, before_d1, finished) == 1.0  # D1 decoded it
         for instance in (p, d1):
             wait_until(
-                lambda instance=instance: _blocks(instance) == 0,  # type: ignore[misc]
+                lambda instance=instance: kv_blocks(instance) == 0,  # type: ignore[misc]
                 timeout=LEASE_S + MARGIN_S,
                 what=f"{instance.name}'s KV blocks back to 0",
             )

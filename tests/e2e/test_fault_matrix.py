@@ -41,7 +41,13 @@ from devstack.stack import Stack, StackInstance, StackOptions
 from devstack.vllm_server import VllmServer
 from disagg_router.connector.config import ConnectorConfig
 from disagg_router.connector.faults import INJECTED
-from tests.e2e.e2e_support import RunningRouter, make_prompt, module_stack, running_router
+from tests.e2e.e2e_support import (
+    RunningRouter,
+    kv_blocks,
+    make_prompt,
+    module_stack,
+    running_router,
+)
 from tests.support.wait import wait_until
 
 pytestmark = [
@@ -97,16 +103,6 @@ def _router(stack: Stack, health_interval_s: float = 30.0, **timeouts: float) ->
     )
 
 
-def _blocks(instance: StackInstance) -> int:
-    """KV blocks in use on ``instance`` (usage fraction x its number of blocks)."""
-    text = httpx.get(f"{instance.url}/metrics", timeout=10).text
-    usage = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
-    total = re.search(r'num_gpu_blocks="(\d+)"', text)
-    if usage is None or total is None:
-        raise AssertionError(f"{instance.name}: no KV usage in /metrics")
-    return round(float(usage.group(1)) * int(total.group(1)))
-
-
 def _running(instance: StackInstance) -> float:
     text = httpx.get(f"{instance.url}/metrics", timeout=10).text
     found = re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
@@ -122,11 +118,11 @@ def _back_to_baseline(instances: list[StackInstance], bound_s: float = IMMEDIATE
     for inst in instances:
         start = time.monotonic()
         wait_until(
-            lambda i=inst: _blocks(i) == 0 and _running(i) == 0,  # type: ignore[misc]
+            lambda i=inst: kv_blocks(i) == 0 and _running(i) == 0,  # type: ignore[misc]
             max(deadline - start, 0.0),
             f"{inst.name}'s KV blocks back to 0 within {bound_s:.1f} s",
         )
-        out.append(f"{inst.name} {_blocks(inst)} ({time.monotonic() - start:.1f} s)")
+        out.append(f"{inst.name} {kv_blocks(inst)} ({time.monotonic() - start:.1f} s)")
     return ", ".join(out)
 
 
