@@ -4,10 +4,13 @@ over real loopback sockets: the request each call writes, and our error for each
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
+import trustme
 
 from devstack.ports import free_port
 from disagg_router.router.config import InstanceConfig
@@ -29,11 +32,11 @@ OK_JSON = b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"ok":true}'
 
 
 @asynccontextmanager
-async def _server(handler: Handler) -> AsyncIterator[str]:
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+async def _server(handler: Handler, tls: ssl.SSLContext | None = None) -> AsyncIterator[str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=tls)
     port = server.sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     finally:
         server.close()
 
@@ -212,6 +215,34 @@ async def test_an_answer_header_over_the_bound_fails_the_call_naming_it(extra: i
                 await call
         else:
             assert await call == b"{}"
+
+
+def _tls_server(ca: trustme.CA) -> ssl.SSLContext:
+    """A server's TLS settings with a certificate for 127.0.0.1 that ``ca`` issued."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    return context
+
+
+async def test_an_https_instance_is_reached_over_tls_checking_its_certificate(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The system's certificate store (here: ``SSL_CERT_FILE`` naming a test CA) decides: a
+    certificate it trusts for the instance's address carries the call; one from another CA
+    fails it as a connection that could not be opened."""
+    trusted, stranger = trustme.CA(), trustme.CA()
+    store = tmp_path / "ca.pem"
+    trusted.cert_pem.write_to_path(str(store))
+    monkeypatch.setenv("SSL_CERT_FILE", str(store))
+    heads: list[bytes] = []
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nup"
+    async with _server(_recording(heads, answer), _tls_server(trusted)) as url, _client() as client:
+        assert await get_ok(client, _backend(url), "decode", "/health", "r-1") == b"up"
+        assert await get_ok(client, _backend(url), "decode", "/health", "r-2") == b"up"
+    assert [_headers(h)[0] for h in heads] == ["GET /health HTTP/1.1"] * 2
+    async with _server(_recording([]), _tls_server(stranger)) as url, _client() as client:
+        with pytest.raises(UpstreamUnreachable):
+            await get_ok(client, _backend(url), "decode", "/health", "r-3")
 
 
 def test_an_https_instance_is_reached_over_tls_on_its_port() -> None:
