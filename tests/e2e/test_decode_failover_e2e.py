@@ -112,11 +112,12 @@ def test_a_d_killed_before_its_first_token_leaves_p_no_second_prefill(stack: Sta
         resp = answer["r"]
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"]
-        routed = read_metrics_text(httpx.get(f"{router.url}/metrics", timeout=10).text)
+        text = httpx.get(f"{router.url}/metrics", timeout=10).text
+        routed = read_metrics_text(text)
         assert routed["disagg_router_retries_total"] == 1.0
         assert routed["disagg_router_decode_failovers_total"] == 1.0
         kept = 'disagg_router_decode_failovers_total{phase="before_first_token",prefill="kept"}'
-        assert f"{kept} 1.0" in httpx.get(f"{router.url}/metrics", timeout=10).text
+        assert f"{kept} 1.0" in text
         prompt_tokens = resp.json()["usage"]["prompt_tokens"]
         hits = moved(p, before_p, "vllm:prefix_cache_hits_total")
         # The retry's prefill found every full block of the prompt in P's cache: P computed at

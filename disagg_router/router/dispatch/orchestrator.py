@@ -75,15 +75,16 @@ async def open_dispatch(
     runtime.metrics.child(runtime.metrics.routing_decisions, request.model, decision).inc()
     deadline = time.monotonic() + runtime.settings.timeouts.total
 
-    tried: list[BackendState | None] = []  # the P of the last attempt
+    last_prefill: BackendState | None = None  # the P of the last attempt
 
     def choose(
         avoid: set[str], failed: UpstreamError | None
     ) -> tuple[BackendState | None, BackendState]:
+        nonlocal last_prefill
         gone = _d_went_away(failed)
-        keep = tried[-1] if tried and gone else None
+        keep = last_prefill if gone else None
         pair = _choose_pair(found, decision, routed, avoid, failed is not None, keep)
-        tried.append(pair[0])
+        last_prefill = pair[0]
         if gone:
             kept = "kept" if keep is not None and pair[0] is keep else "other"
             m = runtime.metrics

@@ -124,6 +124,14 @@ def _call(
     return client.request(target.origin, head, content)
 
 
+async def _enter(call: Call, leg: str, backend: Instance) -> Answer:
+    """Send ``call`` and wait for its answer's head; transport errors raise ours."""
+    try:
+        return await call.__aenter__()
+    except TransportError as exc:
+        raise _translate(exc, leg, backend) from exc
+
+
 def _translate(exc: TransportError, leg: str, backend: Instance) -> UpstreamError:
     """Our error for a transport one (pure: the backend is only named)."""
     if isinstance(exc, ConnectTimeout):
@@ -208,19 +216,14 @@ class _SseCall:
     a generator context manager, as the decode leg makes one per streamed request. Every
     transport error, entering, reading or leaving, becomes our :class:`UpstreamError`."""
 
-    def __init__(
-        self, call: AbstractAsyncContextManager[Answer], leg: str, backend: Instance
-    ) -> None:
+    def __init__(self, call: Call, leg: str, backend: Instance) -> None:
         self._call = call
         self._leg = leg
         self._backend = backend
         self._events: EventReader | None = None
 
     async def __aenter__(self) -> _SseCall:
-        try:
-            answer = await self._call.__aenter__()
-        except TransportError as exc:
-            raise _translate(exc, self._leg, self._backend) from exc
+        answer = await _enter(self._call, self._leg, self._backend)
         try:
             if answer.status >= 400:
                 try:
@@ -237,10 +240,7 @@ class _SseCall:
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        try:
-            await self._call.__aexit__(kind, exc, tb)
-        except TransportError as error:
-            raise _translate(error, self._leg, self._backend) from error
+        await self._call.__aexit__(kind, exc, tb)  # gives the connection back; never raises
 
     def __aiter__(self) -> _SseCall:
         return self
@@ -319,8 +319,4 @@ async def open_raw(
     """POST ``body`` and return the answer with its body not read yet (a pass-through reads or
     relays it as it is); the caller must :meth:`RawAnswer.close` it."""
     call = _call(client, backend, path, body, request_id)
-    try:
-        answer = await call.__aenter__()
-    except TransportError as exc:
-        raise _translate(exc, leg, backend) from exc
-    return RawAnswer(call, answer, leg, backend)
+    return RawAnswer(call, await _enter(call, leg, backend), leg, backend)

@@ -77,7 +77,6 @@ class UpstreamClient:
     :meth:`request` is the one way out; nothing here decides what a failure means."""
 
     def __init__(self, limits: ClientLimits) -> None:
-        self.limits = limits
         self.targets: dict[tuple[str, str | None, str, str], Target] = {}
         """(instance URL, API key, method, path) -> :class:`Target`; kept by
         :mod:`disagg_router.router.upstream.calls`."""
