@@ -533,7 +533,7 @@ class KvMetrics:
         self.resyncs = Counter(
             "disagg_router_kv_resyncs",
             "Index resyncs of an instance by reason: join, gap, gap_unfilled, restart, "
-            "replay_incomplete",
+            "replay_incomplete, resubscribe (ZMQ dropped the event connection)",
             ["model", "instance", "reason"],
             registry=registry,
         )

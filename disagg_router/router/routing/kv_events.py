@@ -21,17 +21,17 @@ end marker of sequence -1. The stream uses that as follows:
   the publisher; no answer within ``probe_timeout`` marks the instance ``degraded`` (routing
   falls back to approximate affinity for its pool) until an answer comes.
 
-Nothing a publisher sends makes :meth:`EventStream.run` raise. A message over
-``max_message_bytes`` is refused by the SUB and the replay sockets themselves (ZMQ's
-``MAXMSGSIZE``: the connection drops before the message is held, which the next sequence number
-shows as a gap), then skipped; the SUB socket queues about ``RECEIVE_QUEUE_BYTES`` at most while
-the stream is busy. A message that is no batch, a frame set of the wrong shape, a bad sequence
+Nothing a publisher sends makes :meth:`EventStream.run` raise. A message over ``max_message_bytes``
+is refused by the SUB and the replay sockets themselves (ZMQ's ``MAXMSGSIZE``: the connection drops
+before the message is held; the SUB is then subscribed anew and the stream probes, so the replay
+fills what the drop lost), then skipped; the SUB socket queues about ``RECEIVE_QUEUE_BYTES`` at most
+while the stream is busy. A message that is no batch, a frame set of the wrong shape, a bad sequence
 number, and each event of the wrong type, out of range or over ``max_blocks_per_event`` blocks
 (:mod:`disagg_router.router.routing.kv_wire`) is skipped and counted by reason
 (``disagg_router_kv_bad_events_total``); a skipped batch still counts as applied, so it is never
-asked for again. Batches are applied event by event, large stores in slices, giving the event
-loop back every ``YIELD_AFTER`` seconds. ZMQ errors do raise; the owner counts, logs and
-restarts the task, and the new stream starts ``degraded`` with the failure as its reason.
+asked for again. Batches are applied event by event, large stores in slices, giving the event loop
+back every ``YIELD_AFTER`` seconds. ZMQ errors do raise; the owner counts, logs and restarts the
+task, and the new stream starts ``degraded`` with the failure as its reason.
 
 ``state`` is the one source of the instance's KV health: the ``disagg_router_kv_stream_degraded``
 gauge is set only with it, and ``/ready``'s ``degraded`` list is read from it.
@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 END_SEQ = -1
 YIELD_AFTER = 0.005
 """Seconds of applying events after which the stream gives the event loop back."""
+_DRAIN_POLL_MS = 1
+"""How often the end of a dropped replay connection is looked for (the look is cheap)."""
 STORE_SLICE = 1024
 """Blocks of one store applied at a time."""
 MAX_REFUSED = 10_000
@@ -125,6 +127,52 @@ class _Budget:
             self._since = time.perf_counter()
 
 
+class _Subscription:
+    """The SUB socket of one stream, subscribed again whenever ZMQ drops its connection.
+
+    ZMQ does not reconnect a SUB whose connection it dropped for a protocol error, a message over
+    ``MAXMSGSIZE`` among them, so after one such message nothing would arrive again. A monitor
+    tells the drop; the socket is then replaced, and :meth:`receive` says so (``reopened``) and
+    returns None, as after a silence, so that the stream probes and replays what it missed.
+    """
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, topic: str, limits: StreamLimits
+    ) -> None:
+        self._ctx, self._endpoint, self._topic, self._limits = ctx, endpoint, topic, limits
+        self.reopened = False
+        self._sub, self._monitor, self._poller = self._open()
+
+    def _open(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, zmq.asyncio.Poller]:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
+        sub.setsockopt(zmq.RCVHWM, receive_queue(self._limits.max_message_bytes))
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sub.connect(self._endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        return sub, monitor, poller
+
+    async def receive(self, timeout: float) -> list[bytes] | None:
+        """The next message, or None after ``timeout`` seconds of silence or a drop."""
+        self.reopened = False
+        ready = dict(await self._poller.poll(int(timeout * 1000)))
+        if self._sub in ready:
+            return list(await self._sub.recv_multipart())
+        if self._monitor in ready:
+            self.close()
+            self._sub, self._monitor, self._poller = self._open()
+            self.reopened = True
+        return None
+
+    def close(self) -> None:
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sub.close(linger=0)
+
+
 class EventStream:
     """The subscription of one instance; ``state`` and ``reason`` say how it fares."""
 
@@ -169,23 +217,20 @@ class EventStream:
 
     async def run(self, ctx: zmq.asyncio.Context) -> None:
         """Subscribe, join (replay from 0), then follow the stream until cancelled."""
-        sub = ctx.socket(zmq.SUB)
+        sub = _Subscription(ctx, self.target.endpoint, self.target.topic, self._limits)
         try:
-            sub.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
-            sub.setsockopt(zmq.RCVHWM, receive_queue(self._limits.max_message_bytes))
-            sub.setsockopt(zmq.SUBSCRIBE, self.target.topic.encode())
-            sub.connect(self.target.endpoint)
             await self._resync(ctx, 0, "join")
-            interval_ms = int(self._timing.probe_interval * 1000)
             while True:
-                got = await sub.poll(interval_ms)
-                if got:
-                    await self._on_frames(ctx, await sub.recv_multipart())
+                frames = await sub.receive(self._timing.probe_interval)
+                if sub.reopened:
+                    self._metrics.count_resync(self.target, "resubscribe")
+                if frames is not None:
+                    await self._on_frames(ctx, frames)
                 due = time.monotonic() - self._probed_at >= self._timing.probe_interval
-                if not got or (self.state != "live" and due):
+                if frames is None or (self.state != "live" and due):
                     await self._probe(ctx)
         finally:
-            sub.close(linger=0)
+            sub.close()
 
     async def _on_frames(self, ctx: zmq.asyncio.Context, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -372,13 +417,38 @@ class EventStream:
         while True:
             await self._budget.spend()  # queued replies are read without a pause otherwise
             ready = dict(await poller.poll())
-            if sock not in ready:  # disconnected, and every message before that is read
-                return frames, False
-            parts = await sock.recv_multipart()
-            if len(parts) != 4 or len(parts[2]) != 8:
-                continue
-            seq = int.from_bytes(parts[2], "big", signed=True)
-            if seq == END_SEQ:
+            if sock not in ready:  # the connection dropped
+                return await self._rest_after_drop(sock, frames), False
+            if self._take(await sock.recv_multipart(), frames):
                 return frames, True
-            if seq >= 0:
-                frames.append((seq, parts[3]))
+
+    async def _rest_after_drop(
+        self, sock: zmq.asyncio.Socket, frames: list[tuple[int, bytes | None]]
+    ) -> list[tuple[int, bytes | None]]:
+        """Read what came before the drop. ZMQ reports the drop to the monitor *before* it
+        hands the messages decoded with the refused one to the socket, so the drop alone does
+        not say all is there. The socket closing its pipe does: the pipe's end is queued behind
+        those messages, and from then on the socket takes no more requests (no ``POLLOUT``).
+        A drop without that (the publisher went away, ZMQ reconnects) ends at the deadline."""
+        while _events(sock) & zmq.POLLOUT:
+            if await sock.poll(timeout=_DRAIN_POLL_MS):
+                self._take(await sock.recv_multipart(), frames)
+        while _events(sock) & zmq.POLLIN:
+            await self._budget.spend()
+            self._take(await sock.recv_multipart(), frames)
+        return frames
+
+    @staticmethod
+    def _take(parts: list[bytes], frames: list[tuple[int, bytes | None]]) -> bool:
+        """Add one replay message to ``frames``; True for the end marker."""
+        if len(parts) != 4 or len(parts[2]) != 8:
+            return False
+        seq = int.from_bytes(parts[2], "big", signed=True)
+        if seq >= 0:
+            frames.append((seq, parts[3]))
+        return seq == END_SEQ
+
+
+def _events(sock: zmq.asyncio.Socket) -> int:
+    """The socket's ``POLLIN``/``POLLOUT`` state now (reading it lets ZMQ catch up first)."""
+    return int(sock.get(zmq.EVENTS))

@@ -1,5 +1,5 @@
 """One instance's KV event stream against the fake vLLM's publisher, with recorded payloads:
-join, gaps, restarts and a silent publisher."""
+join, gaps, restarts, an over-size message and a silent publisher."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from devstack.fakes.kv_hostile import hostile
 from devstack.fakes.kv_publisher import FakeKvPublisher
 from disagg_router.router.observability.metrics import KvMetrics
 from disagg_router.router.routing.kv_events import (
@@ -95,6 +96,30 @@ async def test_a_gap_is_filled_from_the_replay_socket(publisher: FakeKvPublisher
             expected.apply("p0", _decoded(payload))
         await _until(lambda: running.index.blocks("p0") == expected.blocks("p0"))
         assert running.resyncs("gap") == 1
+    finally:
+        await running.stop()
+
+
+async def test_an_over_size_message_leaves_the_stream_subscribed(
+    publisher: FakeKvPublisher,
+) -> None:
+    """ZMQ drops the SUB's connection for the message and never reconnects it by itself: the
+    stream subscribes anew, and later batches arrive live (no probe is due in this test)."""
+    stores = _stores()
+    running = Running(publisher, StreamTiming(probe_interval=60.0, probe_timeout=5.0))
+    try:
+        await _until(lambda: running.stream.state == "live" and publisher.subscriptions == 1)
+        await publisher.publish(hostile("over-size message", LIMITS.max_message_bytes))
+        await _until(lambda: publisher.subscriptions == 2)
+        await publisher.publish(stores[0])
+        expected = KvIndex(max_blocks=10_000)
+        expected.apply("p0", _decoded(stores[0]))
+        await _until(lambda: running.index.blocks("p0") == expected.blocks("p0"))
+        assert running.stream.last_applied == 1
+        assert running.resyncs("resubscribe") == 1
+        labels = {"model": "tiny", "instance": "p0", "reason": "too_large"}
+        bad = running.registry.get_sample_value("disagg_router_kv_bad_events_total", labels)
+        assert bad == 1.0
     finally:
         await running.stop()
 
