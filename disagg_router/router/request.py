@@ -50,6 +50,9 @@ class ClientRequest:
     stream: bool
     model: str
     headers: Mapping[str, str] = field(default_factory=dict)  # lower-cased names (routing)
+    prompt_ids: tuple[int, ...] | None = None
+    """A chat continuing a stream: the prompt as token ids (template rendered, generated ids
+    after it), sent to P and D in ``kv_transfer_params`` (:mod:`..dispatch.joining`)."""
 
     @property
     def path(self) -> str:

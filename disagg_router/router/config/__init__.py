@@ -9,9 +9,8 @@ timeout may be infinite: each is a positive number of seconds.
 Sections: :mod:`.instances`, :mod:`.discovery`, :mod:`.pools` (a pool and its policy),
 :mod:`.models` (a model's own sections and its route), :mod:`.timeouts`, :mod:`.health` (with
 ``load_signals``), :mod:`.limits` (``admission``, ``breaker``, ``limits``, ``drain``),
-:mod:`.telemetry` (``logging``, ``tracing``), :mod:`.settings` (the whole file, ``reload``, and
-reading it); renamed keys in :mod:`._base`. Every name is imported from here.
-"""
+:mod:`.migration`, :mod:`.telemetry` (``logging``, ``tracing``), :mod:`.settings` (the whole file,
+``reload``, and reading it); renamed keys in :mod:`._base`. Every name is imported from here."""
 
 from disagg_router.router.config._base import RENAMED_KEYS, deprecated_keys
 from disagg_router.router.config.discovery import (
@@ -28,6 +27,7 @@ from disagg_router.router.config.limits import (
     DrainConfig,
     LimitsConfig,
 )
+from disagg_router.router.config.migration import MigrationConfig
 from disagg_router.router.config.models import (
     DisaggregationConfig,
     KvEventsConfig,
@@ -61,6 +61,7 @@ __all__ = [
     "LimitsConfig",
     "LoadSignalsConfig",
     "LoggingConfig",
+    "MigrationConfig",
     "Mode",
     "ModelConfig",
     "ModelRoute",

@@ -28,6 +28,7 @@ from disagg_router.router.config.limits import (
     DrainConfig,
     LimitsConfig,
 )
+from disagg_router.router.config.migration import MigrationConfig
 from disagg_router.router.config.models import (
     DisaggregationConfig,
     KvEventsConfig,
@@ -81,6 +82,7 @@ class RouterSettings(Frozen):
     health: HealthConfig = HealthConfig()
     api_keys: list[str] = Field(default_factory=list)
     retry_on_fresh_pair: bool = True
+    migration: MigrationConfig = MigrationConfig()
     admission: AdmissionConfig = AdmissionConfig()
     breaker: BreakerConfig = BreakerConfig()
     limits: LimitsConfig = LimitsConfig()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from disagg_router.router.dispatch.commit import until_first_token
@@ -139,6 +140,12 @@ class Dispatch:
         """End this dispatch early (router stopping): its client gets an error now, before or
         after the commit point; the legs are cancelled by ``close()`` as always."""
         self._a.queue.put_nowait(RouterNotReady(reason))
+
+    def hand_over(self, may_continue: Callable[[UpstreamError], bool]) -> None:
+        """After ``open()``: ``may_continue`` decides, when D fails mid-stream, whether the
+        caller takes the stream on elsewhere (:class:`~.relay.StreamBroken` then ends
+        ``sse_events()``) or the stream ends with its error event."""
+        self._a.hand_over = may_continue
 
     def sse_events(self) -> SseEvents:
         """The client's SSE bytes after ``open()`` (:meth:`Relay.sse_events`)."""

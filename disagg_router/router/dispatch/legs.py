@@ -36,6 +36,7 @@ from disagg_router.router.upstream.rewrite import (
     identity_from_kv,
     prefill_body,
     strip_client_fields,
+    with_prompt_ids,
 )
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,9 @@ async def _post_prefill(
     attempt: Attempt, prefill: BackendState, span: Span, limit: float
 ) -> dict[str, Any]:
     """P's answer within ``limit`` seconds (:class:`TimeoutError` after it)."""
-    body = prefill_body(attempt.request.body, attempt.request.chat, attempt.transfer_id)
+    request = attempt.request
+    body = prefill_body(request.body, request.chat, attempt.transfer_id)
+    body = with_prompt_ids(body, request.prompt_ids)
     async with asyncio.timeout(limit):
         return await post_json(
             attempt.runtime.client,
@@ -220,14 +223,18 @@ async def _one_answer(attempt: Attempt, body: dict[str, Any], span: Span) -> Non
 
 
 async def _decode_body(attempt: Attempt) -> dict[str, Any]:
-    """D's body: the client's (D alone), with P's identity (push) or with P's answer (pull)."""
+    """D's body: the client's (D alone), with P's identity (push) or with P's answer (pull);
+    a continuation's prompt ids with it (:func:`with_prompt_ids`)."""
     request = attempt.request
     if attempt.prefill is None:
-        return strip_client_fields(request.body)
-    if attempt.sent_identity is not None:
-        return decode_body_push(
+        body = strip_client_fields(request.body)
+    elif attempt.sent_identity is not None:
+        body = decode_body_push(
             request.body, attempt.sent_identity, attempt.request_id, attempt.transfer_id
         )
-    assert attempt.p_task is not None
-    answer = await asyncio.shield(attempt.p_task)
-    return decode_body_pull(request.body, answer["kv_transfer_params"], attempt.transfer_id)
+    else:
+        assert attempt.p_task is not None
+        answer = await asyncio.shield(attempt.p_task)
+        kv = answer["kv_transfer_params"]
+        body = decode_body_pull(request.body, kv, attempt.transfer_id)
+    return with_prompt_ids(body, request.prompt_ids)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from disagg_router.router.dispatch.attempt import Dispatch
 from disagg_router.router.dispatch.retry import first_that_opens
@@ -45,6 +46,19 @@ NO_PREFILL = "decode_only_no_prefill"
 CACHED_ON_DECODE = "decode_only_cached"
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A stream that goes on after its D failed mid-stream
+    (:mod:`disagg_router.router.dispatch.migration`): that failure, every instance that failed
+    the request so far (never chosen again), the failed attempt's P (kept, as after a D that
+    went away before the first token) and the request's deadline (not restarted)."""
+
+    failed: UpstreamError
+    avoid: frozenset[str]
+    prefill: BackendState | None
+    deadline: float
+
+
 def decide(found: ModelPools, routed: RoutingInput) -> str:
     """How to serve a request: with a P leg, or by D alone (short prompt; a D holds most of
     the prompt in its KV cache, ``kv_events.decode_only_fraction``; no usable P)."""
@@ -60,12 +74,17 @@ def decide(found: ModelPools, routed: RoutingInput) -> str:
 
 
 async def open_dispatch(
-    runtime: Runtime, request: ClientRequest, ctx: RequestContext | None = None
+    runtime: Runtime,
+    request: ClientRequest,
+    ctx: RequestContext | None = None,
+    resume: Resume | None = None,
 ) -> Dispatch:
     """An opened dispatch (first token in hand); the caller must ``close()`` it.
 
     Raises the last attempt's :class:`RouterError`; failed attempts are closed here.
-    ``ctx``: the client request's ids; the first attempt uses ``ctx.request_id``.
+    ``ctx``: the client request's ids; the first attempt uses ``ctx.request_id``. ``resume``:
+    the request continues a stream whose D failed (its first attempt is chosen as a retry after
+    that failure is).
     """
     ctx = ctx or RequestContext()
     found = runtime.model(request.model)
@@ -73,22 +92,26 @@ async def open_dispatch(
     routed = RoutingInput(request.body, request.chat, request.headers, kv)
     decision = decide(found, routed)
     runtime.metrics.child(runtime.metrics.routing_decisions, request.model, decision).inc()
-    deadline = time.monotonic() + runtime.settings.timeouts.total
-
-    last_prefill: BackendState | None = None  # the P of the last attempt
+    total = runtime.settings.timeouts.total
+    deadline = resume.deadline if resume is not None else time.monotonic() + total
+    before = resume.avoid if resume is not None else frozenset()
+    last_prefill = resume.prefill if resume is not None else None  # the last attempt's P
+    pending = resume.failed if resume is not None else None  # the failure the 1st choice follows
 
     def choose(
         avoid: set[str], failed: UpstreamError | None
     ) -> tuple[BackendState | None, BackendState]:
-        nonlocal last_prefill
+        nonlocal last_prefill, pending
+        phase = "after_first_token" if pending is not None else "before_first_token"
+        failed, pending = failed or pending, None
         gone = _d_went_away(failed)
         keep = last_prefill if gone else None
-        pair = _choose_pair(found, decision, routed, avoid, failed is not None, keep)
+        pair = _choose_pair(found, decision, routed, avoid | before, failed is not None, keep)
         last_prefill = pair[0]
         if gone:
             kept = "kept" if keep is not None and pair[0] is keep else "other"
             m = runtime.metrics
-            m.child(m.decode_failovers, "before_first_token", kept).inc()
+            m.child(m.decode_failovers, phase, kept).inc()
         return pair
 
     async def open_attempt(

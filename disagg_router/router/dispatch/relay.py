@@ -23,6 +23,7 @@ from disagg_router.router.dispatch.legs import leg_failed
 from disagg_router.router.dispatch.state import Attempt, DecodeItem, End
 from disagg_router.router.errors import (
     RouterError,
+    UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
     error_payload,
@@ -38,6 +39,16 @@ log = logging.getLogger(__name__)
 def sse_error_event(exc: RouterError) -> bytes:
     """The one SSE event sent when a stream fails after its first byte went out."""
     return encode_event(json.dumps(error_payload(exc)).encode())
+
+
+class StreamBroken(Exception):
+    """D's leg failed mid-stream and the attempt's owner takes the stream on
+    (:attr:`~disagg_router.router.dispatch.state.Attempt.hand_over` said so): raised by
+    :meth:`Relay.sse_events` after every event D sent before the failure was given."""
+
+    def __init__(self, error: UpstreamError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class Relay:
@@ -127,6 +138,13 @@ class Relay:
             return encode_event(codec.dumps(chunk))
         return event
 
+    def handed_over(self, item: DecodeItem | None) -> UpstreamError | None:
+        """``item`` when it is D's failure and the attempt's owner continues the stream."""
+        hand_over = self._a.hand_over
+        if hand_over is None or not isinstance(item, UpstreamError) or item.leg != "decode":
+            return None
+        return item if hand_over(item) else None
+
     def _end_event(self, item: DecodeItem | None) -> bytes | None:
         """The stream's last event if ``item`` ends it (sets ``outcome``); None otherwise."""
         if isinstance(item, End):
@@ -214,6 +232,7 @@ class SseEvents:
         self._started = False
         self._expiry: asyncio.TimerHandle | None = None
         self._sent: tuple[bool, bool] | None = None  # (had events, ended) of the last chunk
+        self._broken: UpstreamError | None = None  # handed over after the last chunk
         self._closed = False
 
     def __aiter__(self) -> SseEvents:
@@ -247,10 +266,17 @@ class SseEvents:
                 relay._observe_ttft_stages()
             if ended:
                 raise StopAsyncIteration
+            if self._broken is not None:
+                raise StreamBroken(self._broken)
             if not isinstance(self._item, bytes):
                 self._item = await a.queue.get()
         while True:
             events, self._item = await relay._ready_events(self._item)
+            if (broken := relay.handed_over(self._item)) is not None:
+                if not events:
+                    raise StreamBroken(broken)
+                self._sent, self._broken = (True, False), broken  # raised at the next call
+                return b"".join(events)
             end = relay._end_event(self._item)
             if events or end is not None:
                 self._sent = (bool(events), end is not None)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from disagg_router.router.config import PushIdentity
-from disagg_router.router.errors import RouterError
+from disagg_router.router.errors import RouterError, UpstreamError
 from disagg_router.router.ids import new_request_id
 from disagg_router.router.instances.state import BackendState
 from disagg_router.router.request import ClientRequest, RequestContext
@@ -108,6 +109,9 @@ class Attempt:
         self.stamps: dict[str, float] = {}  # more moments for the TTFT stages, same clock
         self.usage: Any = None  # the usage the client got (merged), once the relay sent it
         self.answered = 0.0  # time.monotonic() when the answer's last chunk was ready; 0: not
+        # After the commit point: asked when D's leg fails mid-stream; True: its owner continues
+        # the stream on another D (the relay then raises StreamBroken instead of ending it).
+        self.hand_over: Callable[[UpstreamError], bool] | None = None
 
     def mark(self, stage: str) -> None:
         """Note when ``stage`` was reached (once; reported in the request log)."""

@@ -3,15 +3,15 @@ request from its admission to the end of its answer.
 
 Who calls it: the app (:mod:`disagg_router.router.http.app`) mounts one :class:`GenerationEndpoint`
 per path and hands it the app's admission check (running, key, bounded body, valid input). The
-endpoint opens a dispatch (:func:`disagg_router.router.dispatch.orchestrator.open_dispatch`), then
-streams it (:class:`disagg_router.router.http.stream.DispatchStream`) or answers in one piece; a
-:class:`~disagg_router.router.errors.RouterError` before the answer becomes OpenAI-style JSON with
-its status. Every request is counted and (with ``logging.requests``) logged once when it ends (an
-answered one also records its TTFT, latency and tokens, once); a client that leaves cancels the work
-where it waits and the dispatch is still closed. Every response names the request in
-``X-Request-Id`` (the dispatch's id once one answered, else the request's): the request guard
-(:mod:`disagg_router.router.http.guard`) relies on it.
-"""
+endpoint opens a dispatch (:func:`disagg_router.router.dispatch.orchestrator.open_dispatch`; a
+stream with :func:`disagg_router.router.dispatch.migration.open_stream`, which may continue it on
+another D), then streams it (:class:`disagg_router.router.http.stream.DispatchStream`) or answers in
+one piece; a :class:`~disagg_router.router.errors.RouterError` before the answer becomes
+OpenAI-style JSON with its status. Every request is counted and (with ``logging.requests``) logged
+once when it ends (an answered one also records its TTFT, latency and tokens, once); a client that
+leaves cancels the work where it waits and the dispatch is still closed. Every response names the
+request in ``X-Request-Id`` (the dispatch's id once one answered, else the request's): the request
+guard (:mod:`disagg_router.router.http.guard`) relies on it."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from disagg_router.router.dispatch.attempt import Dispatch
+from disagg_router.router.dispatch.migration import Migrating, open_stream
 from disagg_router.router.dispatch.orchestrator import open_dispatch
 from disagg_router.router.errors import RouterError, error_payload, outcome_label
 from disagg_router.router.http.disconnect import ClientWatch, notice_of, watched
@@ -102,8 +103,9 @@ async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
     try:
         rt, req = await admit(request, chat)
         watch = ClientWatch(request.receive, notice_of(request.scope))  # the body is read
-        opening = open_dispatch(rt, req, request_context(request))
-        dispatch = await watched(watch, opening)
+        ctx = request_context(request)
+        opening = open_stream(rt, req, ctx) if req.stream else open_dispatch(rt, req, ctx)
+        dispatch: Dispatch | Migrating = await watched(watch, opening)
     except BaseException as exc:
         if watch is not None:
             watch.stop()
@@ -119,6 +121,7 @@ async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
         return DispatchStream(
             dispatch, watch, lambda d: _finish(request, endpoint, d.outcome, 200, req, d, times)
         )
+    assert isinstance(dispatch, Dispatch)
     return await _answer(request, endpoint, req, dispatch, watch, times)
 
 
@@ -149,7 +152,7 @@ def _finish(
     outcome: str,
     status: int,
     req: ClientRequest | None = None,
-    dispatch: Dispatch | None = None,
+    dispatch: Dispatch | Migrating | None = None,
     times: tuple[float, float] | None = None,
 ) -> None:
     """Count and log the end of one generation request; one answered in full (``ok``, with

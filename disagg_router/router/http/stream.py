@@ -18,7 +18,10 @@ from contextlib import aclosing
 from starlette.types import Receive, Scope, Send
 
 from disagg_router.router.dispatch.attempt import Dispatch
+from disagg_router.router.dispatch.migration import Migrating
 from disagg_router.router.http.disconnect import ClientWatch
+
+Streamed = Dispatch | Migrating
 
 
 class DispatchStream:
@@ -28,7 +31,7 @@ class DispatchStream:
     """
 
     def __init__(
-        self, dispatch: Dispatch, watch: ClientWatch, on_close: Callable[[Dispatch], None]
+        self, dispatch: Streamed, watch: ClientWatch, on_close: Callable[[Streamed], None]
     ) -> None:
         self.dispatch = dispatch
         self.watch = watch

@@ -155,9 +155,18 @@ class RouterMetrics:
         )
         self.decode_failovers = Counter(
             "disagg_router_decode_failovers",
-            "Dispatches whose D died or hung, retried on another D: by phase (before_first_token) "
-            "and by whether the retry kept the attempt's P (kept) or took another (other)",
+            "Dispatches whose D died or hung, retried on another D: by phase (before_first_token, "
+            "after_first_token: a stream migrated) and by whether the retry kept the attempt's P "
+            "(kept) or took another (other)",
             ["phase", "prefill"],
+            registry=self.registry,
+        )
+        self.migrations = Counter(
+            "disagg_router_stream_migrations",
+            "Streams whose D failed after the first token, by outcome: resumed (another D goes "
+            "on), failed (no other D answered), refused (not continuable: token ids unknown, a "
+            "tool call begun, the migration bound or the deadline reached)",
+            ["outcome"],
             registry=self.registry,
         )
         self.routing_decisions = Counter(

@@ -26,8 +26,11 @@ from disagg_router.connector.contract import (
 )
 from disagg_router.router.config import PushIdentity
 
-# Fields that make no sense, or are rejected by vLLM, on a 1-token non-streamed prefill.
-_PREFILL_DROP = ("stream_options", "min_tokens", KV_TRANSFER_PARAMS)
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+
+# Fields that make no sense, or are rejected by vLLM, on a 1-token non-streamed prefill (token ids
+# would only make P's answer longer: the router reads its usage and kv_transfer_params).
+_PREFILL_DROP = ("stream_options", "min_tokens", "return_token_ids", KV_TRANSFER_PARAMS)
 
 
 def strip_client_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -81,6 +84,18 @@ def decode_body_pull(
     kv[TRANSFER_ID] = transfer_id
     out[KV_TRANSFER_PARAMS] = kv
     return out
+
+
+def with_prompt_ids(body: dict[str, Any], prompt_ids: tuple[int, ...] | None) -> dict[str, Any]:
+    """A chat leg's body with its prompt given as token ids (vLLM's
+    ``kv_transfer_params.prompt_token_ids``: the chat template is not rendered again); ``body``
+    itself when there are none."""
+    if prompt_ids is None:
+        return body
+    kv = body.get(KV_TRANSFER_PARAMS)
+    params = dict(kv) if isinstance(kv, dict) else {}
+    params[PROMPT_TOKEN_IDS] = list(prompt_ids)
+    return {**body, KV_TRANSFER_PARAMS: params}
 
 
 def identity_from_kv(kv: dict[str, Any], known: PushIdentity | None = None) -> PushIdentity:

@@ -72,6 +72,7 @@ def test_stream_completion_sends_exact_legs(fake: dict[str, FakeVllmServer]) -> 
     }
     assert d_rec.body == {
         **client_fields,
+        "return_token_ids": True,  # what a stream continued on another D starts from
         "kv_transfer_params": {
             "do_remote_prefill": True,
             "do_remote_decode": False,
