@@ -155,6 +155,20 @@ class Dispatch:
         """The non-streamed answer for the client after ``open()``, usage merged."""
         return await self._relay.json_response()
 
+    async def let_prefill_finish(self) -> None:
+        """Wait for P's leg to end (at most what is left of ``timeouts.prefill`` and of the
+        request's deadline) rather than have ``close()`` cancel it. Called after an answer (P's
+        answer can come after D's last token in push mode) and before a retry that keeps P: P
+        then has the whole prompt in its prefix cache, where a prefill cancelled half-way would
+        leave the retry to compute the rest again."""
+        a = self._a
+        p_task = a.p_task
+        if p_task is None or p_task.done():
+            return
+        left = min(a.started + a.runtime.settings.timeouts.prefill, a.deadline) - time.monotonic()
+        if left > 0:
+            await asyncio.wait({p_task}, timeout=left)
+
     async def close(self) -> None:
         """Cancel whatever leg still runs, wait for it to unwind, give back the in-flight counts
         and admission slots (idempotent).
@@ -164,11 +178,8 @@ class Dispatch:
         the end also keeps the connection to P reusable.
         """
         a = self._a
-        p_task = a.p_task
-        if a.outcome == "ok" and p_task is not None and not p_task.done():
-            left = a.started + a.runtime.settings.timeouts.prefill - time.monotonic()
-            if left > 0:
-                await asyncio.wait({p_task}, timeout=left)
+        if a.outcome == "ok":
+            await self.let_prefill_finish()
         tasks = [t for t in (a.d_task, a.p_task) if t is not None]
         for task in tasks:
             if not task.done():

@@ -106,9 +106,18 @@ class StreamJoin:
         self.usage: Any = None  # the last usage the client got
 
     def resumable(self) -> bool:
-        """Whether the stream so far can be continued exactly: the prompt's and every generated
-        token's id known, and no tool call begun (its parser state would not carry over)."""
-        return self.prompt_ids is not None and self._complete and not self._tool_call
+        """Whether the stream so far can be continued exactly (:meth:`why_not` says why not)."""
+        return self.why_not() is None
+
+    def why_not(self) -> str | None:
+        """Why the stream so far cannot be continued exactly (None: it can): the prompt's and
+        every generated token's id must be known, and no tool call begun (its parser state
+        would not carry over)."""
+        if self.prompt_ids is None:
+            return "D sent no prompt token ids"
+        if not self._complete:
+            return "D sent a token without its id"
+        return "a tool call has begun" if self._tool_call else None
 
     def next_segment(self) -> None:
         """A continuation's stream follows from here."""
@@ -118,12 +127,8 @@ class StreamJoin:
     def event(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """The client's version of one D chunk (a new object), or None to send nothing."""
         out = dict(chunk)
-        prompt = out.pop("prompt_token_ids", None)
+        self._prompt(out)
         if self.segment == 0:
-            if _ids(prompt):
-                self.prompt_ids = list(prompt)
-            if prompt is not None and self._client_ids:
-                out["prompt_token_ids"] = prompt
             self._id, self._created = out.get("id"), out.get("created")
         else:
             out["id"], out["created"] = self._id, self._created
@@ -142,6 +147,7 @@ class StreamJoin:
         if not isinstance(choice, dict):
             return choice  # not ours to judge: passed on as D sent it
         out = dict(choice)
+        self._prompt(out)
         ids = out.get("token_ids")
         if isinstance(ids, list) and _ids(ids):
             self.generated += ids
@@ -156,6 +162,15 @@ class StreamJoin:
             if self.segment and "role" in delta:
                 out["delta"] = {k: v for k, v in delta.items() if k != "role"}
         return out if _produced(out) or "token_ids" in out else None
+
+    def _prompt(self, part: dict[str, Any]) -> None:
+        """Take the prompt's ids from ``part`` (a chat chunk carries them, a completion's choice
+        does): kept for the first D's stream when the client asked for ids, else dropped."""
+        prompt = part.pop("prompt_token_ids", None)
+        if self.segment == 0 and isinstance(prompt, list) and _ids(prompt):
+            self.prompt_ids = list(prompt)
+            if self._client_ids:
+                part["prompt_token_ids"] = prompt
 
     def _usage(self, usage: Any) -> Any:
         """A continuation's usage counts the prompt once and every generated token once."""

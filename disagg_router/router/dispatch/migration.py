@@ -111,18 +111,20 @@ class Migrating:
         self._outcome = value
 
     def _may_continue(self, failed: UpstreamError) -> bool:
-        """Whether the stream goes on after ``failed`` (asked by the relay; no side
-        effects but the count of a refusal: the relay asks once per failure)."""
-        goes_on = (
-            self._join.resumable()
-            and self._migrations < self._runtime.settings.migration.max_per_request
-            and time.monotonic() < self._deadline
-            and self._join.remaining(self._request) != 0
-        )
-        if not goes_on:
+        """Whether the stream goes on after ``failed`` (asked by the relay, once per failure;
+        a refusal is counted and logged with its reason)."""
+        why = self._join.why_not()
+        if why is None and self._migrations >= self._runtime.settings.migration.max_per_request:
+            why = "migration.max_per_request reached"
+        if why is None and time.monotonic() >= self._deadline:
+            why = "timeouts.total reached"
+        if why is None and self._join.remaining(self._request) == 0:
+            why = "every token sent"
+        if why is not None:
+            log.warning("stream %s not continued after %s: %s", self.request_id, failed, why)
             m = self._runtime.metrics
             m.child(m.migrations, "refused").inc()
-        return goes_on
+        return why is None
 
     async def sse_events(self) -> AsyncGenerator[bytes, None]:
         """The client's SSE bytes, across migrations; ends like a dispatch's stream."""

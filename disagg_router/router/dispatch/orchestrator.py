@@ -15,7 +15,8 @@ re-picks the instance that failed, whatever the policy, and uses a fresh request
 broke without an answer (D unreachable, its connection lost, or silent past its timeout: D died or
 hangs), the retry keeps the attempt's P (while it is usable and pairs with another D), whatever the
 policy: that P has computed, or is computing, the prompt's KV, which vLLM's prefix cache (on by
-default) can serve the retry from, where another P would prefill the whole prompt again. Every
+default) can serve the retry from, where another P would prefill the whole prompt again; a prefill
+still running is let finish first, not cancelled. Every
 attempt shares one ``timeouts.total`` deadline, counted from the first attempt: a retry does not
 restart it. The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
 """
@@ -114,23 +115,33 @@ async def open_dispatch(
             m.child(m.decode_failovers, phase, kept).inc()
         return pair
 
+    retries_left = 1 if runtime.settings.retry_on_fresh_pair else 0
+
     async def open_attempt(
         pair: tuple[BackendState | None, BackendState], request_id: str
     ) -> Dispatch:
+        nonlocal retries_left
         dispatch = Dispatch(Attempt(runtime, request, *pair, ctx, request_id, deadline))
         _log_attempt(dispatch, request, decision)
-        await _open(dispatch)
+        retry_follows, retries_left = retries_left > 0, retries_left - 1
+        await _open(dispatch, retry_follows)
         return dispatch
 
     return await first_that_opens(runtime, "dispatch", ctx.request_id, choose, open_attempt)
 
 
-async def _open(dispatch: Dispatch) -> None:
-    """``dispatch.open()``; a dispatch that failed to open is closed before the error goes on."""
+async def _open(dispatch: Dispatch, retry_follows: bool) -> None:
+    """``dispatch.open()``; a dispatch that failed to open is closed before the error goes on.
+    When D went away and a retry follows (which keeps P), P's prefill is let finish first: the
+    retry then finds the whole prompt in P's prefix cache."""
     opened = False
     try:
         await dispatch.open()
         opened = True
+    except UpstreamError as exc:
+        if retry_follows and _d_went_away(exc):
+            await dispatch.let_prefill_finish()
+        raise
     finally:
         if not opened:
             await dispatch.close()

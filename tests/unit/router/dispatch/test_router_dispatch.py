@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -172,3 +173,60 @@ async def test_a_slot_won_while_the_other_filled_up_is_given_back() -> None:
     await admitting
     assert (p.gate.in_use, d.gate.in_use) == (1, 1)
     holds.release_all()
+
+
+async def _dies() -> AsyncIterator[bytes]:
+    """An answer body that breaks its connection (an engine that died) before its first byte."""
+    raise ConnectionResetError("the engine died")
+    yield b""  # pragma: no cover  # makes this an async generator
+
+
+async def test_a_retry_after_d_went_away_mid_prefill_lets_that_prefill_finish_first() -> None:
+    """1P2D, push: D0's connection breaks while P is still prefilling. The dispatch does not
+    cancel that prefill (a retry would have to compute the rest again): the retry's P leg goes
+    out once the first one has answered, so P's prefix cache holds the whole prompt for it."""
+    order: list[str] = []
+    runtimes: list[Any] = []
+
+    def d0_failed() -> bool:
+        return bool(runtimes and runtimes[0].pools[1].backends[0].breaker.failures)
+
+    async def until(condition: Callable[[], bool]) -> None:
+        while not condition():  # polls what the router or P has done, bounded by the test
+            await asyncio.sleep(0.01)
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        kv = json.loads(request.content)["kv_transfer_params"]
+        if kv.get("identity_probe"):
+            return httpx.Response(200, json=answer("a", KV))
+        if not kv.get("do_remote_decode"):  # a D leg
+            if request.url.port == d0_port:
+                await until(lambda: "P start 0" in order)
+                return httpx.Response(200, content=_dies())  # the connection breaks
+            return httpx.Response(200, json=answer("a", None))
+        n = sum(1 for e in order if e.startswith("P start"))
+        order.append(f"P start {n}")
+        if n == 0:
+            await until(d0_failed)
+        order.append(f"P end {n}")
+        return httpx.Response(200, json=answer("a", KV))
+
+    body = {"model": "m", "prompt": "a long prompt " * 20, "max_tokens": 2}
+    request = ClientRequest(body=body, chat=False, stream=False, model="m")
+    with scripted(upstream, 3) as servers:
+        d0_port = servers[1].port
+        settings = settings_from_mapping(
+            {
+                "models": ["m"],
+                "prefill": {"instances": [{"url": servers[0].url, "identity": IDENTITY}]},
+                "decode": {
+                    "instances": [{"url": s.url} for s in servers[1:]],
+                    "policy": "round_robin",
+                },
+            }
+        )
+        async with open_runtime(settings) as runtime:
+            runtimes.append(runtime)
+            dispatch = await asyncio.wait_for(open_dispatch(runtime, request), timeout=30)
+            await dispatch.close()
+    assert order == ["P start 0", "P end 0", "P start 1", "P end 1"]

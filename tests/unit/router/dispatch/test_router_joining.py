@@ -18,8 +18,13 @@ from disagg_router.router.request import ClientRequest
 PROMPT = [101, 102, 103, 104]
 
 
-def _text(i: int, text: str, ids: list[int], finish: str | None = None) -> dict[str, Any]:
+def _text(
+    i: int, text: str, ids: list[int], finish: str | None = None, prompt: list[int] | None = None
+) -> dict[str, Any]:
+    """A completion chunk as vLLM streams it with ``return_token_ids`` (the prompt's ids in the
+    first chunk's choice, null after)."""
     choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
+    choice["prompt_token_ids"] = prompt
     return {"id": f"cmpl-{i}", "created": 100 + i, "model": "m", "choices": [choice]}
 
 
@@ -51,10 +56,10 @@ def _chat(**body: Any) -> ClientRequest:
 
 def test_a_completion_stream_joins_with_one_id_each_token_once_and_usage_counted_once() -> None:
     join = StreamJoin(client_ids=False)
-    first = join.event({**_text(1, "a", [7]), "prompt_token_ids": PROMPT})
+    first = join.event(_text(1, "a", [7], prompt=PROMPT))
     second = join.event(_text(1, "b", [8]))
     assert first is not None and second is not None
-    assert "prompt_token_ids" not in first and "token_ids" not in first["choices"][0]
+    assert first["choices"][0].keys() == {"index", "text", "finish_reason"}
     assert join.resumable() and join.generated == [7, 8]
     request = _completion(max_tokens=5, min_tokens=3)
     continued = join.continuation(request)
@@ -63,14 +68,14 @@ def test_a_completion_stream_joins_with_one_id_each_token_once_and_usage_counted
     assert continued.body["return_token_ids"] is True
     join.next_segment()
     # the second D's stream: its own id and times, its prompt = the first prompt + 2 tokens
-    third = join.event({**_text(2, "c", [9]), "prompt_token_ids": [*PROMPT, 7, 8]})
+    third = join.event(_text(2, "c", [9], prompt=[*PROMPT, 7, 8]))
     last = join.event(_text(2, "", [10], finish="length"))
     usage = {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}
     tail = join.event({"id": "cmpl-2", "created": 102, "model": "m", "choices": [], "usage": usage})
     assert third is not None and last is not None and tail is not None
     assert {c["id"] for c in (first, second, third, last, tail)} == {"cmpl-1"}
     assert {c["created"] for c in (first, third, tail)} == {101}
-    assert "prompt_token_ids" not in third
+    assert "prompt_token_ids" not in third["choices"][0]
     assert [c["choices"][0]["text"] for c in (first, second, third)] == ["a", "b", "c"]
     assert last["choices"][0]["finish_reason"] == "length"  # the second D's finish
     assert tail["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
@@ -79,13 +84,14 @@ def test_a_completion_stream_joins_with_one_id_each_token_once_and_usage_counted
 
 def test_token_ids_the_client_asked_for_stay_in_its_stream() -> None:
     join = StreamJoin(client_ids=True)
-    first = join.event({**_text(1, "a", [7]), "prompt_token_ids": PROMPT})
+    first = join.event(_text(1, "a", [7], prompt=PROMPT))
     assert first is not None
-    assert first["prompt_token_ids"] == PROMPT and first["choices"][0]["token_ids"] == [7]
+    assert first["choices"][0]["prompt_token_ids"] == PROMPT
+    assert first["choices"][0]["token_ids"] == [7]
     join.next_segment()
-    again = join.event({**_text(2, "b", [8]), "prompt_token_ids": [*PROMPT, 7]})
-    assert again is not None and "prompt_token_ids" not in again  # the prompt is given once
-    assert again["choices"][0]["token_ids"] == [8]
+    again = join.event(_text(2, "b", [8], prompt=[*PROMPT, 7]))
+    assert again is not None  # the prompt's ids are given once
+    assert again["choices"][0] == {"index": 0, "text": "b", "token_ids": [8], "finish_reason": None}
 
 
 def test_a_chat_continuation_repeats_no_role_and_leaves_reasoning_and_content_intact() -> None:
@@ -117,7 +123,7 @@ def test_a_stream_with_a_tool_call_begun_or_a_token_without_its_id_is_not_contin
     assert out is not None and out["choices"][0]["delta"] == {"tool_calls": [call]}
     assert not join.resumable()
     no_ids = StreamJoin(client_ids=False)
-    no_ids.event({**_text(1, "a", [7]), "prompt_token_ids": PROMPT})
+    no_ids.event(_text(1, "a", [7], prompt=PROMPT))
     no_ids.event({"id": "x", "choices": [{"index": 0, "text": "b", "finish_reason": None}]})
     assert not no_ids.resumable()
 

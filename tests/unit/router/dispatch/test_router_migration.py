@@ -22,8 +22,11 @@ def _event(chunk: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(chunk)}\n\n".encode()
 
 
-def _token(rid: str, text: str, tid: int, finish: str | None = None) -> dict[str, Any]:
+def _token(
+    rid: str, text: str, tid: int, finish: str | None = None, prompt: list[int] | None = None
+) -> dict[str, Any]:
     choice = {"index": 0, "text": text, "token_ids": [tid], "finish_reason": finish}
+    choice["prompt_token_ids"] = prompt  # vLLM: the prompt's ids in the first chunk's choice
     return {"id": rid, "object": "text_completion", "created": 1, "choices": [choice]}
 
 
@@ -52,10 +55,10 @@ class Fleet:
     async def _stream(self, body: dict[str, Any], port: int | None) -> AsyncIterator[bytes]:
         prompt = body["prompt"] if isinstance(body["prompt"], list) else PROMPT
         if port == self.dying:
-            yield _event({**_token("cmpl-d0", "one", 1), "prompt_token_ids": prompt})
+            yield _event(_token("cmpl-d0", "one", 1, prompt=prompt))
             yield _event(_token("cmpl-d0", " two", 2)) + _event(_token("cmpl-d0", " three", 3))
             raise ConnectionResetError("the engine died")
-        yield _event({**_token("cmpl-d1", " four", 4), "prompt_token_ids": prompt})
+        yield _event(_token("cmpl-d1", " four", 4, prompt=prompt))
         yield _event(_token("cmpl-d1", " five", 5, finish="length"))
         usage = {"prompt_tokens": len(prompt), "completion_tokens": 2, "total_tokens": 0}
         yield _event({"id": "cmpl-d1", "choices": [], "usage": usage})
@@ -93,7 +96,7 @@ async def test_a_stream_whose_d_dies_mid_way_goes_on_on_the_other_d_with_the_sam
     assert {c["id"] for c in chunks} == {"cmpl-d0"}
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == "one two three four five"
-    assert all("token_ids" not in c["choices"][0] for c in chunks if c["choices"])
+    assert all(c["choices"][0].keys() == {"index", "text", "finish_reason"} for c in chunks[:-1])
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     (d0_port, first), (d1_port, second) = fleet.decodes
     assert d0_port != d1_port and first["prompt"] == "hi"

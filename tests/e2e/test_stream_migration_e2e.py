@@ -1,0 +1,122 @@
+"""A stream whose D is killed after its first tokens goes on on the other D, on real vLLM CPU
+(1P2D, our connector): the client gets one stream of all its tokens, P computes only the tokens
+generated before the seam (and partial blocks) again, KV usage returns to zero.
+
+Round robin sends a new router's first request to D0. The client reads the stream; after 10
+tokens D0 is stopped (SIGSTOP: what it sent is still relayed) and killed (SIGKILL): its
+connection breaks, and the router continues the stream with P and D1. Ordered by what the client
+has read, not by time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from devstack.stack import Stack, StackOptions
+from devstack.vllm_server import read_metrics_text
+from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, module_stack, running_router
+from tests.e2e.test_decode_failover_e2e import LEASE_S, MARGIN_S, _block_size, stopped
+from tests.support.wait import wait_until
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("disagg_router.connector.facade") is None,
+        reason="disagg_router.connector.facade (our vLLM connector) is not in this checkout",
+    ),
+]
+
+TOKENS = 64
+SEAM = 10
+
+
+@pytest.fixture(scope="module")
+def stack(e2e_dir: Path) -> Iterator[Stack]:
+    options = StackOptions(
+        kind="ours",
+        topology="1p2d",
+        enforce_eager=True,
+        connector_extra_config={"lease_s": LEASE_S},
+    )
+    with module_stack(options, e2e_dir) as started:
+        yield started
+
+
+def _stream(url: str, body: dict[str, Any], on_text: Any = None) -> tuple[list[str], Any]:
+    """The texts of a completion stream's events and its usage; ``on_text(n)`` after the
+    ``n``-th text event."""
+    texts: list[str] = []
+    usage = None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                texts.append(choice["text"])
+                if on_text is not None:
+                    on_text(len(texts))
+    return texts, usage
+
+
+def test_a_stream_whose_d_is_killed_after_10_tokens_ends_whole_on_the_other_d(
+    stack: Stack,
+) -> None:
+    [p], [d0, d1] = stack.prefill, stack.decode
+    block = _block_size(p)
+    body = {
+        "model": stack.model_name,
+        "prompt": make_prompt("migration", 1500),
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    timeouts = {"prefill": 60.0, "first_token": 90.0, "total": 120.0}
+    with running_router(stack, timeouts=timeouts, health_interval_s=3600.0) as router:
+        whole, _ = _stream(router.url, body)  # the uninterrupted run, on P and D0
+    with running_router(stack, timeouts=timeouts, health_interval_s=3600.0) as router:
+        before_p = metrics(p)
+
+        def kill_d0(n: int) -> None:
+            if n == SEAM:
+                with stopped(d0):
+                    d0.server.kill()
+
+        texts, usage = _stream(router.url, body, kill_d0)
+        text = httpx.get(f"{router.url}/metrics", timeout=10).text
+    after_p = metrics(p)
+    assert 'disagg_router_stream_migrations_total{outcome="resumed"} 1.0' in text
+    assert read_metrics_text(text)["disagg_router_stream_migrations_total"] == 1.0
+    assert usage["completion_tokens"] == TOKENS, usage
+    joined = "".join(texts)
+    same = next(
+        (i for i, (a, b) in enumerate(zip(joined, "".join(whole), strict=False)) if a != b), None
+    )
+    print(f"\n{len(texts)} events; joined text equals the uninterrupted run's: {same is None}")
+    assert joined == "".join(whole)
+    queries = (
+        after_p["vllm:prefix_cache_queries_total"] - before_p["vllm:prefix_cache_queries_total"]
+    )
+    hits = after_p["vllm:prefix_cache_hits_total"] - before_p["vllm:prefix_cache_hits_total"]
+    # P's two prefills (the request's, whose prompt the first run left cached, and the
+    # continuation's) computed at most the tokens generated before the seam and a block each.
+    print(f"P computed {queries - hits:g} of {queries:g} prompt tokens; block {block}")
+    assert queries - hits <= TOKENS + 2 * block, (queries, hits)
+    for instance in (p, d1):
+        wait_until(
+            lambda instance=instance: kv_blocks(instance) == 0,  # type: ignore[misc]
+            timeout=LEASE_S + MARGIN_S,
+            what=f"{instance.name}'s KV blocks back to 0",
+        )
