@@ -1,10 +1,10 @@
 """Turn benchmark JSON into the committed artefacts: markdown table, PNG plots, summary.json.
 
-Who calls it: ``disagg-bench scenarios`` (after the sweep) and ``disagg-bench report``
-(re-render from the JSON files in a directory). Inputs in ``out_dir``: ``scenarios.json`` (rows of
-the sweep), optional ``overhead.json``, ``transfer*.json`` and ``routing.json``. Headline points:
-*light* and *loaded* = the sweep's named fractions of capacity at the longest input length both
-stacks ran; a ratio is mean(a) / mean(b) over the repetitions, with the per-repetition spread.
+Who calls it: ``disagg-bench scenarios`` (after the sweep) and ``disagg-bench report`` (re-render
+from the JSON files in a directory). Inputs in ``out_dir``: ``scenarios.json`` (rows of the sweep),
+optional ``overhead.json``, ``transfer*.json``, ``routing.json`` and ``failover.json``. Headline
+points: *light* and *loaded* = the sweep's named fractions of capacity at the longest input length
+both stacks ran; a ratio is mean(a) / mean(b) over the repetitions, with the per-repetition spread.
 TTFT ratios count a failed request at its point's limit. A value that could not be measured is
 ``null`` with its reason.
 """
@@ -191,6 +191,14 @@ def _cpu_ratio_spread(raw: dict[str, Any], router: str) -> dict[str, Any] | None
     return {"low": min(ratios), "high": max(ratios), "repetitions": len(ratios)}
 
 
+FAILOVER_KEYS = (
+    "migration_resume_over_full_retry",
+    "migration_completed_fraction",
+    "migration_p_prompt_tokens_max",
+)
+"""summary.json keys of the D failover matrix (real vLLM 1P2D; docs/benchmarks/failover.md)."""
+
+
 def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """summary.json contents and, per key, how it was obtained (or why it is null)."""
     notes: dict[str, str] = {}
@@ -318,6 +326,14 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
             f"disagg-bench routing, part {SUMMARY_KEYS[key]} (routing.json)"
             if value is not None
             else "no routing results for this part (routing.json)"
+        )
+    failover = (_load(out_dir / "failover.json") or {}).get("summary", {})
+    for key in FAILOVER_KEYS:
+        summary[key] = failover.get(key)
+        notes[key] = (
+            "tests/e2e/test_failover_matrix.py with FAILOVER_OUT (failover.json)"
+            if key in failover
+            else "no failover results (failover.json)"
         )
     summary["measured_at"] = time.strftime("%Y-%m-%d", time.gmtime())
     summary["machine"] = machine()

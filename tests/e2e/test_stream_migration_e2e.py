@@ -1,6 +1,7 @@
 """A stream whose D is killed after its first tokens goes on on the other D, on real vLLM CPU
-(1P2D, our connector): the client gets one stream of all its tokens, P computes only the tokens
-generated before the seam (and partial blocks) again, KV usage returns to zero.
+(1P2D, our connector), a completion and a chat: the client gets one stream of all its tokens, P
+computes only the tokens generated before the seam (and partial blocks) again, KV usage returns to
+zero.
 
 Round robin sends a new router's first request to D0. The client reads the stream; after 10
 tokens D0 is stopped (SIGSTOP: what it sent is still relayed) and killed (SIGKILL): its
@@ -10,6 +11,7 @@ has read, not by time.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from devstack.stack import Stack, StackOptions
 from devstack.vllm_server import read_metrics_text
 from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, module_stack, running_router
 from tests.e2e.test_decode_failover_e2e import LEASE_S, MARGIN_S, _block_size, stopped
+from tests.e2e.test_fault_matrix import _restart
 from tests.support.wait import wait_until
 
 pytestmark = [
@@ -49,12 +52,15 @@ def stack(e2e_dir: Path) -> Iterator[Stack]:
         yield started
 
 
-def _stream(url: str, body: dict[str, Any], on_text: Any = None) -> tuple[list[str], Any]:
-    """The texts of a completion stream's events and its usage; ``on_text(n)`` after the
-    ``n``-th text event."""
+def _stream(
+    url: str, body: dict[str, Any], chat: bool, on_text: Any = None
+) -> tuple[list[str], Any]:
+    """The texts of a stream's events and its usage; ``on_text(n)`` after the ``n``-th event
+    with text."""
     texts: list[str] = []
     usage = None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -63,29 +69,41 @@ def _stream(url: str, body: dict[str, Any], on_text: Any = None) -> tuple[list[s
             assert "error" not in chunk, chunk
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
-                texts.append(choice["text"])
-                if on_text is not None:
-                    on_text(len(texts))
+                text = choice["delta"].get("content") if chat else choice["text"]
+                if text:
+                    texts.append(text)
+                    if on_text is not None:
+                        on_text(len(texts))
     return texts, usage
 
 
-def test_a_stream_whose_d_is_killed_after_10_tokens_ends_whole_on_the_other_d(
-    stack: Stack,
-) -> None:
-    [p], [d0, d1] = stack.prefill, stack.decode
-    block = _block_size(p)
-    body = {
-        "model": stack.model_name,
-        "prompt": make_prompt("migration", 1500),
+def _body(model: str, chat: bool) -> dict[str, Any]:
+    prompt = make_prompt(f"migration-{chat}", 1500)
+    body: dict[str, Any] = {
+        "model": model,
         "max_tokens": TOKENS,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if chat:  # the continuation's prompt goes as ids in kv_transfer_params.prompt_token_ids
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_stream_whose_d_is_killed_after_10_tokens_ends_whole_on_the_other_d(
+    stack: Stack, chat: bool
+) -> None:
+    [p], [d0, d1] = stack.prefill, stack.decode
+    block = _block_size(p)
+    body = _body(stack.model_name, chat)
     timeouts = {"prefill": 60.0, "first_token": 90.0, "total": 120.0}
     with running_router(stack, timeouts=timeouts, health_interval_s=3600.0) as router:
-        whole, _ = _stream(router.url, body)  # the uninterrupted run, on P and D0
+        whole, _ = _stream(router.url, body, chat)  # the uninterrupted run, on P and D0
     with running_router(stack, timeouts=timeouts, health_interval_s=3600.0) as router:
         before_p = metrics(p)
 
@@ -94,17 +112,14 @@ def test_a_stream_whose_d_is_killed_after_10_tokens_ends_whole_on_the_other_d(
                 with stopped(d0):
                     d0.server.kill()
 
-        texts, usage = _stream(router.url, body, kill_d0)
+        texts, usage = _stream(router.url, body, chat, kill_d0)
         text = httpx.get(f"{router.url}/metrics", timeout=10).text
     after_p = metrics(p)
     assert 'disagg_router_stream_migrations_total{outcome="resumed"} 1.0' in text
     assert read_metrics_text(text)["disagg_router_stream_migrations_total"] == 1.0
     assert usage["completion_tokens"] == TOKENS, usage
     joined = "".join(texts)
-    same = next(
-        (i for i, (a, b) in enumerate(zip(joined, "".join(whole), strict=False)) if a != b), None
-    )
-    print(f"\n{len(texts)} events; joined text equals the uninterrupted run's: {same is None}")
+    print(f"\n{len(texts)} events; joined equals the uninterrupted run: {joined == ''.join(whole)}")
     assert joined == "".join(whole)
     queries = (
         after_p["vllm:prefix_cache_queries_total"] - before_p["vllm:prefix_cache_queries_total"]
@@ -120,3 +135,6 @@ def test_a_stream_whose_d_is_killed_after_10_tokens_ends_whole_on_the_other_d(
             timeout=LEASE_S + MARGIN_S,
             what=f"{instance.name}'s KV blocks back to 0",
         )
+    with contextlib.suppress(ProcessLookupError):
+        d0.server.stop()  # reaps the killed group
+    _restart(stack, d0)  # the next case starts with two D again

@@ -101,6 +101,10 @@ async def _sleep_or_disconnect(request: Request, seconds: float) -> bool:
         await asyncio.sleep(min(_POLL_S, left))
 
 
+FAKE_TOKEN_ID = 1000
+"""The id of a fake's ``i``-th generated token is this plus ``i``."""
+
+
 class _Generation:
     """One generation request: builds vLLM-shaped payloads for it."""
 
@@ -202,7 +206,12 @@ class _Generation:
             KV_TRANSFER_PARAMS: self.kv_out(),
         }
 
-    def chunk(self, delta_text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
+    def chunk(
+        self, delta_text: str | None, finish: str | None, first: bool, index: int | None = None
+    ) -> dict[str, Any]:
+        """One stream chunk; ``index``: the token it carries (its id goes out with vLLM's
+        ``return_token_ids``, and the first chunk carries the prompt's ids as vLLM places
+        them: a chat's on the chunk, a completion's on its choice)."""
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         if self.chat:
             delta: dict[str, Any] = {}
@@ -214,13 +223,21 @@ class _Generation:
         else:
             choice["text"] = delta_text or ""
         choice["stop_reason"] = None
-        return {
+        out = {
             "id": self.id,
             "object": f"{self.object}.chunk" if self.chat else self.object,
             "created": self.created,
             "model": self.state.model,
             "choices": [choice],
         }
+        if self.body.get("return_token_ids") is True:
+            choice["token_ids"] = [] if index is None else [FAKE_TOKEN_ID + index]
+            prompt = list(range(1, self.prompt_tokens + 1)) if first else None
+            if self.chat and prompt is not None:
+                out["prompt_token_ids"] = prompt
+            elif not self.chat:
+                choice["prompt_token_ids"] = prompt
+        return out
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -440,7 +457,7 @@ async def _stream(
                 return
             last = i == gen.n_tokens - 1
             rec.token_times.append(time.perf_counter())
-            yield _sse(gen.chunk(gen.token(i), "length" if last else None, first=first))
+            yield _sse(gen.chunk(gen.token(i), "length" if last else None, first=first, index=i))
             first = False
         opts = gen.body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):

@@ -70,11 +70,23 @@ def _text_only(messages: Any) -> bool:
 
 
 def _produced(choice: dict[str, Any]) -> bool:
-    """Whether a choice carries output: text, a delta with content, logprobs, a finish."""
-    if choice.get("text") or choice.get("finish_reason") is not None or choice.get("logprobs"):
+    """Whether a choice carries anything for the client: generated output, a role, logprobs,
+    a finish."""
+    if choice.get("finish_reason") is not None or choice.get("logprobs") or _generated(choice):
         return True
     delta = choice.get("delta")
-    return isinstance(delta, dict) and any(v not in (None, "", []) for v in delta.values())
+    return isinstance(delta, dict) and bool(delta.get("role"))
+
+
+def _generated(choice: dict[str, Any]) -> bool:
+    """Whether a choice carries generated output (text, content, reasoning, a tool call): the
+    tokens its ``token_ids`` must name."""
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    return any(v not in (None, "", []) for k, v in delta.items() if k != "role")
 
 
 def _ids(value: Any) -> bool:
@@ -151,7 +163,7 @@ class StreamJoin:
         ids = out.get("token_ids")
         if isinstance(ids, list) and _ids(ids):
             self.generated += ids
-        elif _produced(out):
+        elif _generated(out):
             self._complete = False
         if not self._client_ids:
             out.pop("token_ids", None)
@@ -173,10 +185,13 @@ class StreamJoin:
                 part["prompt_token_ids"] = prompt
 
     def _usage(self, usage: Any) -> Any:
-        """A continuation's usage counts the prompt once and every generated token once."""
+        """A continuation's usage counts the prompt once and every generated token once (and
+        says nothing of cached prompt tokens: P's cache served the continuation, not the
+        client's prompt)."""
         if not self.segment or not isinstance(usage, dict) or self.prompt_ids is None:
             return usage
         out = dict(usage)
+        out.pop("prompt_tokens_details", None)  # the continuation's cache hits, not the client's
         completion = out.get("completion_tokens")
         if isinstance(completion, int):
             out["completion_tokens"] = completion + self._base

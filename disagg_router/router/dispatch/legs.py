@@ -35,6 +35,7 @@ from disagg_router.router.upstream.rewrite import (
     decode_body_push,
     identity_from_kv,
     prefill_body,
+    prefill_usage,
     strip_client_fields,
     with_prompt_ids,
 )
@@ -101,6 +102,7 @@ async def prefill_leg(attempt: Attempt, holds: Holds, prefill: BackendState) -> 
                     "prefill", prefill.label, f"no answer within {limit:g}s"
                 ) from exc
         check_prefill_answer(attempt, prefill, data)
+        _count_failover_prefill(attempt, data)
         leg_ok(attempt.runtime, prefill)
         attempt.mark("prefill_done")
         outcome = "ok"
@@ -119,6 +121,27 @@ async def prefill_leg(attempt: Attempt, holds: Holds, prefill: BackendState) -> 
     finally:
         m = attempt.runtime.metrics
         m.child(m.prefill_duration, prefill.label, outcome).observe(time.monotonic() - start)
+
+
+def _count_failover_prefill(attempt: Attempt, data: dict[str, Any]) -> None:
+    """Observe (and log) the prompt tokens P computed for an attempt after a D failure: its
+    prompt less what P's prefix cache served (vLLM's ``remote_prefill_cached_tokens``)."""
+    phase = attempt.failover
+    usage = prefill_usage(data)
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if phase is None or not isinstance(prompt, int) or not isinstance(cached, int):
+        return
+    m = attempt.runtime.metrics
+    m.child(m.failover_prefill_tokens, phase).observe(prompt - cached)
+    log.info(
+        "dispatch %s (after a D failure, %s): P computed %d of %d prompt tokens",
+        attempt.request_id,
+        phase,
+        prompt - cached,
+        prompt,
+    )
 
 
 async def _post_prefill(

@@ -98,6 +98,7 @@ async def open_dispatch(
     before = resume.avoid if resume is not None else frozenset()
     last_prefill = resume.prefill if resume is not None else None  # the last attempt's P
     pending = resume.failed if resume is not None else None  # the failure the 1st choice follows
+    failover: list[str | None] = [None]  # the D failure the chosen pair follows: its phase
 
     def choose(
         avoid: set[str], failed: UpstreamError | None
@@ -109,6 +110,7 @@ async def open_dispatch(
         keep = last_prefill if gone else None
         pair = _choose_pair(found, decision, routed, avoid | before, failed is not None, keep)
         last_prefill = pair[0]
+        failover[0] = phase if gone else None
         if gone:
             kept = "kept" if keep is not None and pair[0] is keep else "other"
             m = runtime.metrics
@@ -121,7 +123,9 @@ async def open_dispatch(
         pair: tuple[BackendState | None, BackendState], request_id: str
     ) -> Dispatch:
         nonlocal retries_left
-        dispatch = Dispatch(Attempt(runtime, request, *pair, ctx, request_id, deadline))
+        attempt = Attempt(runtime, request, *pair, ctx, request_id, deadline)
+        attempt.failover = failover[0]
+        dispatch = Dispatch(attempt)
         _log_attempt(dispatch, request, decision)
         retry_follows, retries_left = retries_left > 0, retries_left - 1
         await _open(dispatch, retry_follows)

@@ -112,6 +112,8 @@ class Attempt:
         # After the commit point: asked when D's leg fails mid-stream; True: its owner continues
         # the stream on another D (the relay then raises StreamBroken instead of ending it).
         self.hand_over: Callable[[UpstreamError], bool] | None = None
+        # The phase of the D failure this attempt follows (a retry or a stream's continuation).
+        self.failover: str | None = None
 
     def mark(self, stage: str) -> None:
         """Note when ``stage`` was reached (once; reported in the request log)."""

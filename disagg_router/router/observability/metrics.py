@@ -161,6 +161,15 @@ class RouterMetrics:
             ["phase", "prefill"],
             registry=self.registry,
         )
+        self.failover_prefill_tokens = Histogram(
+            "disagg_router_failover_prefill_computed_tokens",
+            "Prompt tokens P computed (not served from its prefix cache) for an attempt that "
+            "follows a D failure, by phase (before_first_token: a retry; after_first_token: a "
+            "migrated stream's continuation)",
+            ["phase"],
+            buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536),
+            registry=self.registry,
+        )
         self.migrations = Counter(
             "disagg_router_stream_migrations",
             "Streams whose D failed after the first token, by outcome: resumed (another D goes "

@@ -95,15 +95,17 @@ def test_token_ids_the_client_asked_for_stay_in_its_stream() -> None:
 
 
 def test_a_chat_continuation_repeats_no_role_and_leaves_reasoning_and_content_intact() -> None:
+    """vLLM's chat stream: a role chunk without token ids, then tokens with theirs."""
     join = StreamJoin(client_ids=False)
     role = join.event(
-        {**_delta(1, {"role": "assistant", "content": ""}, []), "prompt_token_ids": PROMPT}
+        {**_delta(1, {"role": "assistant", "content": ""}, None), "prompt_token_ids": PROMPT}
     )
     thought = join.event(_delta(1, {"reasoning_content": "think"}, [5]))
     held = join.event(_delta(1, {}, [6]))  # ids vLLM sends while its parser holds text back
     assert role is not None and role["choices"][0]["delta"]["role"] == "assistant"
     assert thought is not None and thought["choices"][0]["delta"] == {"reasoning_content": "think"}
     assert held is None
+    assert join.resumable()  # the role chunk names no token, and needs no id
     continued = join.continuation(_chat(max_completion_tokens=10))
     assert continued.prompt_ids == (*PROMPT, 5, 6)
     assert continued.body["messages"] == [{"role": "user", "content": "hi"}]
@@ -117,7 +119,7 @@ def test_a_chat_continuation_repeats_no_role_and_leaves_reasoning_and_content_in
 
 def test_a_stream_with_a_tool_call_begun_or_a_token_without_its_id_is_not_continued() -> None:
     join = StreamJoin(client_ids=False)
-    join.event({**_delta(1, {"role": "assistant"}, []), "prompt_token_ids": PROMPT})
+    join.event({**_delta(1, {"role": "assistant"}, None), "prompt_token_ids": PROMPT})
     call = {"index": 0, "id": "call-1", "function": {"name": "f", "arguments": ""}}
     out = join.event(_delta(1, {"tool_calls": [call]}, [5]))
     assert out is not None and out["choices"][0]["delta"] == {"tool_calls": [call]}

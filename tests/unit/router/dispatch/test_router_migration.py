@@ -44,9 +44,13 @@ class Fleet:
             return httpx.Response(200 if request.url.path == "/health" else 404)
         body = json.loads(request.content)
         if body["kv_transfer_params"].get("do_remote_decode"):
-            if not body["kv_transfer_params"].get("identity_probe"):
-                self.prefills.append((request.url.port, body["prompt"]))
-            return httpx.Response(200, json=answer("a", KV))
+            if body["kv_transfer_params"].get("identity_probe"):
+                return httpx.Response(200, json=answer("a", KV))
+            self.prefills.append((request.url.port, body["prompt"]))
+            prompt = body["prompt"] if isinstance(body["prompt"], list) else PROMPT
+            done = answer("a", {**KV, "remote_prefill_cached_tokens": len(PROMPT)})
+            done["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": 1}
+            return httpx.Response(200, json=done)  # P's cache held the first prompt
         self.decodes.append((request.url.port, body))
         if self.dying is None:
             self.dying = request.url.port
@@ -110,5 +114,8 @@ async def test_a_stream_whose_d_dies_mid_way_goes_on_on_the_other_d_with_the_sam
     assert sample("disagg_router_stream_migrations_total", outcome="resumed") == 1.0
     after = {"phase": "after_first_token", "prefill": "kept"}
     assert sample("disagg_router_decode_failovers_total", **after) == 1.0
+    computed = "disagg_router_failover_prefill_computed_tokens"
+    assert sample(f"{computed}_count", phase="after_first_token") == 1.0
+    assert sample(f"{computed}_sum", phase="after_first_token") == 3.0  # the 3 generated
     ok = {"mode": "push", "endpoint": "completions", "model": "m", "outcome": "ok"}
     assert sample("disagg_router_requests_total", **ok) == 1.0
