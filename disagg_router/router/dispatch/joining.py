@@ -23,6 +23,10 @@ from typing import Any
 from disagg_router.router.request import ClientRequest
 
 RETURN_TOKEN_IDS = "return_token_ids"
+_IDS = b'"token_ids":['
+_NO_PROMPT_IDS = b',"prompt_token_ids":null'
+_JUDGED = (b'"prompt_token_ids":[', b'"tool_calls"', b'"delta":{}', b'"token_ids":null')
+"""What :meth:`StreamJoin.plain_event` leaves to the parsed path."""
 _LIMITS = ("max_tokens", "max_completion_tokens")
 
 
@@ -136,6 +140,30 @@ class StreamJoin:
         self.segment += 1
         self._base = len(self.generated)
 
+    def plain_event(self, data: bytes) -> bytes | None:
+        """The client's version of one D chunk's JSON ``data`` without parsing it, where that
+        is exact: a first-stream chunk that names its one choice's new token ids and carries
+        nothing else the join must judge (no prompt ids, tool call, empty delta or missing
+        ids). Returns the data to send (the ids cut out unless the client asked for them), or
+        None: :meth:`event` must take the parsed chunk. The bytes rule: vLLM's compact JSON
+        cannot hold ``"token_ids":[`` inside a string (the quote would be escaped)."""
+        if self.segment or any(mark in data for mark in _JUDGED):
+            return None
+        start = data.find(_IDS)
+        if start < 0 or data.find(_IDS, start + 1) >= 0 or data[start - 1 : start] != b",":
+            return None
+        end = data.find(b"]", start)
+        inner = data[start + len(_IDS) : end]
+        if not inner:
+            return None  # no new token: the parsed path judges whether to send it
+        try:
+            ids = [int(v) for v in inner.split(b",")]
+        except ValueError:
+            return None
+        self.generated += ids
+        kept = data if self._client_ids else data[: start - 1] + data[end + 1 :]
+        return kept.replace(_NO_PROMPT_IDS, b"")
+
     def event(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         """The client's version of one D chunk (a new object), or None to send nothing."""
         out = dict(chunk)
@@ -161,8 +189,8 @@ class StreamJoin:
         out = dict(choice)
         self._prompt(out)
         ids = out.get("token_ids")
-        if isinstance(ids, list) and _ids(ids):
-            self.generated += ids
+        if isinstance(ids, list) and all(type(v) is int for v in ids):
+            self.generated += ids  # may be empty: text can come a chunk after its ids
         elif _generated(out):
             self._complete = False
         if not self._client_ids:

@@ -150,6 +150,10 @@ class Migrating:
             if not event:
                 continue
             data = event[6:] if event.startswith(b"data: ") else None
+            plain = self._join.plain_event(data) if data is not None else None
+            if plain is not None:
+                out.append(encode_event(plain))
+                continue
             parsed = _json(data) if data is not None and data != b"[DONE]" else None
             if not isinstance(parsed, dict) or "error" in parsed:
                 out.append(event + b"\n\n")

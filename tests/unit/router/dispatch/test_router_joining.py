@@ -3,6 +3,7 @@ the client sees across the seam, and the request that continues the stream."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -155,3 +156,33 @@ def test_asking_ids_leaves_the_client_s_request_alone() -> None:
     request = _completion()
     asked = asking_ids(request)
     assert asked.body["return_token_ids"] is True and "return_token_ids" not in request.body
+
+
+def _wire(chunk: dict[str, Any]) -> bytes:
+    """A chunk as vLLM writes it: compact JSON."""
+    return json.dumps(chunk, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_the_unparsed_path_gives_what_the_parsed_one_gives(client_ids: bool) -> None:
+    """Chunks the join reads without parsing come out as the parsed path makes them, and
+    count the same ids; what it must judge is left to the parsed path."""
+    chunks = [
+        _text(1, "a", [7], prompt=PROMPT),  # the prompt's ids: parsed
+        _text(1, "b", [8, 9]),
+        _text(1, "", []),  # ids came before their text
+        _text(1, 'say "token_ids":[1]', [10]),  # the marker inside a string
+        _text(1, "c", [11], finish="length"),
+        _delta(1, {"content": "x"}, [12]),
+        _delta(1, {}, [13]),  # held back: parsed (dropped)
+    ]
+    fast, slow = StreamJoin(client_ids), StreamJoin(client_ids)
+    for chunk in chunks:
+        plain = fast.plain_event(_wire(chunk))
+        got = json.loads(plain) if plain is not None else fast.event(json.loads(_wire(chunk)))
+        assert got == slow.event(json.loads(_wire(chunk))), chunk
+    assert fast.generated == slow.generated == [7, 8, 9, 10, 11, 12, 13]
+    assert fast.plain_event(_wire(chunks[0])) is None  # the prompt's ids are judged
+    assert fast.plain_event(_wire(chunks[-1])) is None
+    fast.next_segment()
+    assert fast.plain_event(_wire(chunks[1])) is None  # a continuation's chunks are rewritten
