@@ -10,79 +10,38 @@ Ordered by what P reports, not by time.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from devstack.process import group_members
-from devstack.stack import Stack, StackInstance, StackOptions
+from devstack.stack import Stack, StackInstance
 from devstack.vllm_server import read_metrics_text
-from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, module_stack, running_router
+from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, running_router
+from tests.e2e.failover_support import (
+    LEASE_S,
+    MARGIN_S,
+    OURS,
+    block_size,
+    failover_stack,
+    stopped,
+)
 from tests.support.wait import wait_until
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("disagg_router.connector.facade") is None,
-        reason="disagg_router.connector.facade (our vLLM connector) is not in this checkout",
-    ),
-]
-
-LEASE_S = 10.0
-"""P's lease on a finished prefill's blocks (shorter than the default 30 s: P's blocks of the
-dead D's transfer are back within it)."""
-MARGIN_S = 10.0
+pytestmark = OURS
 
 
 @pytest.fixture(scope="module")
 def stack(e2e_dir: Path) -> Iterator[Stack]:
-    options = StackOptions(
-        kind="ours",
-        topology="1p2d",
-        enforce_eager=True,
-        connector_extra_config={"lease_s": LEASE_S},
-    )
-    with module_stack(options, e2e_dir) as started:
+    with failover_stack(e2e_dir) as started:
         yield started
-
-
-def _block_size(p: StackInstance) -> int:
-    text = httpx.get(f"{p.url}/metrics", timeout=10).text
-    found = re.search(r'block_size="(\d+)"', text)
-    assert found is not None, "vllm:cache_config_info names the block size"
-    return int(found.group(1))
-
-
-@contextlib.contextmanager
-def stopped(instance: StackInstance) -> Iterator[None]:
-    """Every process of ``instance`` that serves requests stopped (SIGSTOP) until the block ends;
-    continued then, however it is left (a killed one is gone: nothing to continue).
-    multiprocessing's resource trackers keep running: they serve nothing, and after a kill they
-    unlink what the dead processes registered."""
-    pid = instance.server.pid
-    assert pid is not None, f"{instance.name} is not running"
-    members = [m for m in group_members(pid) if "resource_tracker" not in " ".join(m.cmdline())]
-    for proc in members:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.suspend()
-    try:
-        yield
-    finally:
-        for proc in members:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.resume()
 
 
 def test_a_d_killed_before_its_first_token_leaves_p_no_second_prefill(stack: Stack) -> None:
     [p], [d0, d1] = stack.prefill, stack.decode
-    block = _block_size(p)
+    block = block_size(p)
     timeouts = {"prefill": 60.0, "first_token": 90.0, "total": 120.0}
     with running_router(
         stack, with_identity=True, timeouts=timeouts, health_interval_s=3600.0

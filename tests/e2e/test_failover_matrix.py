@@ -23,8 +23,6 @@ docs/benchmarks/summary.json are produced by
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -40,19 +38,19 @@ from typing import Any
 import httpx
 import pytest
 
-from devstack.stack import Stack, StackInstance, StackOptions
-from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, module_stack, running_router
-from tests.e2e.test_decode_failover_e2e import LEASE_S, MARGIN_S, _block_size
-from tests.e2e.test_fault_matrix import _restart
+from devstack.stack import Stack, StackInstance
+from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, running_router
+from tests.e2e.failover_support import (
+    LEASE_S,
+    MARGIN_S,
+    OURS,
+    block_size,
+    failover_stack,
+    restart,
+)
 from tests.support.wait import wait_until
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("disagg_router.connector.facade") is None,
-        reason="disagg_router.connector.facade (our vLLM connector) is not in this checkout",
-    ),
-]
+pytestmark = OURS
 
 REQUESTS = 20
 TOKENS = 64
@@ -84,16 +82,9 @@ class Stream:
 
 @pytest.fixture(scope="module")
 def stack(e2e_dir: Path) -> Iterator[Stack]:
-    options = StackOptions(
-        kind="ours",
-        topology="1p2d",
-        enforce_eager=True,
-        connector_extra_config={"lease_s": LEASE_S},
-        # float32: in bfloat16 vLLM CPU's greedy answers can change with the batch they run in
-        # (processors with AMX tiles), which would make a text comparison prove nothing.
-        extra_args=("--dtype", "float32"),
-    )
-    with module_stack(options, e2e_dir) as started:
+    # float32: in bfloat16 vLLM CPU's greedy answers can change with the batch they run in
+    # (processors with AMX tiles), which would make a text comparison prove nothing.
+    with failover_stack(e2e_dir, extra_args=("--dtype", "float32")) as started:
         yield started
     if ROWS:
         _write(e2e_dir)
@@ -232,7 +223,7 @@ def test_every_stream_ends_whole_when_d0_fails(
     how: str,
 ) -> None:
     [p], [d0, d1] = stack.prefill, stack.decode
-    block = _block_size(p)
+    block = block_size(p)
     stopped: list[bool] = []
     prompts = [make_prompt(f"failover-{when}-{how}-{i}", WORDS) for i in range(REQUESTS)]
     # Mid-stream cases: P's cache holds the prompts (the uninterrupted run goes first), so the
@@ -277,7 +268,7 @@ def test_every_stream_ends_whole_when_d0_fails(
             what=f"{instance.name}'s KV blocks back to 0",
         )
     if how == "kill":
-        _restart_d0(stack, d0)
+        restart(stack, d0)
     baseline = baseline or _uninterrupted(stack, prompts)
     equal = sum(s.text == baseline[s.prompt] for s in streams)
     retries = _full_retries(stack, len(gaps), f"{when}-{how}")
@@ -299,12 +290,6 @@ def _resume_gaps(streams: list[Stream], log_text: str) -> list[float]:
         for s in streams
         if s.request_id in migrated and len(s.times) > 1
     ]
-
-
-def _restart_d0(stack: Stack, d0: StackInstance) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        d0.server.stop()  # reaps the killed group
-    _restart(stack, d0)
 
 
 def _record(case: str, streams: list[Stream], resumed: float, before_first: float,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import os
@@ -38,7 +37,6 @@ import yaml
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessSpec
 from devstack.stack import Stack, StackInstance, StackOptions
-from devstack.vllm_server import VllmServer
 from disagg_router.connector.config import ConnectorConfig
 from disagg_router.connector.faults import INJECTED
 from tests.e2e.e2e_support import (
@@ -48,6 +46,7 @@ from tests.e2e.e2e_support import (
     module_stack,
     running_router,
 )
+from tests.e2e.failover_support import restart
 from tests.support.wait import wait_until
 
 pytestmark = [
@@ -426,18 +425,6 @@ def _kill(instance: StackInstance) -> None:
     instance.server.stop()  # reaps the group
 
 
-def _restart(stack: Stack, instance: StackInstance) -> None:
-    server = VllmServer(instance.server.spec)
-    server.start()
-    server.wait_ready(300)
-    index = stack.instances.index(instance)
-    stack.instances[index] = dataclasses.replace(instance, server=server)
-    # As when the stack started: one plain request before any leg. On a processor with AMX
-    # tiles a fresh vLLM CPU 0.32 D whose first request brings pushed KV has had its engine die
-    # without a word right after the transfer; a plain request first does not.
-    stack.warm_up()
-
-
 def test_kill_decode_mid_stream(stack: Stack) -> None:
     d = stack.decode[0]
     with _router(stack, health_interval_s=2.0) as router:
@@ -451,7 +438,7 @@ def test_kill_decode_mid_stream(stack: Stack) -> None:
             text = first + "\n" + "\n".join(lines)
             took = time.monotonic() - start
         blocks = _back_to_baseline(stack.prefill)
-        _restart(stack, d)
+        restart(stack, d)
         wait_until(lambda: _ready(router.url), 120, "D back in the router's rotation")
         next_status = _next_ok(router.url, stack.model_name) + " (after D's restart)"
     got = _final_event(text)

@@ -11,8 +11,6 @@ has read, not by time.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,20 +19,21 @@ from typing import Any
 import httpx
 import pytest
 
-from devstack.stack import Stack, StackOptions
+from devstack.stack import Stack
 from devstack.vllm_server import read_metrics_text
-from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, module_stack, running_router
-from tests.e2e.test_decode_failover_e2e import LEASE_S, MARGIN_S, _block_size, stopped
-from tests.e2e.test_fault_matrix import _restart
+from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, running_router
+from tests.e2e.failover_support import (
+    LEASE_S,
+    MARGIN_S,
+    OURS,
+    block_size,
+    failover_stack,
+    restart,
+    stopped,
+)
 from tests.support.wait import wait_until
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("disagg_router.connector.facade") is None,
-        reason="disagg_router.connector.facade (our vLLM connector) is not in this checkout",
-    ),
-]
+pytestmark = OURS
 
 TOKENS = 64
 SEAM = 10
@@ -42,13 +41,7 @@ SEAM = 10
 
 @pytest.fixture(scope="module")
 def stack(e2e_dir: Path) -> Iterator[Stack]:
-    options = StackOptions(
-        kind="ours",
-        topology="1p2d",
-        enforce_eager=True,
-        connector_extra_config={"lease_s": LEASE_S},
-    )
-    with module_stack(options, e2e_dir) as started:
+    with failover_stack(e2e_dir) as started:
         yield started
 
 
@@ -99,7 +92,7 @@ def test_a_stream_whose_d_is_killed_after_10_tokens_ends_whole_on_the_other_d(
     stack: Stack, chat: bool
 ) -> None:
     [p], [d0, d1] = stack.prefill, stack.decode
-    block = _block_size(p)
+    block = block_size(p)
     body = _body(stack.model_name, chat)
     timeouts = {"prefill": 60.0, "first_token": 90.0, "total": 120.0}
     with running_router(stack, timeouts=timeouts, health_interval_s=3600.0) as router:
@@ -135,6 +128,4 @@ def test_a_stream_whose_d_is_killed_after_10_tokens_ends_whole_on_the_other_d(
             timeout=LEASE_S + MARGIN_S,
             what=f"{instance.name}'s KV blocks back to 0",
         )
-    with contextlib.suppress(ProcessLookupError):
-        d0.server.stop()  # reaps the killed group
-    _restart(stack, d0)  # the next case starts with two D again
+    restart(stack, d0)  # the next case starts with two D again

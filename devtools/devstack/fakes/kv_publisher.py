@@ -1,14 +1,14 @@
 """The fake vLLM's KV event publisher: vLLM's ZMQ framing, driven by a test.
 
 Who uses it: the router's KV-aware routing tests, with payloads recorded from a real vLLM
-(``devstack.record_kv_events``). Like vLLM's ``ZmqEventPublisher`` it binds a PUB socket that
-sends ``(topic, 8-byte big-endian sequence number, payload)`` and a ROUTER replay socket that
-answers an 8-byte start sequence with every buffered batch from there, each as ``(identity, b"",
-topic, sequence, payload)``, then an end marker of sequence -1. Faults a test can ask for:
-``publish(..., live=False)`` buffers a batch without sending it (a lost message: a gap),
+(``devstack.record_kv_events``). Like vLLM's ``ZmqEventPublisher`` it binds a PUB socket that sends
+``(topic, 8-byte big-endian sequence number, payload)`` and a ROUTER replay socket that answers an
+8-byte start sequence with every buffered batch from there, each as ``(identity, b"", topic,
+sequence, payload)``, then an end marker of sequence -1. Faults a test can ask for: ``publish(...,
+live=False)`` buffers a batch without sending it (a lost message: a gap),
 :meth:`FakeKvPublisher.restart` starts the sequence over with an empty buffer (a restarted vLLM),
-``replay_answers = False`` leaves replay requests unanswered (a dead publisher).
-``subscriptions`` counts the subscribers that joined, so a test can wait for one before
+``replay_answers = False`` leaves replay requests unanswered (a dead publisher). ``subscriptions``
+counts the subscriptions made (one per subscriber that joined), so a test can wait for one before
 publishing (ZMQ drops what a PUB sends before a subscriber is connected).
 
 It runs on the caller's asyncio loop (``zmq.asyncio``), binds loopback only, and must be closed
@@ -33,6 +33,9 @@ class FakeKvPublisher:
     def __init__(self, topic: str = "") -> None:
         self._ctx = zmq.asyncio.Context()
         self._pub = self._ctx.socket(zmq.XPUB)  # a PUB that also tells who subscribed
+        # Every subscriber's subscription, also one to a topic another (or a leaving) subscriber
+        # holds: a subscriber that reconnects is then told apart from one that never left.
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._router = self._ctx.socket(zmq.ROUTER)
         pub_port = self._pub.bind_to_random_port("tcp://127.0.0.1")
         replay_port = self._router.bind_to_random_port("tcp://127.0.0.1")
