@@ -98,19 +98,19 @@ async def open_dispatch(
     before = resume.avoid if resume is not None else frozenset()
     last_prefill = resume.prefill if resume is not None else None  # the last attempt's P
     pending = resume.failed if resume is not None else None  # the failure the 1st choice follows
-    failover: list[str | None] = [None]  # the D failure the chosen pair follows: its phase
+    failover: str | None = None  # the phase of the D failure the chosen pair follows
 
     def choose(
         avoid: set[str], failed: UpstreamError | None
     ) -> tuple[BackendState | None, BackendState]:
-        nonlocal last_prefill, pending
+        nonlocal last_prefill, pending, failover
         phase = "after_first_token" if pending is not None else "before_first_token"
         failed, pending = failed or pending, None
         gone = _d_went_away(failed)
         keep = last_prefill if gone else None
         pair = _choose_pair(found, decision, routed, avoid | before, failed is not None, keep)
         last_prefill = pair[0]
-        failover[0] = phase if gone else None
+        failover = phase if gone else None
         if gone:
             kept = "kept" if keep is not None and pair[0] is keep else "other"
             m = runtime.metrics
@@ -124,7 +124,7 @@ async def open_dispatch(
     ) -> Dispatch:
         nonlocal retries_left
         attempt = Attempt(runtime, request, *pair, ctx, request_id, deadline)
-        attempt.failover = failover[0]
+        attempt.failover = failover
         dispatch = Dispatch(attempt)
         _log_attempt(dispatch, request, decision)
         retry_follows, retries_left = retries_left > 0, retries_left - 1
