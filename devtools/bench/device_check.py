@@ -92,15 +92,15 @@ def _ask(conn: Connection, *cmd: Any) -> Any:
 class Peers:
     """The P and D processes of one check, and the commands the check sends them."""
 
-    def __init__(self, shape: CacheShape, device: str) -> None:
+    def __init__(self, shape: CacheShape, device: str, poll_s: float | None = None) -> None:
         from bench.device_peers import consumer_main, producer_main
 
         ctx = mp.get_context("spawn")
         self.p, p_end = ctx.Pipe()
         self.d, d_end = ctx.Pipe()
         self.procs = [
-            ctx.Process(target=producer_main, args=(p_end, shape, device), name="check-p"),
-            ctx.Process(target=consumer_main, args=(d_end, shape, device), name="check-d"),
+            ctx.Process(target=producer_main, args=(p_end, shape, device, poll_s), name="check-p"),
+            ctx.Process(target=consumer_main, args=(d_end, shape, device, poll_s), name="check-d"),
         ]
         for proc in self.procs:
             proc.start()
@@ -287,6 +287,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--big-mib", type=int, help="size of the big byte check (1024; dram 64)")
     parser.add_argument("--sizes-mib", help="throughput sizes (64,1024; dram 4,16)")
+    parser.add_argument(
+        "--poll-s",
+        type=float,
+        help="the connector's writer_poll_s and receiver_poll_s (default: the connector's own); "
+        "what the connector adds to a WRITE is mostly these cadences",
+    )
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--warmups", type=int, default=2)
     parser.add_argument(
@@ -315,7 +321,7 @@ def run(args: argparse.Namespace, wheel_sha256: str | None) -> dict[str, Any]:
         raise SystemExit(f"--tp {args.tp} must divide the cache's {shape.heads} KV heads")
     device = f"cuda:{args.gpu}" if vram else "cpu"
     started = time.monotonic()
-    peers = Peers(shape, device)
+    peers = Peers(shape, device, args.poll_s)
     try:
         cases = byte_checks(peers, shape, big_blocks)
         rows = throughput(peers, shape, sizes, args)
@@ -338,6 +344,7 @@ def run(args: argparse.Namespace, wheel_sha256: str | None) -> dict[str, Any]:
         "bare_gbps": top["bare_gbps"],
         "ratio": top["ratio"],
         "throughput": rows,
+        "poll_s": args.poll_s,
         "tp": args.tp,
         "tp_ratio": tp_rows[-1]["ratio"] if tp_rows else None,
         "tp_throughput": tp_rows,

@@ -9,6 +9,7 @@ standard library, torch, the connector's vLLM-free transfer core and NIXL only.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -82,12 +83,23 @@ def _hello(layout: LayoutSpec, **extra: Any) -> dict[str, Any]:
     return {"layout": layout.to_json(), "nixl": nixl_api().__name__, **extra}
 
 
-def producer_main(conn: Connection, shape: CacheShape, device: str) -> None:
+def _polled(config: ConnectorConfig, poll_s: float | None) -> ConnectorConfig:
+    """``config`` with both poll cadences set to ``poll_s`` (None: the connector's defaults)."""
+    if poll_s is None:
+        return config
+    return dataclasses.replace(config, writer_poll_s=poll_s, receiver_poll_s=poll_s)
+
+
+def producer_main(
+    conn: Connection, shape: CacheShape, device: str, poll_s: float | None = None
+) -> None:
     """P: serve ``finish``, then ``bare_open``/``bare_connect``/``bare_write``, until ``exit``."""
     cache, layout = _cache(shape, device)
     cache.fill_pattern()
     endpoint = NixlEndpoint("device-check-p", layout)
-    config = ConnectorConfig(side_channel_port=0, lease_s=300.0, registration_ttl_s=300.0)
+    config = _polled(
+        ConnectorConfig(side_channel_port=0, lease_s=300.0, registration_ttl_s=300.0), poll_s
+    )
     producer = PushProducer(endpoint, P_ENGINE, config)
     agents = _Agents("device-check-p", layout, producer, endpoint)
     conn.send(_hello(layout, port=producer.port))
@@ -119,12 +131,15 @@ def producer_main(conn: Connection, shape: CacheShape, device: str) -> None:
     conn.send(foreign_modules())
 
 
-def consumer_main(conn: Connection, shape: CacheShape, device: str) -> None:
+def consumer_main(
+    conn: Connection, shape: CacheShape, device: str, poll_s: float | None = None
+) -> None:
     """D: serve ``register``/``wait``/``verify``, then ``bare_open``/``bare_wait``, until
     ``exit``."""
     cache, layout = _cache(shape, device)
     endpoint = NixlEndpoint("device-check-d", layout)
-    consumer = PushConsumer(endpoint, ConnectorConfig(transfer_timeout_s=_WAIT_S))
+    config = _polled(ConnectorConfig(transfer_timeout_s=_WAIT_S), poll_s)
+    consumer = PushConsumer(endpoint, config)
     agents = _Agents("device-check-d", layout, consumer, endpoint)
     conn.send(_hello(layout))
     bare: BareNixlEndpoint | None = None
