@@ -95,6 +95,8 @@ class _Hold:
 
     spec: SendSpec
     lease_end: float
+    finished_at: float
+    """When the prefill finished (the engine thread's clock)."""
     expected: frozenset[int] | None = None
     """The D ranks that will register (known with the first registration)."""
     open: set[int] = field(default_factory=set)
@@ -121,6 +123,8 @@ class Write:
     """Why this WRITE may not be posted (it then fails when planned)."""
     handle: object | None = None
     posted_at: float = 0.0
+    finished_at: float = 0.0
+    """When P's prefill finished (the registration may have come before or after)."""
 
     @property
     def reg(self) -> Registration:
@@ -210,12 +214,12 @@ class ProducerState:
         thread: tens of microseconds, so the writer only checks and posts. A P rank that holds
         only replicas of heads another rank sends (:func:`is_source_rank`) frees at once."""
         key = spec.transfer_key
-        lease_end = self._clock() + self._cfg.lease_s
+        now = self._clock()
         with self._lock:
             if key in self._cancelled or key in self._failed or not self._source:
                 self._released.add(spec.p_request_id)
                 return
-            hold = self._holds[key] = _Hold(spec, lease_end)
+            hold = self._holds[key] = _Hold(spec, now + self._cfg.lease_s, now)
             for entry in self._registered.pop(key, {}).values():
                 self._match(key, hold, entry)
 
@@ -224,7 +228,9 @@ class ProducerState:
         if hold.expected is None:
             hold.expected = entry.transfer.d_ranks
         hold.open.add(entry.d_rank)
-        self._ready[(key, entry.d_rank)] = _write(key, hold.spec, entry, self._layout)
+        write = _write(key, hold.spec, entry, self._layout)
+        write.finished_at = hold.finished_at
+        self._ready[(key, entry.d_rank)] = write
 
     def _maybe_release(self, key: str) -> None:
         """Free the prefill once no WRITE is open and every D rank was served, or no more
@@ -447,6 +453,7 @@ class ProducerState:
             num_bytes=write.num_bytes if ok else 0,
             write_s=(now - write.posted_at) if write.posted_at else 0.0,
             registration_to_write_s=now - write.entry.received_at,
+            wait_for_registration_s=max(0.0, write.entry.received_at - write.finished_at),
             reason=reason,
         )
         with self._lock:

@@ -20,4 +20,7 @@ class TransferRecord:
     """P: WRITE post -> completion. D: 0."""
     registration_to_write_s: float = 0.0
     """P: registration received -> WRITE completed. D: registration sent -> done notification."""
+    wait_for_registration_s: float = 0.0
+    """P: prefill finished -> D's registration received (0 when D registered first: the usual
+    case in push mode, where D's blocks then wait for P instead). D: 0."""
     reason: str = ""

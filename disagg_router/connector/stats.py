@@ -18,7 +18,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from disagg_router.connector.records import TransferRecord
 
-_FIELDS = ("ok", "failed", "bytes", "blocks", "errors", "write_s", "reg_to_write_s")
+_FIELDS = (
+    "ok",
+    "failed",
+    "bytes",
+    "blocks",
+    "errors",
+    "write_s",
+    "reg_to_write_s",
+    "wait_for_reg_s",
+    "unwritten_block_seconds",
+)
 
 
 @dataclass
@@ -40,7 +50,9 @@ class PushTransferStats(KVConnectorStats):  # type: ignore[misc]
         self.data["bytes_list"].append(rec.num_bytes)
         if rec.side == "writer":
             self.data["write_s"].append(rec.write_s)
+            self.data["wait_for_reg_s"].append(rec.wait_for_registration_s)
         self.data["reg_to_write_s"].append(rec.registration_to_write_s)
+        self.data["unwritten_block_seconds"] += rec.num_blocks * rec.registration_to_write_s
 
     def record_errors(self, count: int) -> None:
         """Errors the transfer core's threads met (:mod:`disagg_router.connector.supervision`)."""
@@ -70,6 +82,8 @@ class PushTransferStats(KVConnectorStats):  # type: ignore[misc]
             "total_blocks": self.data["blocks"],
             "avg_write_ms": avg_ms(self.data["write_s"]),
             "avg_registration_to_write_ms": avg_ms(self.data["reg_to_write_s"]),
+            "avg_wait_for_registration_ms": avg_ms(self.data["wait_for_reg_s"]),
+            "unwritten_block_seconds": round(self.data["unwritten_block_seconds"], 3),
         }
 
     def is_empty(self) -> bool:
@@ -141,6 +155,23 @@ class PushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             )
         )
 
+        self._wait_for_reg = per_engine(
+            self._histogram_cls(
+                name="disagg_push_wait_for_registration_seconds",
+                documentation="P: prefill finished to D's registration (0: D registered first).",
+                labelnames=names,
+                buckets=[0.0, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+            )
+        )
+        self._unwritten = per_engine(
+            self._counter_cls(
+                name="disagg_push_unwritten_block_seconds_total",
+                documentation="Blocks registered for a transfer times the seconds until their "
+                "KV was written (D: registration sent to done; P: received to WRITE done).",
+                labelnames=names,
+            )
+        )
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data
         self._transfers[engine_idx].inc(d.get("ok", 0))
@@ -152,3 +183,6 @@ class PushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             self._write[engine_idx].observe(x)
         for x in d.get("reg_to_write_s", []):
             self._reg[engine_idx].observe(x)
+        for x in d.get("wait_for_reg_s", []):
+            self._wait_for_reg[engine_idx].observe(x)
+        self._unwritten[engine_idx].inc(d.get("unwritten_block_seconds", 0.0))

@@ -9,8 +9,9 @@ timeout may be infinite: each is a positive number of seconds.
 Sections: :mod:`.instances`, :mod:`.discovery`, :mod:`.pools` (a pool and its policy),
 :mod:`.models` (a model's own sections and its route), :mod:`.timeouts`, :mod:`.health` (with
 ``load_signals``), :mod:`.limits` (``admission``, ``breaker``, ``limits``, ``drain``),
-:mod:`.migration`, :mod:`.telemetry` (``logging``, ``tracing``), :mod:`.settings` (the whole file,
-``reload``, and reading it); renamed keys in :mod:`._base`. Every name is imported from here."""
+:mod:`.migration`, :mod:`.push`, :mod:`.telemetry` (``logging``, ``tracing``), :mod:`.settings`
+(the whole file, ``reload``, and reading it); renamed keys in :mod:`._base`. Every name is
+imported from here."""
 
 from disagg_router.router.config._base import RENAMED_KEYS, deprecated_keys
 from disagg_router.router.config.discovery import (
@@ -37,6 +38,7 @@ from disagg_router.router.config.models import (
     PassthroughPool,
 )
 from disagg_router.router.config.pools import PolicyName, PoolConfig, ShapeConfig
+from disagg_router.router.config.push import Bind, PushConfig
 from disagg_router.router.config.settings import (
     ReloadConfig,
     RouterSettings,
@@ -49,6 +51,7 @@ from disagg_router.router.config.timeouts import TimeoutsConfig
 __all__ = [
     "RENAMED_KEYS",
     "AdmissionConfig",
+    "Bind",
     "BreakerConfig",
     "DisaggregationConfig",
     "DiscoveryConfig",
@@ -68,6 +71,7 @@ __all__ = [
     "PassthroughPool",
     "PolicyName",
     "PoolConfig",
+    "PushConfig",
     "PushIdentity",
     "ReloadConfig",
     "RouterSettings",

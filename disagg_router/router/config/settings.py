@@ -38,6 +38,7 @@ from disagg_router.router.config.models import (
     PassthroughPool,
 )
 from disagg_router.router.config.pools import PoolConfig
+from disagg_router.router.config.push import PushConfig
 from disagg_router.router.config.telemetry import LoggingConfig, TracingConfig
 from disagg_router.router.config.timeouts import TimeoutsConfig
 from disagg_router.router.errors import ConfigError
@@ -83,6 +84,7 @@ class RouterSettings(Frozen):
     api_keys: list[str] = Field(default_factory=list)
     retry_on_fresh_pair: bool = True
     migration: MigrationConfig = MigrationConfig()
+    push: PushConfig = PushConfig()
     admission: AdmissionConfig = AdmissionConfig()
     breaker: BreakerConfig = BreakerConfig()
     limits: LimitsConfig = LimitsConfig()

@@ -48,11 +48,14 @@ class Dispatch:
     P None: D alone (conditional disaggregation): D gets the client's request as is (without
     ``kv_transfer_params``) and prefills locally; there is no P leg and no transfer. P and D come
     counted in flight by their pools' ``choose()``; the dispatch owns those counts from here on.
+    A D bound late (``attempt.choose_decode``, :mod:`disagg_router.router.dispatch.binding`)
+    comes uncounted: it is chosen, counted and admitted by its leg.
     """
 
     def __init__(self, attempt: Attempt) -> None:
         self._a = attempt
-        legs = [b for b in (attempt.prefill, attempt.decode) if b is not None]
+        late = attempt.choose_decode is not None  # D is counted and admitted when bound
+        legs = [b for b in (attempt.prefill, None if late else attempt.decode) if b is not None]
         self._holds = Holds(attempt.runtime.metrics, legs)
         self._relay = Relay(attempt)
 
@@ -67,6 +70,11 @@ class Dispatch:
     @property
     def decode(self) -> BackendState:
         return self._a.decode
+
+    @property
+    def binds_late(self) -> bool:
+        """D is not chosen yet: it will be when its leg is due (push.bind)."""
+        return self._a.choose_decode is not None
 
     @property
     def timings(self) -> dict[str, float]:

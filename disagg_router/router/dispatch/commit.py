@@ -99,7 +99,8 @@ def _timed_out(attempt: Attempt, limit: float) -> UpstreamTimeout:
     that instance's breaker."""
     prefill = attempt.prefill
     p_busy = attempt.p_task is not None and not attempt.p_task.done()
-    backend = prefill if p_busy and prefill is not None else attempt.decode
+    unbound = attempt.choose_decode is not None  # D bound late, not yet: P kept it waiting
+    backend = prefill if (p_busy or unbound) and prefill is not None else attempt.decode
     leg = "prefill" if backend is prefill else "decode"
     exc = UpstreamTimeout(leg, backend.label, f"no first token within {limit:g}s")
     leg_failed(attempt.runtime, backend, exc)

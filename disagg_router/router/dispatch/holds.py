@@ -2,9 +2,11 @@
 admission slot.
 
 Who calls it: :class:`disagg_router.router.dispatch.attempt.Dispatch` and its legs
-(:mod:`disagg_router.router.dispatch.legs`). The counts are taken by the pools when
-they choose the pair (:meth:`disagg_router.router.routing.pools.Pool.choose`: choosing and counting
-are one step); a :class:`Holds` takes them over, admits the pair (:meth:`Holds.admit`) and gives
+(:mod:`disagg_router.router.dispatch.legs`, :mod:`disagg_router.router.dispatch.binding`). The
+counts are taken by the pools when they choose the pair
+(:meth:`disagg_router.router.routing.pools.Pool.choose`: choosing and counting are one step); a
+:class:`Holds` takes them over, admits the pair (:meth:`Holds.admit`; a D bound late on its own,
+:meth:`Holds.add`) and gives
 each leg's count and slot back once (:meth:`Holds.release`) when the leg ends, and whatever is left
 at the attempt's close (:meth:`Holds.release_all`). The ``disagg_router_backend_in_flight`` gauge
 follows the counts.
@@ -80,6 +82,21 @@ class Holds:
             if backend.role not in self._slots:  # has room: acquire() does not suspend
                 self._slots[backend.role], _ = await backend.gate.acquire(backend.label)
             m.child(m.admission_wait, backend.role).observe(time.monotonic() - start)
+
+    async def add(self, backend: BackendState) -> None:
+        """Take over the count of ``backend`` (a D bound after the others were admitted,
+        :mod:`disagg_router.router.dispatch.binding`) and admit it: its slot now if it has room,
+        else after waiting in its queue, bounded like :meth:`admit`."""
+        self._counted[backend.role] = backend
+        self._show(backend)
+        start = time.monotonic()
+        if backend.gate.has_room():
+            self._slots[backend.role], _ = await backend.gate.acquire(backend.label)
+        else:
+            max_wait = backend.gate.config.max_wait
+            self._slots[backend.role] = await self._queue_for(backend, max_wait)
+        m = self._metrics
+        m.child(m.admission_wait, backend.role).observe(time.monotonic() - start)
 
     async def _queue_for(self, backend: BackendState, max_wait: float) -> Slot:
         """Wait (at most ``max_wait``) in the queue of ``backend``, which has no free slot."""

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any
 
+from disagg_router.router.dispatch.binding import bind_decode
 from disagg_router.router.dispatch.holds import Holds
 from disagg_router.router.dispatch.state import END, Attempt
 from disagg_router.router.errors import (
@@ -92,6 +93,7 @@ async def prefill_leg(attempt: Attempt, holds: Holds, prefill: BackendState) -> 
     start = time.monotonic()
     attempt.stamp("prefill_sent")
     limit = attempt.runtime.settings.timeouts.prefill
+    attempt.p_ticket = prefill.pace.prefill.send(attempt.prompt_tokens, start)
     try:
         with _Tracked(attempt, holds, prefill) as span:
             try:
@@ -119,8 +121,23 @@ async def prefill_leg(attempt: Attempt, holds: Holds, prefill: BackendState) -> 
         leg_failed(attempt.runtime, prefill, exc)
         raise
     finally:
+        now = time.monotonic()
         m = attempt.runtime.metrics
-        m.child(m.prefill_duration, prefill.label, outcome).observe(time.monotonic() - start)
+        m.child(m.prefill_duration, prefill.label, outcome).observe(now - start)
+        _prefill_ended(attempt, prefill, now, outcome == "ok")
+
+
+def _prefill_ended(attempt: Attempt, prefill: BackendState, now: float, answered: bool) -> None:
+    """Close the P leg's ticket in P's pace (``answered``: P's answer came, which teaches P's
+    speed) and observe how far the finish was from the prediction."""
+    ticket, attempt.p_ticket = attempt.p_ticket, None
+    attempt.prefill_answered = answered
+    if ticket is None:
+        return
+    error = prefill.pace.prefill.done(ticket, now, answered)
+    if error is not None:
+        m = attempt.runtime.metrics
+        m.child(m.prefill_finish_error, "late" if error > 0 else "early").observe(abs(error))
 
 
 def _count_failover_prefill(attempt: Attempt, data: dict[str, Any]) -> None:
@@ -199,9 +216,13 @@ def check_prefill_answer(attempt: Attempt, prefill: BackendState, data: dict[str
 
 
 async def decode_leg(attempt: Attempt, holds: Holds) -> None:
-    """D leg: queues D's events (or its one JSON answer), then ``END`` or the error."""
+    """D leg: queues D's events (or its one JSON answer), then ``END`` or the error. D bound
+    late (push.bind) is chosen first, when due (:func:`bind_decode`)."""
     decode = attempt.decode
     try:
+        if attempt.choose_decode is not None:
+            await bind_decode(attempt, holds)
+            decode = attempt.decode
         body = await _decode_body(attempt)
         attempt.stamp("decode_sent")
         with _Tracked(attempt, holds, decode) as span:
@@ -225,6 +246,7 @@ async def _relay_stream(attempt: Attempt, body: dict[str, Any], span: Span) -> N
     start = time.monotonic()
     args = (runtime.client, decode, "decode", attempt.request.path, body)
     async with open_sse(*args, attempt.request_id, span.headers()) as reads:
+        decode.pace.decode.observe(time.monotonic() - start)  # D accepted it: its lead
         async for events in reads:
             attempt.last_token = time.monotonic()
             if start:

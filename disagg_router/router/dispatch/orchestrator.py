@@ -16,7 +16,9 @@ broke without an answer (D unreachable, its connection lost, or silent past its 
 hangs), the retry keeps the attempt's P (while it is usable and pairs with another D), whatever the
 policy: that P has computed, or is computing, the prompt's KV, which vLLM's prefix cache (on by
 default) can serve the retry from, where another P would prefill the whole prompt again; a prefill
-still running is let finish first, not cancelled. Every
+still running is let finish first, not cancelled. In push mode with ``push.bind`` just in time
+(or adaptive, when D's KV is scarce) the D chosen with P is a stand-in: the attempt chooses its D
+when D's leg is due (:mod:`disagg_router.router.dispatch.binding`). Every
 attempt shares one ``timeouts.total`` deadline, counted from the first attempt: a retry does not
 restart it. The decision is counted in ``disagg_router_routing_decisions_total`` and logged.
 """
@@ -28,12 +30,13 @@ import time
 from dataclasses import dataclass
 
 from disagg_router.router.dispatch.attempt import Dispatch
+from disagg_router.router.dispatch.binding import binds_late, count_eager
 from disagg_router.router.dispatch.retry import first_that_opens
 from disagg_router.router.dispatch.state import Attempt
 from disagg_router.router.errors import UpstreamError, UpstreamHTTPError, UpstreamProtocolError
 from disagg_router.router.instances.state import BackendState
 from disagg_router.router.request import ClientRequest, RequestContext
-from disagg_router.router.routing.pairing import choose_pair
+from disagg_router.router.routing.pairing import choose_decode_for, choose_pair, choose_prefill
 from disagg_router.router.routing.policies.base import RoutingInput
 from disagg_router.router.routing.prompt_keys import estimated_tokens
 from disagg_router.router.routing.table import ModelPools
@@ -99,16 +102,21 @@ async def open_dispatch(
     last_prefill = resume.prefill if resume is not None else None  # the last attempt's P
     pending = resume.failed if resume is not None else None  # the failure the 1st choice follows
     failover: str | None = None  # the phase of the D failure the chosen pair follows
+    late = decision == DISAGGREGATED and resume is None  # D bound late, if push.bind says so
+    late = late and binds_late(runtime.settings, found.decode.usable())
+    tokens = len(request.prompt_ids) if request.prompt_ids else _tokens(found, routed, decision)
+    choice: tuple[frozenset[str], bool] = (frozenset(), False)  # the choice's avoid, strict
 
     def choose(
         avoid: set[str], failed: UpstreamError | None
     ) -> tuple[BackendState | None, BackendState]:
-        nonlocal last_prefill, pending, failover
+        nonlocal last_prefill, pending, failover, choice
         phase = "after_first_token" if pending is not None else "before_first_token"
         failed, pending = failed or pending, None
         gone = _d_went_away(failed)
         keep = last_prefill if gone else None
-        pair = _choose_pair(found, decision, routed, avoid | before, failed is not None, keep)
+        choice = (frozenset(avoid | before), failed is not None)
+        pair = _choose_pair(found, decision, routed, set(choice[0]), choice[1], keep, late)
         last_prefill = pair[0]
         failover = phase if gone else None
         if gone:
@@ -125,6 +133,12 @@ async def open_dispatch(
         nonlocal retries_left
         attempt = Attempt(runtime, request, *pair, ctx, request_id, deadline)
         attempt.failover = failover
+        attempt.prompt_tokens = tokens
+        if pair[0] is not None and runtime.settings.mode == "push":
+            if late:
+                _bind_late(attempt, pair[0], found, routed, *choice)
+            else:
+                count_eager(runtime.metrics)
         dispatch = Dispatch(attempt)
         _log_attempt(dispatch, request, decision)
         retry_follows, retries_left = retries_left > 0, retries_left - 1
@@ -169,23 +183,52 @@ def _choose_pair(
     avoid: set[str],
     strict: bool,
     keep: BackendState | None = None,
+    late: bool = False,
 ) -> tuple[BackendState | None, BackendState]:
     """P (None: D alone) and D for one attempt, each counted in flight by its pool; when D
     cannot be chosen, P's count is given back before :class:`NoBackendAvailable` propagates.
-    ``keep``: the P to choose again if it is still usable and pairs with a D."""
+    ``keep``: the P to choose again if it is still usable and pairs with a D. ``late``: D is
+    bound late; the D returned is an uncounted stand-in (:func:`choose_prefill`)."""
+    if decision == DISAGGREGATED and late:
+        return choose_prefill(found.prefill, found.decode, avoid, routed, strict, keep)
     if decision == DISAGGREGATED:
         return choose_pair(found.prefill, found.decode, avoid, routed, strict, keep)
     return None, found.decode.choose(avoid, routed, strict)
 
 
+def _tokens(found: ModelPools, routed: RoutingInput, decision: str) -> int:
+    """The prompt's estimated tokens, for P's pace (0 when there is no P leg)."""
+    if decision != DISAGGREGATED:
+        return 0
+    return estimated_tokens(routed.prompt, found.route.disaggregation.chars_per_token)
+
+
+def _bind_late(
+    attempt: Attempt,
+    prefill: BackendState,
+    found: ModelPools,
+    routed: RoutingInput,
+    avoid: frozenset[str],
+    strict: bool,
+) -> None:
+    """Make ``attempt`` choose its D when its leg is due
+    (:mod:`disagg_router.router.dispatch.binding`); its ``decode`` is a stand-in until then."""
+
+    def choose() -> BackendState:
+        return choose_decode_for(prefill, found.decode, avoid, routed, strict)
+
+    attempt.choose_decode = choose
+
+
 def _log_attempt(dispatch: Dispatch, request: ClientRequest, decision: str) -> None:
     if not log.isEnabledFor(logging.INFO):
         return
+    late = dispatch.binds_late
     log.info(
         "request %s model=%s route=%s prefill=%s decode=%s",
         dispatch.request_id,
         request.model,
         decision,
         dispatch.prefill.label if dispatch.prefill is not None else "-",
-        dispatch.decode.label,
+        "(bound when due)" if late else dispatch.decode.label,
     )

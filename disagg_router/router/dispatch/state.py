@@ -114,6 +114,12 @@ class Attempt:
         self.hand_over: Callable[[UpstreamError], bool] | None = None
         # The phase of the D failure this attempt follows (a retry or a stream's continuation).
         self.failover: str | None = None
+        # Binding D late (push.bind): chooses D (counted in flight) when its leg is due; None
+        # once D is bound, or when D was chosen with P. ``decode`` is a stand-in until then.
+        self.choose_decode: Callable[[], BackendState] | None = None
+        self.prompt_tokens = 0  # the prompt's estimated tokens (P's pace predicts with them)
+        self.p_ticket: int | None = None  # the P leg's prefill in P's pace, while it runs
+        self.prefill_answered: bool | None = None  # how the P leg ended; None: it has not
 
     def mark(self, stage: str) -> None:
         """Note when ``stage`` was reached (once; reported in the request log)."""

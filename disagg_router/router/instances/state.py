@@ -1,7 +1,8 @@
 """Runtime state of one upstream vLLM instance (a P or D backend).
 
 Who mutates it: the load-signal scraper (``signals``), the dispatch (``in_flight`` and an
-admission slot around each leg, the leg's outcome into the ``breaker``) and the health monitor
+admission slot around each leg, the leg's outcome into the ``breaker``, what it learns of the
+instance's ``pace``) and the health monitor
 (``healthy``, ``checked``, ``max_model_len``, breaker probes; the learned identity goes through
 :func:`disagg_router.router.instances.identity.learn_identity`, the learned engine shape through
 :func:`disagg_router.router.health.shapes.learn_shape`). All mutation happens on the router's event
@@ -17,6 +18,7 @@ from disagg_router.connector.contract import EngineShape
 from disagg_router.router.config import AdmissionConfig, BreakerConfig, InstanceConfig, PushIdentity
 from disagg_router.router.instances.admission import Gate
 from disagg_router.router.instances.breaker import Breaker
+from disagg_router.router.instances.pace import Pace
 
 Role = Literal["prefill", "decode"]
 
@@ -54,6 +56,7 @@ class BackendState:
     )
     gate: Gate = field(default_factory=lambda: Gate(AdmissionConfig()))
     breaker: Breaker = field(default_factory=lambda: Breaker(BreakerConfig()))
+    pace: Pace = field(default_factory=Pace)  # learned prefill speed (P) and lead (D)
 
     @property
     def url(self) -> str:

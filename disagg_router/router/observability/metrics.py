@@ -170,6 +170,31 @@ class RouterMetrics:
             buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536),
             registry=self.registry,
         )
+        self.binds = Counter(
+            "disagg_router_decode_binds",
+            "Push dispatches by when D was chosen and its leg sent (push.bind): eager (with P, "
+            "at once), predicted (just in time: P's predicted finish less D's lead), "
+            "prefill_done (P finished first), unlearned (P's speed not learned yet: at once)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.bind_delay = Histogram(
+            "disagg_router_bind_delay_seconds",
+            "Push dispatches: attempt start to D's leg sent (0 for eager binding), by bind "
+            "(eager, just_in_time)",
+            ["bind"],
+            buckets=(0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=self.registry,
+        )
+        self.prefill_finish_error = Histogram(
+            "disagg_router_prefill_finish_error_seconds",
+            "How far P's answer came from the finish predicted when its prefill was sent (the "
+            "prediction late binding uses), by direction (early: before the prediction, so P "
+            "may wait for D; late: after it)",
+            ["direction"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=self.registry,
+        )
         self.migrations = Counter(
             "disagg_router_stream_migrations",
             "Streams whose D failed after the first token, by outcome: resumed (another D goes "

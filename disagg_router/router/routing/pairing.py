@@ -1,8 +1,9 @@
 """Which P and D may serve a request together: the connector's pairing rule over learned shapes.
 
 Who calls it: :mod:`disagg_router.router.dispatch.orchestrator` (:func:`choose_pair`, once per
-disaggregated attempt), :mod:`disagg_router.router.health.readiness` and
-:mod:`disagg_router.router.health.shapes` (:func:`refused_pairs`, for ``/ready`` and the
+disaggregated attempt; :func:`choose_decode_for` when D is bound late),
+:mod:`disagg_router.router.health.readiness` and :mod:`disagg_router.router.health.shapes`
+(:func:`refused_pairs`, for ``/ready`` and the
 ``disagg_router_refused_pairs`` gauge). The rule itself is the connector's
 (:func:`disagg_router.connector.contract.pairing_refusal`); here it is applied to the shapes the
 identity probes learned (:attr:`BackendState.shape`). A backend whose shape is unknown (its
@@ -74,21 +75,67 @@ def choose_pair(
 ) -> tuple[BackendState, BackendState]:
     """A served (P, D) pair, each counted in flight by its pool (see :meth:`Pool.choose`).
 
-    P is chosen among those that pair with at least one usable D (``keep`` itself when it is
-    one of them and not avoided, whatever the policy), then D among those that pair with the
-    chosen P; :class:`NoBackendAvailable` naming the refusal when no pair is served. When D
-    cannot be chosen, P's count is given back before the error propagates."""
+    P is chosen as :func:`choose_prefill` does, then D among those that pair with it;
+    :class:`NoBackendAvailable` naming the refusal when no pair is served. When D cannot be
+    chosen, P's count is given back before the error propagates."""
+    p = _prefill(prefill, decode, avoid, request, strict, keep)
+    try:
+        d = choose_decode_for(p, decode, avoid, request, strict)
+    except NoBackendAvailable:
+        p.in_flight -= 1
+        raise
+    return p, d
+
+
+def choose_prefill(
+    prefill: Pool,
+    decode: Pool,
+    avoid: Collection[str] = (),
+    request: RoutingInput = NO_INPUT,
+    strict: bool = False,
+    keep: BackendState | None = None,
+) -> tuple[BackendState, BackendState]:
+    """A P counted in flight, chosen among those that pair with at least one usable D
+    (``keep`` itself when it is one of them and not avoided, whatever the policy), and the
+    first usable D it pairs with, not counted and not chosen by D's policy (a stand-in until D
+    is chosen: :func:`choose_decode_for`). :class:`NoBackendAvailable` names the refusal when
+    no P pairs with a D."""
+    p = _prefill(prefill, decode, avoid, request, strict, keep)
+    usable = decode.usable()
+    stand_in = next((d for d in usable if d.label not in avoid and refusal(p, d) is None), None)
+    stand_in = stand_in or next((d for d in usable if refusal(p, d) is None), None)
+    if stand_in is None or (strict and stand_in.label in avoid):
+        p.in_flight -= 1
+        raise NoBackendAvailable(f"no decode instance pairs with prefill {p.label}")
+    return p, stand_in
+
+
+def _prefill(
+    prefill: Pool,
+    decode: Pool,
+    avoid: Collection[str],
+    request: RoutingInput,
+    strict: bool,
+    keep: BackendState | None,
+) -> BackendState:
+    """P as :func:`choose_prefill` chooses it, counted in flight."""
     decodes = [d for d in decode.usable() if d.label not in avoid] if strict else decode.usable()
 
     def refuse(b: BackendState) -> str | None:
         return _first_refusal(b, decodes)
 
     p = None if keep is None or keep.label in avoid else prefill.claim(keep, refuse)
-    if p is None:
-        p = prefill.choose(avoid, request, strict, refuse=refuse)
-    try:
-        d = decode.choose(avoid, request, strict, refuse=lambda b: _refused_as(p, b))
-    except NoBackendAvailable:
-        p.in_flight -= 1
-        raise
-    return p, d
+    return p or prefill.choose(avoid, request, strict, refuse=refuse)
+
+
+def choose_decode_for(
+    prefill: BackendState,
+    decode: Pool,
+    avoid: Collection[str] = (),
+    request: RoutingInput = NO_INPUT,
+    strict: bool = False,
+) -> BackendState:
+    """A D that pairs with ``prefill``, counted in flight by its pool; :class:`NoBackendAvailable`
+    naming the refusal when none does. Also called alone when D is bound after P
+    (:mod:`disagg_router.router.dispatch.binding`)."""
+    return decode.choose(avoid, request, strict, refuse=lambda b: _refused_as(prefill, b))

@@ -19,6 +19,7 @@ from disagg_router.connector.protocol import (
     encode_request,
 )
 from disagg_router.connector.specs import SendAbort, SendSpec
+from disagg_router.connector.stats import PushTransferStats
 from tests.unit.connector.core_support import LAYOUT, FakeClock, MemoryEndpoint, until
 
 
@@ -217,3 +218,34 @@ def test_who_posts_a_write_to_a_connected_d(post_on_finish: bool) -> None:
     finally:
         producer.close()
     assert poster == (threading.current_thread().name if post_on_finish else "dpc-writer")
+
+
+def test_a_record_says_how_long_p_waited_for_the_registration_and_how_long_d_blocks_sat_empty(
+    env: Any,
+) -> None:
+    producer, _, clock = env
+    records: list[Any] = []
+
+    def recorded(n: int) -> bool:
+        records.extend(producer.take_records())
+        return len(records) == n
+
+    producer.add_finished(SendSpec("p-late", "late", (1, 2)))
+    clock.now += 0.3  # D registers 0.3 s after P finished: P waited
+    producer.handle_request(reg("late", (5, 6)))
+    until(lambda: recorded(1))
+    producer.handle_request(reg("early", (7,)))
+    clock.now += 0.2  # D registered 0.2 s before P finished: D's block waited
+    producer.add_finished(SendSpec("p-early", "early", (3,)))
+    until(lambda: recorded(2))
+    late, early = records
+    assert late.wait_for_registration_s == pytest.approx(0.3)
+    assert late.registration_to_write_s == 0.0
+    assert early.wait_for_registration_s == 0.0
+    assert early.registration_to_write_s == pytest.approx(0.2)
+    stats = PushTransferStats()
+    for rec in records:
+        stats.record(rec)
+    reduced = stats.reduce()
+    assert reduced["avg_wait_for_registration_ms"] == pytest.approx(150.0)
+    assert reduced["unwritten_block_seconds"] == pytest.approx(1 * 0.2)  # late's 2 blocks: 0 s
