@@ -2,9 +2,9 @@
 P's prefills as a queue with a learned speed (when will this prefill finish?), a D's lead (its leg
 sent to D accepting it). Binding D late (:mod:`disagg_router.router.dispatch.binding`) reads both.
 
-Who calls it: the P leg (:mod:`disagg_router.router.dispatch.legs`) opens a ticket when it sends a
-prefill and closes it with the outcome; the D leg observes D's lead; the binding asks for
-predictions. Pure: no I/O, no clock of its own (callers pass ``time.monotonic()``), no asyncio; one
+Who calls it: :mod:`disagg_router.router.instances.state` keeps one :class:`Pace` per instance;
+the dispatch reaches it there: the P leg opens a ticket when it sends a prefill and closes it with
+the outcome, the D leg observes D's lead, the binding asks for predictions. Pure: no I/O, no clock of its own (callers pass ``time.monotonic()``), no asyncio; one
 event loop mutates it, so nothing locks.
 
 The model: P serves the prefills this router sent it first come, first served, each taking
