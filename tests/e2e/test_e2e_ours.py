@@ -17,7 +17,9 @@ import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.stack import Stack, StackOptions
 from tests.e2e.e2e_support import (
@@ -29,6 +31,7 @@ from tests.e2e.e2e_support import (
     router_completion,
     running_router,
 )
+from tests.e2e.parallel_cases import external_tokens
 from tests.e2e.pd_cases import PDRouterCases
 
 pytestmark = [
@@ -143,3 +146,49 @@ def test_short_prompt_is_served_by_decode_alone_with_the_aggregated_output(
     assert after[d] - before[d] >= 2 * 40
     p0 = stack.prefill[0]
     assert got == [reference_text(p0, stack.model_name, p, False) for p in prompts]
+
+
+def _binds(url: str) -> dict[str, float]:
+    """The router's ``disagg_router_decode_binds_total`` by reason."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {
+        sample.labels["reason"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "disagg_router_decode_binds"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+@pytest.mark.parametrize(
+    ("bind", "reasons"),
+    [
+        ("eager", {"eager"}),
+        ("just_in_time", {"predicted", "prefill_done"}),
+        ("adaptive", {"predicted", "prefill_done"}),  # every D is at least 0 % full: scarce
+    ],
+)
+def test_each_bind_mode_serves_a_stream_whose_kv_d_did_not_compute(
+    stack: Stack, bind: str, reasons: set[str]
+) -> None:
+    """push.bind: after three requests (P's speed learned; D's load signals scraped, every
+    ``load_signals.interval``), a stream bound as the mode says; its greedy text equals the
+    aggregated one and D took its prompt from the KV transfer
+    (``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``), computing at most one
+    token of it."""
+    p0, d0 = stack.prefill[0], stack.decode[0]
+    overrides = {"push": {"bind": bind, "adaptive_kv_usage": 0.0}}
+    with running_router(stack, prefill_names=["p0"], overrides=overrides) as router:
+        client = router.client()
+        for i in range(3):
+            router_completion(client, stack.model_name, make_prompt(f"bind-{bind}-{i}"), False)
+        before, tokens, external = _binds(router.url), metrics(d0), external_tokens(d0)
+        prompt = make_prompt(f"bind-{bind}-stream")
+        got = router_completion(client, stack.model_name, prompt, stream=True)
+        after, tokens_after = _binds(router.url), metrics(d0)
+        pulled = external_tokens(d0) - external
+    moved = {r for r in after if after[r] > before.get(r, 0.0)}
+    assert moved <= reasons and sum(after.values()) - sum(before.values()) == 1, (before, after)
+    prompt_tokens = tokens_after["vllm:prompt_tokens_total"] - tokens["vllm:prompt_tokens_total"]
+    assert prompt_tokens > 100 and prompt_tokens - 1 <= pulled <= prompt_tokens
+    assert got == reference_text(p0, stack.model_name, prompt, False)

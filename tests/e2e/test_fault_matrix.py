@@ -220,10 +220,12 @@ def test_prefill_slower_than_its_timeout(stack: Stack) -> None:
          next_status)  # fmt: skip
 
 
-def _hang_up_when(router: RunningRouter, ready: Any, what: str) -> tuple[float, bytes]:
-    """Send a long streamed request, hang up once ``ready()``; (seconds until the router's legs
-    are gone after the hang-up, bytes the client had received)."""
-    sock = _post_raw(router.url, _long(True, max_tokens=400))
+def _hang_up_when(
+    router: RunningRouter, ready: Any, what: str, words: int = LONG_PROMPT_WORDS
+) -> tuple[float, bytes]:
+    """Send a long streamed request (of ``words``), hang up once ``ready()``; (seconds until the
+    router's legs are gone after the hang-up, bytes the client had received)."""
+    sock = _post_raw(router.url, _long(True, max_tokens=400, words=words))
     sock.setblocking(False)
     received: list[bytes] = []
 
@@ -277,6 +279,45 @@ def test_client_disconnect_mid_stream(stack: Stack) -> None:
     assert b"data:" in got
     _row("client disconnect mid-stream", "3+ events, then hung up; D leg cancelled", took,
          blocks, next_status)  # fmt: skip
+
+
+def test_client_disconnect_before_d_is_bound(stack: Stack) -> None:
+    """push.bind just_in_time: the client hangs up while P prefills a ~15k-token prompt and no
+    D is bound yet (P's speed learned from three short requests first). No D leg is ever sent
+    (D's prompt tokens do not move); P's blocks go back to 0 like any cancelled prefill's."""
+    p, d = stack.prefill[0], stack.decode[0]
+    timeouts = {"prefill": 60.0, "first_token": 75.0, "total": 120.0}
+    overrides = {"push": {"bind": "just_in_time"}}
+    with running_router(
+        stack, overrides, with_identity=True, timeouts=timeouts, health_interval_s=30.0
+    ) as router:
+        for _ in range(3):
+            _next_ok(router.url, stack.model_name)
+        binds = _router_metric(router.url, "disagg_router_decode_binds_total")
+        d_tokens = _prompt_tokens(d)
+
+        def p_running_nothing_bound(_: bytes) -> bool:
+            unbound = _router_metric(router.url, "disagg_router_decode_binds_total") == binds
+            assert unbound, "D was bound before P was seen running; the case did not happen"
+            return _running(p) >= 1
+
+        took, got = _hang_up_when(
+            router, p_running_nothing_bound, "P running, D not bound", LONGEST_PROMPT_WORDS
+        )
+        blocks = _back_to_baseline(stack.prefill + stack.decode)
+        assert _router_metric(router.url, "disagg_router_decode_binds_total") == binds
+        next_status = _next_ok(router.url, stack.model_name)
+    assert got == b""
+    assert _prompt_tokens(d) == d_tokens  # D never saw the request
+    _row("client disconnect before D is bound (push.bind just_in_time)",
+         "nothing (hung up); P's leg cancelled, no D leg sent", took, blocks,
+         next_status)  # fmt: skip
+
+
+def _prompt_tokens(instance: StackInstance) -> float:
+    text = httpx.get(f"{instance.url}/metrics", timeout=10).text
+    found = re.findall(r"^vllm:prompt_tokens_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in found)
 
 
 def test_router_sigterm_with_requests_in_flight(stack: Stack, tmp_path: Path) -> None:

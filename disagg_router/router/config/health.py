@@ -50,7 +50,8 @@ class HealthConfig(Frozen):
 
 
 class LoadSignalsConfig(Frozen):
-    """Scraping of each instance's ``/metrics`` for ``power_of_two`` (only pools using it).
+    """Scraping of each instance's ``/metrics`` for ``power_of_two`` (only pools using it) and
+    for ``push.bind: adaptive`` (every D).
 
     ``interval``: seconds between scrapes; ``stale_after``: older signals are ignored (the policy
     falls back to the router's in-flight counts).

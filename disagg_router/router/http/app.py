@@ -99,7 +99,16 @@ def _authorize(request: Request, keys: list[str]) -> None:
 
 
 def _signal_targets(runtime: Runtime) -> list[BackendState]:
-    return [b for pool in runtime.pools if "load" in pool.policy.signals for b in pool.backends]
+    """Instances whose load signals are read: those of pools whose policy compares loads, and
+    every D when push.bind is adaptive (it reads D's KV usage)."""
+    settings = runtime.settings
+    adaptive = settings.mode == "push" and settings.push.bind == "adaptive"
+    return [
+        b
+        for pool in runtime.pools
+        if "load" in pool.policy.signals or (adaptive and pool.role == "decode")
+        for b in pool.backends
+    ]
 
 
 def _on_sighup(reloader: ConfigReloader) -> bool:
