@@ -103,6 +103,9 @@ class StackOptions:
     pin_processes: bool = False
     """Confine each instance's whole process to its core (:attr:`VllmServerSpec.pin_process`)."""
     extra_args: Sequence[str] = ()
+    instance_args: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    """More vLLM arguments per instance name, after ``extra_args`` (e.g. a D's
+    ``--num-gpu-blocks-override``)."""
     enforce_eager: bool = False
     """Run vLLM without torch.compile (``--enforce-eager``) on every instance that allows it: a
     tiny-model instance is then ready after about 20 s of CPU instead of 37 (one instance alone on
@@ -318,6 +321,7 @@ def build_specs(
             extra_env=options.extra_env,
             extra_args=(
                 *options.extra_args,
+                *options.instance_args.get(name, ()),
                 *_eager_args(options, name),
                 *_kv_events_args(options, ports, per * index),
             ),

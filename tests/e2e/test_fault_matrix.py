@@ -283,8 +283,9 @@ def test_client_disconnect_mid_stream(stack: Stack) -> None:
 
 def test_client_disconnect_before_d_is_bound(stack: Stack) -> None:
     """push.bind just_in_time: the client hangs up while P prefills a ~15k-token prompt and no
-    D is bound yet (P's speed learned from three short requests first). No D leg is ever sent
-    (D's prompt tokens do not move); P's blocks go back to 0 like any cancelled prefill's."""
+    D is bound yet (P's speed learned from three such prompts first, so D is due near the end
+    of the prefill, long after P is seen running). No D leg is ever sent (D's prompt tokens do
+    not move); P's blocks go back to 0 like any cancelled prefill's."""
     p, d = stack.prefill[0], stack.decode[0]
     timeouts = {"prefill": 60.0, "first_token": 75.0, "total": 120.0}
     overrides = {"push": {"bind": "just_in_time"}}
@@ -292,23 +293,25 @@ def test_client_disconnect_before_d_is_bound(stack: Stack) -> None:
         stack, overrides, with_identity=True, timeouts=timeouts, health_interval_s=30.0
     ) as router:
         for _ in range(3):
-            _next_ok(router.url, stack.model_name)
+            body = _long(False, max_tokens=1, words=LONGEST_PROMPT_WORDS)
+            assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=120).is_success
         binds = _router_metric(router.url, "disagg_router_decode_binds_total")
         d_tokens = _prompt_tokens(d)
 
         def p_running_nothing_bound(_: bytes) -> bool:
+            running = _running(p) >= 1
             unbound = _router_metric(router.url, "disagg_router_decode_binds_total") == binds
             assert unbound, "D was bound before P was seen running; the case did not happen"
-            return _running(p) >= 1
+            return running
 
         took, got = _hang_up_when(
             router, p_running_nothing_bound, "P running, D not bound", LONGEST_PROMPT_WORDS
         )
         blocks = _back_to_baseline(stack.prefill + stack.decode)
         assert _router_metric(router.url, "disagg_router_decode_binds_total") == binds
+        assert _prompt_tokens(d) == d_tokens  # D never saw the request
         next_status = _next_ok(router.url, stack.model_name)
     assert got == b""
-    assert _prompt_tokens(d) == d_tokens  # D never saw the request
     _row("client disconnect before D is bound (push.bind just_in_time)",
          "nothing (hung up); P's leg cancelled, no D leg sent", took, blocks,
          next_status)  # fmt: skip
