@@ -10,6 +10,7 @@ import argparse
 from collections.abc import Sequence
 
 from bench.answers_cmd import add_answers_arguments, answers_command
+from bench.binding_cmd import add_bind_arguments, bind_command
 from bench.clients import add_clients_arguments, clients_command
 from bench.overhead_cmd import add_overhead_arguments, overhead_command
 from bench.routing_cmd import add_routing_arguments, routing_command
@@ -27,7 +28,7 @@ from bench.vllm_serve_cmd import add_vllm_serve_arguments, vllm_serve_command
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``run``/``overhead``/``clients``/``transfer``/``scenarios``/``report``/``routing``/
-    ``soak``/``vllm-serve``/``answers`` subcommands to ``parser``."""
+    ``soak``/``vllm-serve``/``answers``/``bind`` subcommands to ``parser``."""
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_run_arguments(sub.add_parser("run", help="one load-generator run"))
     add_overhead_arguments(
@@ -66,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="vLLM's own `vllm bench serve` against ours, pull and vLLM push (real vLLM CPU)",
         )
     )
+    add_bind_arguments(
+        sub.add_parser(
+            "bind",
+            help="push.bind eager vs just_in_time vs adaptive on real vLLM CPU 1P2D + summary keys",
+        )
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         return vllm_serve_command(args)
     if command == "answers":
         return answers_command(args)
+    if command == "bind":
+        return bind_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 

@@ -1,0 +1,386 @@
+"""Binding D late (``push.bind``) on real vLLM CPU: eager, just_in_time and adaptive routers over
+one 1P2D stack of our connector, the same prompts and arrivals for each.
+
+Who calls it: ``disagg-bench bind`` (:mod:`bench.binding_cmd`; wrap it in ``flock
+/tmp/vllm-e2e.lock``). The stack: P on core 0, both Ds on core 1, D's KV cache cut to
+``d_prompts`` prompts' worth of blocks (``--num-gpu-blocks-override``) so that eager binding,
+which holds D's blocks from arrival, runs it full while P's queue is long. P's capacity (prompts
+per second) is measured first; the light point offers ``light_fraction`` of it, the loaded
+(D-KV-bound) point ``loaded_fraction``. For each repetition and load the modes run in turn (a
+fresh router each, P's speed learned from ``warmups`` requests first). Per point: the client's
+TTFT and TPOT, the goodput (completed requests per second within both SLOs, which are set from
+this run's light eager medians), D's unwritten block-seconds (our connector's
+``disagg_push_unwritten_block_seconds_total`` on both Ds), P's wait for D's registration
+(``disagg_push_wait_for_registration_seconds``), how the router bound D, its prediction error,
+and D's KV usage sampled over time (for the plot). Pull mode is not run here: vLLM's NIXL
+connector keeps a core busy per instance (nixl 1.5.1's progress thread), and three such
+instances starve this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.client import Target
+from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
+from bench.loadgen import LoadSpec, make_client, run_load
+from bench.metrics import RequestRecord
+from bench.routers import our_router
+from devstack.ports import free_port
+from devstack.stack import Stack, StackOptions, start_stack
+
+BINDS = ("eager", "just_in_time", "adaptive")
+BLOCK_SIZE = 128
+"""vLLM CPU's default KV block size, in tokens."""
+_SAMPLE_S = 0.25
+
+
+@dataclass(frozen=True)
+class BindSpec:
+    """What ``disagg-bench bind`` runs."""
+
+    input_len: int = 4000
+    output_len: int = 256
+    d_prompts: int = 3
+    """D's KV cache holds this many whole requests (prompt and output)."""
+    requests: int = 40
+    light_fraction: float = 0.3
+    loaded_fraction: float = 0.9
+    repetitions: int = 2
+    warmups: int = 3
+    ttft_slo_factor: float = 3.0
+    """TTFT SLO: this times the light eager median TTFT of the run."""
+    tpot_slo_factor: float = 1.5
+    """TPOT SLO: this times the light eager median TPOT of the run."""
+    point_time_limit_s: float = 300.0
+    seed: int = 0
+
+    @property
+    def d_blocks(self) -> int:
+        """Each D's KV cache in blocks: ``d_prompts`` requests, and at least one max-length
+        request (vLLM refuses to start with less)."""
+        per_request = math.ceil((self.input_len + self.output_len) / BLOCK_SIZE) + 1
+        return max(self.d_prompts, 2) * per_request
+
+
+@dataclass
+class Point:
+    """One mode at one load, one repetition."""
+
+    bind: str
+    load: str
+    rep: int
+    rate: float
+    completed: int
+    failed: int
+    duration_s: float
+    ttft_ms: list[float]
+    tpot_ms: list[float]
+    unwritten_block_s: float
+    p_wait: dict[str, float]
+    binds: dict[str, float]
+    prediction_error: dict[str, float]
+    kv_usage: list[tuple[float, float]]
+
+    def goodput(self, ttft_slo_ms: float, tpot_slo_ms: float) -> float:
+        """Completed requests per second within both SLOs."""
+        good = sum(
+            1
+            for ttft, tpot in zip(self.ttft_ms, self.tpot_ms, strict=True)
+            if ttft <= ttft_slo_ms and tpot <= tpot_slo_ms
+        )
+        return good / self.duration_s if self.duration_s > 0 else 0.0
+
+
+def run_bind_benchmark(spec: BindSpec, work_dir: Path) -> dict[str, Any]:
+    """Start the stack, run every point, stop the stack; the result (see :func:`summarize`)."""
+    per_d = ["--num-gpu-blocks-override", str(spec.d_blocks)] if spec.d_prompts else []
+    options = StackOptions(
+        kind="ours",
+        topology="1p2d",
+        enforce_eager=True,
+        max_model_len=spec.input_len + spec.output_len + BLOCK_SIZE,  # vLLM: D holds one at most
+        instance_args={"d0": per_d, "d1": per_d},
+    )
+    stack = start_stack(options, work_dir)
+    try:
+        stack.warm_up()  # vLLM CPU: a D whose first forward pass reads transferred KV dies
+        return asyncio.run(_run(spec, stack, work_dir))
+    finally:
+        stack.stop()
+
+
+async def _run(spec: BindSpec, stack: Stack, work_dir: Path) -> dict[str, Any]:
+    prompts = make_token_prompts(
+        SyntheticSpec(spec.requests + spec.warmups, spec.input_len, spec.output_len, seed=spec.seed)
+    )
+    warm, measured = prompts[: spec.warmups], prompts[spec.warmups :]
+    points: list[Point] = []
+    async with make_client() as client:
+        capacity = await _capacity(client, stack, warm)
+        for load, fraction in (("light", spec.light_fraction), ("loaded", spec.loaded_fraction)):
+            for rep in range(spec.repetitions):
+                for bind in BINDS:
+                    with _router(stack, bind, work_dir) as url:
+                        point = await _point(
+                            client, stack, url, spec, (bind, load, rep), warm, measured,
+                            capacity * fraction,
+                        )  # fmt: skip
+                    points.append(point)
+                    print(_line(point), flush=True)
+    return summarize(spec, capacity, points)
+
+
+async def _capacity(client: httpx.AsyncClient, stack: Stack, warm: list[BenchRequest]) -> float:
+    """P's prompts per second: one-token prefills of the warm-up prompts straight to P, in turn
+    (the first one not counted: it warms the engine)."""
+    target = Target(stack.prefill[0].url, stack.model_name)
+    took = []
+    for request in [warm[0], *warm]:
+        one = BenchRequest(request.prompt, request.prompt_len, 1)
+        start = time.perf_counter()
+        await run_load(client, target, [one], LoadSpec(show_progress=False))
+        took.append(time.perf_counter() - start)
+    return 1.0 / statistics.median(took[1:])
+
+
+@contextmanager
+def _router(stack: Stack, bind: str, work_dir: Path) -> Iterator[str]:
+    config = stack.router_config(with_identity=True, health_interval_s=30.0)
+    config["push"] = {"bind": bind}
+    config["load_signals"] = {"interval": 0.5, "stale_after": 2.0}
+    config["timeouts"] = {"prefill": 300.0, "first_token": 300.0, "total": 600.0}
+    port = free_port()
+    logs = work_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with our_router(config, port, logs):
+        yield f"http://127.0.0.1:{port}"
+
+
+async def _point(
+    client: httpx.AsyncClient,
+    stack: Stack,
+    url: str,
+    spec: BindSpec,
+    what: tuple[str, str, int],
+    warm: list[BenchRequest],
+    measured: list[BenchRequest],
+    rate: float,
+) -> Point:
+    target = Target(url, stack.model_name)
+    learn = LoadSpec(max_concurrency=1, show_progress=False)
+    await run_load(client, target, warm, learn)  # one at a time: P's speed learned
+    urls = {"router": url, **{i.name: i.url for i in stack.instances}}
+    before = await _scrape(client, urls)
+    samples: list[tuple[float, float]] = []
+    sampler = asyncio.create_task(_sample_kv(client, stack, samples))
+    load = LoadSpec(
+        request_rate=rate,
+        seed=spec.seed,
+        show_progress=False,
+        time_limit_s=spec.point_time_limit_s,
+    )
+    try:
+        result = await run_load(client, target, measured, load)
+    finally:
+        sampler.cancel()
+    after = await _scrape(client, urls)
+    ok = [r for r in result.records if r.success]
+    decodes = [i.name for i in stack.decode]
+    return Point(
+        bind=what[0],
+        load=what[1],
+        rep=what[2],
+        rate=rate,
+        completed=len(ok),
+        failed=len(result.records) - len(ok),
+        duration_s=result.metrics.duration_s,
+        ttft_ms=[1000 * r.ttft for r in ok],
+        tpot_ms=[_tpot_ms(r) for r in ok],
+        unwritten_block_s=sum(
+            _delta(before, after, d, "disagg_push_unwritten_block_seconds_total") for d in decodes
+        ),
+        p_wait=_histogram(before, after, "p0", "disagg_push_wait_for_registration_seconds"),
+        binds=_by_label(before, after, "router", "disagg_router_decode_binds_total", "reason"),
+        prediction_error=_by_label(
+            before, after, "router", "disagg_router_prefill_finish_error_seconds_sum", "direction"
+        ),
+        kv_usage=samples,
+    )
+
+
+def _tpot_ms(record: RequestRecord) -> float:
+    if record.output_tokens <= 1:
+        return 0.0
+    return 1000 * (record.latency - record.ttft) / (record.output_tokens - 1)
+
+
+Samples = dict[str, list[tuple[str, dict[str, str], float]]]
+
+
+async def _scrape(client: httpx.AsyncClient, urls: dict[str, str]) -> dict[str, Samples]:
+    out: dict[str, Samples] = {}
+    for name, url in urls.items():
+        text = (await client.get(f"{url}/metrics", timeout=10.0)).text
+        found: Samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                found.setdefault(s.name, []).append((s.name, dict(s.labels), s.value))
+        out[name] = found
+    return out
+
+
+def _delta(before: dict[str, Samples], after: dict[str, Samples], name: str, series: str) -> float:
+    def total(scrape: dict[str, Samples]) -> float:
+        return sum(v for _, _, v in scrape.get(name, {}).get(series, []))
+
+    return total(after) - total(before)
+
+
+def _by_label(
+    before: dict[str, Samples], after: dict[str, Samples], name: str, series: str, label: str
+) -> dict[str, float]:
+    def split(scrape: dict[str, Samples]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for _, labels, value in scrape.get(name, {}).get(series, []):
+            out[labels.get(label, "")] = out.get(labels.get(label, ""), 0.0) + value
+        return out
+
+    b, a = split(before), split(after)
+    return {k: v - b.get(k, 0.0) for k, v in a.items() if v - b.get(k, 0.0) > 0}
+
+
+def _histogram(
+    before: dict[str, Samples], after: dict[str, Samples], name: str, family: str
+) -> dict[str, float]:
+    """Observations, mean (ms) and the bucket-interpolated median (ms) between two scrapes."""
+    buckets = _by_label(before, after, name, f"{family}_bucket", "le")
+    count = _delta(before, after, name, f"{family}_count")
+    total = _delta(before, after, name, f"{family}_sum")
+    if count <= 0:
+        return {"count": 0.0, "mean_ms": 0.0, "p50_ms": 0.0}
+    edges = sorted((float(le), n) for le, n in buckets.items())
+    low, below, p50 = 0.0, 0.0, 0.0
+    for edge, cumulative in edges:
+        if cumulative >= count / 2:
+            inside = cumulative - below
+            share = (count / 2 - below) / inside if inside > 0 else 0.0
+            p50 = low + share * ((edge if math.isfinite(edge) else low) - low)
+            break
+        low, below = edge, cumulative
+    return {"count": count, "mean_ms": 1000 * total / count, "p50_ms": 1000 * p50}
+
+
+async def _sample_kv(
+    client: httpx.AsyncClient, stack: Stack, out: list[tuple[float, float]]
+) -> None:
+    """D's KV usage (both Ds' mean, 0..1) every :data:`_SAMPLE_S` until cancelled."""
+    start = time.perf_counter()
+    while True:
+        usage = []
+        for d in stack.decode:
+            text = (await client.get(f"{d.url}/metrics", timeout=10.0)).text
+            for family in text_string_to_metric_families(text):
+                if family.name == "vllm:kv_cache_usage_perc":
+                    usage.append(sum(s.value for s in family.samples))
+        out.append((time.perf_counter() - start, sum(usage) / max(len(usage), 1)))
+        await asyncio.sleep(_SAMPLE_S)
+
+
+def _line(p: Point) -> str:
+    ttft = statistics.mean(p.ttft_ms) if p.ttft_ms else 0.0
+    return (
+        f"{p.load:6s} rep {p.rep} {p.bind:12s} rate {p.rate:.2f}/s done {p.completed} "
+        f"failed {p.failed} ttft mean {ttft:.0f} ms unwritten {p.unwritten_block_s:.1f} "
+        f"block-s P wait p50 {p.p_wait.get('p50_ms', 0):.1f} ms binds {p.binds}"
+    )
+
+
+def summarize(spec: BindSpec, capacity: float, points: list[Point]) -> dict[str, Any]:
+    """The result: spec, capacity, SLOs, every point, per (load, bind) figures and the
+    summary.json keys (:data:`bench.report.BIND_KEYS`)."""
+    light_eager = [p for p in points if p.load == "light" and p.bind == "eager"]
+    ttft_slo = spec.ttft_slo_factor * _median(light_eager, "ttft_ms")
+    tpot_slo = spec.tpot_slo_factor * _median(light_eager, "tpot_ms")
+    table: dict[str, dict[str, Any]] = {}
+    for load in ("light", "loaded"):
+        for bind in BINDS:
+            mine = [p for p in points if p.load == load and p.bind == bind]
+            table[f"{load}/{bind}"] = _figures(mine, ttft_slo, tpot_slo)
+    return {
+        "spec": asdict(spec) | {"d_blocks": spec.d_blocks},
+        "capacity_rps": capacity,
+        "slo": {"ttft_ms": ttft_slo, "tpot_ms": tpot_slo},
+        "table": table,
+        "summary": _keys(table),
+        "points": [asdict(p) for p in points],
+    }
+
+
+def _median(points: list[Point], field: str) -> float:
+    values = [v for p in points for v in getattr(p, field)]
+    return statistics.median(values) if values else 0.0
+
+
+def _figures(points: list[Point], ttft_slo: float, tpot_slo: float) -> dict[str, Any]:
+    """Per repetition and their mean: TTFT mean/p99, TPOT mean, goodput, unwritten block-s,
+    P's wait p50."""
+
+    def each(p: Point) -> dict[str, float]:
+        ttft = sorted(p.ttft_ms)
+        return {
+            "ttft_mean_ms": statistics.mean(ttft) if ttft else 0.0,
+            "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else 0.0,
+            "tpot_mean_ms": statistics.mean(p.tpot_ms) if p.tpot_ms else 0.0,
+            "goodput_rps": p.goodput(ttft_slo, tpot_slo),
+            "unwritten_block_s": p.unwritten_block_s,
+            "p_wait_p50_ms": p.p_wait.get("p50_ms", 0.0),
+            "failed": float(p.failed),
+        }
+
+    reps = [each(p) for p in points]
+    keys = reps[0].keys() if reps else ()
+    mean = {k: statistics.mean(r[k] for r in reps) for k in keys}
+    return {"mean": mean, "low": _fold(reps, min), "high": _fold(reps, max), "reps": reps}
+
+
+def _fold(reps: list[dict[str, float]], how: Any) -> dict[str, float]:
+    return {k: how(r[k] for r in reps) for k in (reps[0] if reps else {})}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b > 0 else None
+
+
+def _keys(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    def m(cell: str, key: str) -> float:
+        return float(table[cell]["mean"].get(key, 0.0)) if table[cell]["mean"] else 0.0
+
+    better = max(m("loaded/eager", "goodput_rps"), m("loaded/just_in_time", "goodput_rps"))
+    return {
+        "d_idle_block_seconds_jit_over_eager": _ratio(
+            m("loaded/just_in_time", "unwritten_block_s"), m("loaded/eager", "unwritten_block_s")
+        ),
+        "goodput_jit_over_eager_d_kv_bound": _ratio(
+            m("loaded/just_in_time", "goodput_rps"), m("loaded/eager", "goodput_rps")
+        ),
+        "ttft_jit_over_eager_light": _ratio(
+            m("light/just_in_time", "ttft_mean_ms"), m("light/eager", "ttft_mean_ms")
+        ),
+        "p_wait_for_d_p50_ms": round(m("loaded/just_in_time", "p_wait_p50_ms"), 3),
+        "goodput_adaptive_over_better_d_kv_bound": _ratio(
+            m("loaded/adaptive", "goodput_rps"), better
+        ),
+        "ttft_jit_over_pull_loaded": None,
+    }
