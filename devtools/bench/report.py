@@ -2,7 +2,8 @@
 
 Who calls it: ``disagg-bench scenarios`` (after the sweep) and ``disagg-bench report`` (re-render
 from the JSON files in a directory). Inputs in ``out_dir``: ``scenarios.json`` (rows of the sweep),
-optional ``overhead.json``, ``transfer*.json``, ``routing.json`` and ``failover.json``. Headline
+optional ``overhead.json``, ``transfer*.json``, ``routing.json``, ``failover.json`` and
+``binding.json``. Headline
 points: *light* and *loaded* = the sweep's named fractions of capacity at the longest input length
 both stacks ran; a ratio is mean(a) / mean(b) over the repetitions, with the per-repetition spread.
 TTFT ratios count a failed request at its point's limit. A value that could not be measured is
@@ -199,6 +200,22 @@ FAILOVER_KEYS = (
 """summary.json keys of the D failover matrix (real vLLM 1P2D; docs/benchmarks/failover.md)."""
 
 
+BIND_KEYS = (
+    "d_idle_block_seconds_jit_over_eager",
+    "goodput_jit_over_eager_d_kv_bound",
+    "ttft_jit_over_eager_light",
+    "p_wait_for_d_p50_ms",
+    "goodput_adaptive_over_better_d_kv_bound",
+    "ttft_jit_over_pull_loaded",
+)
+"""summary.json keys of ``disagg-bench bind`` (real vLLM 1P2D; docs/benchmarks/binding.md)."""
+
+BIND_NOT_RUN = {
+    "ttft_jit_over_pull_loaded": "disagg-bench bind runs no pull stack (vLLM's NIXL connector "
+    "keeps a core busy per instance; three starve a 2-core machine)",
+}
+
+
 def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """summary.json contents and, per key, how it was obtained (or why it is null)."""
     notes: dict[str, str] = {}
@@ -334,6 +351,14 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
             "tests/e2e/test_failover_matrix.py with FAILOVER_OUT (failover.json)"
             if key in failover
             else "no failover results (failover.json)"
+        )
+    binding = (_load(out_dir / "binding.json") or {}).get("summary", {})
+    for key in BIND_KEYS:
+        summary[key] = binding.get(key)
+        notes[key] = (
+            "disagg-bench bind (binding.json)"
+            if binding.get(key) is not None
+            else BIND_NOT_RUN.get(key, "no binding results (binding.json)")
         )
     summary["measured_at"] = time.strftime("%Y-%m-%d", time.gmtime())
     summary["machine"] = machine()

@@ -1,0 +1,76 @@
+"""``disagg-bench bind``'s arithmetic: histogram medians between scrapes, goodput, the summary
+keys and the report (the runs themselves need real vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.binding import BINDS, BindSpec, Point, Samples, _histogram, summarize
+from bench.binding_cmd import format_report
+
+FAMILY = "disagg_push_wait_for_registration_seconds"
+
+
+def scrape(buckets: dict[str, float], total: float) -> dict[str, Samples]:
+    count = buckets["+Inf"]
+    series: Samples = {
+        f"{FAMILY}_bucket": [(f"{FAMILY}_bucket", {"le": le}, n) for le, n in buckets.items()],
+        f"{FAMILY}_count": [(f"{FAMILY}_count", {}, count)],
+        f"{FAMILY}_sum": [(f"{FAMILY}_sum", {}, total)],
+    }
+    return {"p0": series}
+
+
+def test_the_median_between_two_scrapes_is_interpolated_in_its_bucket() -> None:
+    before = scrape({"0.0": 2, "0.01": 2, "0.1": 2, "+Inf": 2}, 0.0)
+    # 10 new observations: 4 at 0, 4 in (0.01, 0.1], 2 above; the 5th and 6th are in (0.01, 0.1]
+    after = scrape({"0.0": 6, "0.01": 6, "0.1": 10, "+Inf": 12}, 1.0)
+    got = _histogram(before, after, "p0", FAMILY)
+    assert got["count"] == 10
+    assert got["mean_ms"] == pytest.approx(100.0)
+    assert got["p50_ms"] == pytest.approx(1000 * (0.01 + 0.25 * 0.09))
+
+
+def test_no_new_observation_gives_zeros() -> None:
+    same = scrape({"0.0": 2, "+Inf": 2}, 0.0)
+    assert _histogram(same, same, "p0", FAMILY) == {"count": 0.0, "mean_ms": 0.0, "p50_ms": 0.0}
+
+
+def point(bind: str, load: str, ttft: float, block_s: float, rep: int = 0) -> Point:
+    return Point(
+        bind=bind,
+        load=load,
+        rep=rep,
+        rate=1.0,
+        completed=4,
+        failed=0,
+        duration_s=4.0,
+        ttft_ms=[ttft] * 4,
+        tpot_ms=[10.0] * 4,
+        unwritten_block_s=block_s,
+        p_wait={"p50_ms": 2.0 if bind != "eager" else 0.0},
+        binds={},
+        prediction_error={},
+        kv_usage=[(0.0, 0.5)],
+    )
+
+
+def test_summary_keys_compare_the_modes_over_repetitions() -> None:
+    points = [point(b, "light", 100.0, 1.0, r) for b in BINDS for r in (0, 1)]
+    points += [point("eager", "loaded", 1000.0, 10.0, r) for r in (0, 1)]  # misses the TTFT SLO
+    points += [point("just_in_time", "loaded", 200.0, 2.0), point("just_in_time", "loaded",
+               250.0, 4.0, 1)]  # fmt: skip
+    points += [point("adaptive", "loaded", 200.0, 3.0, r) for r in (0, 1)]
+    data = summarize(BindSpec(), 5.0, points)
+    assert data["slo"] == {"ttft_ms": 300.0, "tpot_ms": 15.0}
+    keys = data["summary"]
+    assert keys["d_idle_block_seconds_jit_over_eager"] == pytest.approx(0.3)
+    assert keys["goodput_jit_over_eager_d_kv_bound"] is None  # eager met no SLO: no ratio
+    assert keys["ttft_jit_over_eager_light"] == pytest.approx(1.0)
+    assert keys["p_wait_for_d_p50_ms"] == pytest.approx(2.0)
+    assert keys["goodput_adaptive_over_better_d_kv_bound"] == pytest.approx(1.0)
+    cell = data["table"]["loaded/just_in_time"]
+    assert (cell["low"]["unwritten_block_s"], cell["high"]["unwritten_block_s"]) == (2.0, 4.0)
+    report = format_report(data)
+    assert report.count("\n| loaded |") == 3 and report.count("\n| light |") == 3
+    assert "`d_idle_block_seconds_jit_over_eager`: 0.3" in report
