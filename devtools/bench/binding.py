@@ -1,5 +1,6 @@
 """Binding D late (``push.bind``) on real vLLM CPU: eager, just_in_time and adaptive routers over
-one 1P2D stack of our connector, the same prompts and arrivals for each.
+one 1P2D stack of our connector, the same prompts and arrivals for each (prefix caching off, so
+every point computes its prompts anew).
 
 Who calls it: ``disagg-bench bind`` (:mod:`bench.binding_cmd`; wrap it in ``flock
 /tmp/vllm-e2e.lock``). The stack: P on core 0, both Ds on core 1, D's KV cache cut to
@@ -50,8 +51,8 @@ _SAMPLE_S = 0.25
 class BindSpec:
     """What ``disagg-bench bind`` runs."""
 
-    input_len: int = 4000
-    output_len: int = 256
+    input_len: int = 8000
+    output_len: int = 64
     d_prompts: int = 3
     """D's KV cache holds this many whole requests (prompt and output)."""
     requests: int = 40
@@ -111,6 +112,7 @@ def run_bind_benchmark(spec: BindSpec, work_dir: Path) -> dict[str, Any]:
         topology="1p2d",
         enforce_eager=True,
         max_model_len=spec.input_len + spec.output_len + BLOCK_SIZE,  # vLLM: D holds one at most
+        extra_args=("--no-enable-prefix-caching",),  # every point prefills its prompts anew
         instance_args={"d0": per_d, "d1": per_d},
     )
     stack = start_stack(options, work_dir)
