@@ -4,8 +4,9 @@ sent to D accepting it). Binding D late (:mod:`disagg_router.router.dispatch.bin
 
 Who calls it: :mod:`disagg_router.router.instances.state` keeps one :class:`Pace` per instance;
 the dispatch reaches it there: the P leg opens a ticket when it sends a prefill and closes it with
-the outcome, the D leg observes D's lead, the binding asks for predictions. Pure: no I/O, no clock of its own (callers pass ``time.monotonic()``), no asyncio; one
-event loop mutates it, so nothing locks.
+the outcome, the D leg observes D's lead, the binding asks for predictions. Pure: no I/O, no clock
+of its own (callers pass ``time.monotonic()``), no asyncio; one event loop mutates it, so nothing
+locks.
 
 The model: P serves the prefills this router sent it first come, first served, each taking
 ``seconds_per_token * tokens`` once the one before it ended (vLLM batches prefills, but its
