@@ -113,6 +113,7 @@ async def test_eager_sends_d_at_once_to_the_d_chosen_on_arrival() -> None:
             await until(lambda: "D0" in script.order)  # P still prefilling
             released = True
             dispatch = await task
+            await until(lambda: "P end" in script.order)
             await dispatch.close()
             assert binds(runtime, "eager") == 1.0
     assert script.order[-1] == "P end"
@@ -147,6 +148,7 @@ async def test_just_in_time_sends_d_ahead_of_ps_predicted_finish() -> None:
         async with runtime_for(servers, "just_in_time") as runtime:
             teach(runtime, seconds_per_token=0.01)
             dispatch = await asyncio.wait_for(open_dispatch(runtime, REQUEST), timeout=30)
+            await until(lambda: "P end" in script.order)
             await dispatch.close()
             assert binds(runtime, "predicted") == 1.0
             late = runtime.metrics.registry.get_sample_value(
@@ -163,6 +165,7 @@ async def test_an_unlearned_p_binds_d_at_once() -> None:
     with one_p_two_d(script) as servers:
         async with runtime_for(servers, "just_in_time") as runtime:
             dispatch = await asyncio.wait_for(open_dispatch(runtime, REQUEST), timeout=30)
+            await until(lambda: "P end" in script.order)
             await dispatch.close()
             assert binds(runtime, "unlearned") == 1.0
             assert runtime.pools[0].backends[0].pace.prefill.learned is False  # 1 of 3
