@@ -56,7 +56,8 @@ class Holds:
         self._slots.clear()
 
     async def admit(self) -> None:
-        """An admission slot on every leg's instance; no leg holds one while waiting for another.
+        """An admission slot on every leg's instance that has none yet; no leg holds one while
+        waiting for another.
 
         All slots are taken in one step (no await suspends in between) once every instance has
         room. While one is full this waits in that instance's queue holding nothing; with its
@@ -65,7 +66,7 @@ class Holds:
         a full queue, :class:`~disagg_router.router.errors.Overloaded`, worded and counted against
         the instance that is full.
         """
-        backends = list(self._counted.values())
+        backends = [b for b in self._counted.values() if b.role not in self._slots]
         start = time.monotonic()
         full = next((b for b in backends if not b.gate.has_room()), None)
         while full is not None:
@@ -89,14 +90,7 @@ class Holds:
         else after waiting in its queue, bounded like :meth:`admit`."""
         self._counted[backend.role] = backend
         self._show(backend)
-        start = time.monotonic()
-        if backend.gate.has_room():
-            self._slots[backend.role], _ = await backend.gate.acquire(backend.label)
-        else:
-            max_wait = backend.gate.config.max_wait
-            self._slots[backend.role] = await self._queue_for(backend, max_wait)
-        m = self._metrics
-        m.child(m.admission_wait, backend.role).observe(time.monotonic() - start)
+        await self.admit()
 
     async def _queue_for(self, backend: BackendState, max_wait: float) -> Slot:
         """Wait (at most ``max_wait``) in the queue of ``backend``, which has no free slot."""

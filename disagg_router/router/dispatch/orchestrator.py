@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from disagg_router.router.dispatch.attempt import Dispatch
@@ -116,7 +117,7 @@ async def open_dispatch(
         gone = _d_went_away(failed)
         keep = last_prefill if gone else None
         choice = (frozenset(avoid | before), failed is not None)
-        pair = _choose_pair(found, decision, routed, set(choice[0]), choice[1], keep, late)
+        pair = _choose_pair(found, decision, routed, choice[0], choice[1], keep, late)
         last_prefill = pair[0]
         failover = phase if gone else None
         if gone:
@@ -180,7 +181,7 @@ def _choose_pair(
     found: ModelPools,
     decision: str,
     routed: RoutingInput,
-    avoid: set[str],
+    avoid: Collection[str],
     strict: bool,
     keep: BackendState | None = None,
     late: bool = False,
