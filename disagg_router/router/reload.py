@@ -67,6 +67,7 @@ class ConfigReloader:
             )
             return False
         changes = self.runtime.routing.apply(settings)
+        self.runtime.tenancy.configure(settings)
         self._on_applied()
         added = [b for c in changes for b in c.added]
         removed = [b for c in changes for b in c.removed]

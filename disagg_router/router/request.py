@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg_router.router.ids import new_request_id
+from disagg_router.router.instances.fairness import NO_CLAIM, Claim
 from disagg_router.router.observability.tracing import NO_SPAN, Span
 
 _SAFE_CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -39,6 +40,8 @@ class RequestContext:
     request_id: str = field(default_factory=new_request_id)
     client_id: str | None = None
     trace: Span = NO_SPAN
+    claim: Claim = NO_CLAIM
+    """The tenant's place in the instances' admission queues (set once the tenant is known)."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from disagg_router.router.observability.tracing import NoTracer, Tracer
 from disagg_router.router.routing.kv_routing import KvRouting
 from disagg_router.router.routing.pools import Pool
 from disagg_router.router.routing.table import LiveRouting, ModelPools
+from disagg_router.router.tenants import Tenancy
 from disagg_router.router.upstream.client import ClientLimits, UpstreamClient
 
 
@@ -35,6 +36,8 @@ class Runtime:
     client: UpstreamClient
     metrics: RouterMetrics
     routing: LiveRouting
+    tenancy: Tenancy
+    """Who calls and how much (tenants' keys and limits); configured by the lifespan."""
     tracer: Tracer = field(default_factory=NoTracer)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     kv: KvRouting = field(default_factory=KvRouting)
@@ -65,6 +68,7 @@ class Runtime:
             client=client,
             metrics=metrics,
             routing=LiveRouting(settings, hooks),
+            tenancy=Tenancy(metrics.tenants),
             tracer=tracer or NoTracer(),
         )
 

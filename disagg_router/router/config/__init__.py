@@ -9,9 +9,9 @@ timeout may be infinite: each is a positive number of seconds.
 Sections: :mod:`.instances`, :mod:`.discovery`, :mod:`.pools` (a pool and its policy),
 :mod:`.models` (a model's own sections and its route), :mod:`.timeouts`, :mod:`.health` (with
 ``load_signals``), :mod:`.limits` (``admission``, ``breaker``, ``limits``, ``drain``),
-:mod:`.migration`, :mod:`.push`, :mod:`.telemetry` (``logging``, ``tracing``), :mod:`.settings`
-(the whole file, ``reload``, and reading it); renamed keys in :mod:`._base`. Every name is
-imported from here."""
+:mod:`.migration`, :mod:`.push`, :mod:`.tenants` (``tenancy``), :mod:`.telemetry` (``logging``,
+``tracing``), :mod:`.settings` (the whole file, ``reload``, and reading it); renamed keys in
+:mod:`._base`. Every name is imported from here."""
 
 from disagg_router.router.config._base import RENAMED_KEYS, deprecated_keys
 from disagg_router.router.config.discovery import (
@@ -46,9 +46,18 @@ from disagg_router.router.config.settings import (
     settings_from_mapping,
 )
 from disagg_router.router.config.telemetry import LoggingConfig, TracingConfig
+from disagg_router.router.config.tenants import (
+    DEFAULT_TENANT,
+    Priority,
+    StoreConfig,
+    TenancyConfig,
+    TenantConfig,
+    TenantLimits,
+)
 from disagg_router.router.config.timeouts import TimeoutsConfig
 
 __all__ = [
+    "DEFAULT_TENANT",
     "RENAMED_KEYS",
     "AdmissionConfig",
     "Bind",
@@ -71,12 +80,17 @@ __all__ = [
     "PassthroughPool",
     "PolicyName",
     "PoolConfig",
+    "Priority",
     "PushConfig",
     "PushIdentity",
     "ReloadConfig",
     "RouterSettings",
     "ShapeConfig",
     "StaticDiscovery",
+    "StoreConfig",
+    "TenancyConfig",
+    "TenantConfig",
+    "TenantLimits",
     "TimeoutsConfig",
     "TracingConfig",
     "deprecated_keys",

@@ -40,6 +40,7 @@ from disagg_router.router.config.models import (
 from disagg_router.router.config.pools import PoolConfig
 from disagg_router.router.config.push import PushConfig
 from disagg_router.router.config.telemetry import LoggingConfig, TracingConfig
+from disagg_router.router.config.tenants import TenancyConfig
 from disagg_router.router.config.timeouts import TimeoutsConfig
 from disagg_router.router.errors import ConfigError
 
@@ -85,6 +86,7 @@ class RouterSettings(Frozen):
     retry_on_fresh_pair: bool = True
     migration: MigrationConfig = MigrationConfig()
     push: PushConfig = PushConfig()
+    tenancy: TenancyConfig = TenancyConfig()
     admission: AdmissionConfig = AdmissionConfig()
     breaker: BreakerConfig = BreakerConfig()
     limits: LimitsConfig = LimitsConfig()
@@ -112,6 +114,16 @@ class RouterSettings(Frozen):
                 raise ValueError(f"{role}: required when models is a list of names")
             if not short and given:
                 raise ValueError(f"{role}: not allowed when models is a map; give it per model")
+        return self
+
+    @model_validator(mode="after")
+    def _tenant_models_served(self) -> RouterSettings:
+        served = set(self.models)
+        limits = [(t.name, t) for t in self.tenancy.tenants] + [("default", self.tenancy.default)]
+        for name, tenant in limits:
+            unknown = sorted(set(tenant.models or ()) - served)
+            if unknown:
+                raise ValueError(f"tenancy: tenant {name} names unserved models {unknown}")
         return self
 
     @property

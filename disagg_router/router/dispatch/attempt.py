@@ -56,7 +56,7 @@ class Dispatch:
         self._a = attempt
         late = attempt.choose_decode is not None  # D is counted and admitted when bound
         legs = [b for b in (attempt.prefill, None if late else attempt.decode) if b is not None]
-        self._holds = Holds(attempt.runtime.metrics, legs)
+        self._holds = Holds(attempt.runtime.metrics, legs, attempt.ctx.claim)
         self._relay = Relay(attempt)
 
     @property

@@ -18,6 +18,7 @@ import time
 
 from disagg_router.router.errors import RouterError
 from disagg_router.router.instances.admission import Slot
+from disagg_router.router.instances.fairness import NO_CLAIM, Claim
 from disagg_router.router.instances.state import BackendState, Role
 from disagg_router.router.observability.metrics import RouterMetrics
 
@@ -25,9 +26,13 @@ from disagg_router.router.observability.metrics import RouterMetrics
 class Holds:
     """The counts and slots of one attempt's legs (single event loop, no locking)."""
 
-    def __init__(self, metrics: RouterMetrics, backends: list[BackendState]) -> None:
-        """``backends``: the attempt's P (if any) and D, each already counted by its pool."""
+    def __init__(
+        self, metrics: RouterMetrics, backends: list[BackendState], claim: Claim = NO_CLAIM
+    ) -> None:
+        """``backends``: the attempt's P (if any) and D, each already counted by its pool;
+        ``claim``: the request's tenant, which places it in the instances' queues."""
         self._metrics = metrics
+        self._claim = claim
         self._counted: dict[Role, BackendState] = {b.role: b for b in backends}
         self._slots: dict[Role, Slot] = {}
         for backend in backends:
@@ -81,8 +86,12 @@ class Holds:
         m = self._metrics
         for backend in backends:
             if backend.role not in self._slots:  # has room: acquire() does not suspend
-                self._slots[backend.role], _ = await backend.gate.acquire(backend.label)
+                self._slots[backend.role], _ = await backend.gate.acquire(
+                    backend.label, claim=self._claim
+                )
             m.child(m.admission_wait, backend.role).observe(time.monotonic() - start)
+        if backends and self._claim.tenant:
+            m.child(m.tenants.queue_wait, self._claim.tenant).observe(time.monotonic() - start)
 
     async def add(self, backend: BackendState) -> None:
         """Take over the count of ``backend`` (a D bound after the others were admitted,
@@ -98,7 +107,7 @@ class Holds:
         queue = m.child(m.admission_queue, backend.role, backend.label)
         queue.inc()
         try:
-            slot, _ = await backend.gate.acquire(backend.label, max_wait)
+            slot, _ = await backend.gate.acquire(backend.label, max_wait, self._claim)
         except RouterError:
             m.child(m.admission_rejected, backend.role, backend.label).inc()
             raise

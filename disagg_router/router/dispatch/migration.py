@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from disagg_router.router.dispatch.attempt import Dispatch
@@ -173,7 +174,7 @@ class Migrating:
         self._migrations += 1
         m = self._runtime.metrics
         resume = Resume(failed, frozenset(self._failed), old.prefill, self._deadline)
-        ctx = RequestContext(new_request_id(), self._ctx.client_id, self._ctx.trace)
+        ctx = replace(self._ctx, request_id=new_request_id())
         request = self._join.continuation(self._request)
         try:
             dispatch = await open_dispatch(self._runtime, request, ctx, resume)

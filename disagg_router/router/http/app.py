@@ -22,11 +22,11 @@ stream that already started.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,6 @@ from starlette.routing import Route
 from disagg_router.router.config import RouterSettings
 from disagg_router.router.discovery.manager import DiscoveryManager
 from disagg_router.router.errors import (
-    AuthenticationError,
     ClientRequestError,
     RouterError,
     RouterNotReady,
@@ -53,7 +52,12 @@ from disagg_router.router.health.readiness import (
     readiness,
 )
 from disagg_router.router.http.bounds import read_body
-from disagg_router.router.http.generate import GenerationEndpoint, error_response, request_context
+from disagg_router.router.http.generate import (
+    Admitted,
+    GenerationEndpoint,
+    error_response,
+    request_context,
+)
 from disagg_router.router.http.guard import RequestGuard
 from disagg_router.router.http.models import model_list
 from disagg_router.router.http.passthrough import (
@@ -65,8 +69,10 @@ from disagg_router.router.http.validation import parse_client_request
 from disagg_router.router.instances.state import BackendState
 from disagg_router.router.reload import ConfigReloader
 from disagg_router.router.request import ClientRequest
+from disagg_router.router.routing.prompt_keys import estimated_tokens, prompt_of
 from disagg_router.router.runtime import Runtime, open_runtime
 from disagg_router.router.supervisor import Supervisor
+from disagg_router.router.tenants import Directory, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +94,17 @@ def _settings(request: Request) -> RouterSettings:
     return initial
 
 
-def _authorize(request: Request, keys: list[str]) -> None:
-    if not keys:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() == "bearer" and any(hmac.compare_digest(token, k) for k in keys):
-        return
-    raise AuthenticationError("Incorrect or missing API key (Authorization: Bearer <key>)")
+def _identify(request: Request, settings: RouterSettings) -> Tenant:
+    """The caller's tenant (:mod:`disagg_router.router.tenants`), kept on the request's state for
+    the endpoint's metrics; 401 when keys are required and the request has no known one."""
+    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+    if runtime is not None:
+        directory = runtime.tenancy.directory(settings)
+    else:
+        directory = Directory(settings.tenancy, settings.api_keys)
+    tenant = directory.identify(request.headers.get("authorization", ""))
+    request.state.tenant = tenant
+    return tenant
 
 
 def _signal_targets(runtime: Runtime) -> list[BackendState]:
@@ -127,6 +136,7 @@ def _lifespan(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_runtime(settings) as runtime:
+            runtime.tenancy.configure(settings)
             supervisor = Supervisor(runtime.metrics)
             monitor = HealthMonitor(runtime)
             discovery = DiscoveryManager(runtime, monitor.check_some, supervisor=supervisor)
@@ -170,6 +180,7 @@ def _lifespan(
                 await supervisor.close()
                 if reloader is not None:
                     await reloader.close()
+                await runtime.tenancy.close()
 
     return lifespan
 
@@ -200,20 +211,35 @@ async def _admitted_body(request: Request) -> tuple[Runtime, bytes]:
         raise RouterNotReady(
             "the router is shutting down", retry_after=settings.admission.retry_after
         )
-    _authorize(request, settings.api_keys)
+    _identify(request, settings)
     return runtime, await read_body(request, settings.limits)
 
 
-async def _admitted_request(request: Request, chat: bool) -> tuple[Runtime, ClientRequest]:
-    """Checks before any upstream traffic: running and not draining, key, bounded body, input."""
+async def _admitted_request(request: Request, chat: bool) -> Admitted:
+    """Checks before any upstream traffic: running and not draining, key, bounded body, input,
+    the tenant's models and limits. The request's context gets the tenant's queue claim."""
     runtime, raw = await _admitted_body(request)
     settings = runtime.settings
     headers = {
         k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.scope["headers"]
     }
     req = parse_client_request(raw, chat, settings.model_names, headers, settings.limits)
+    tenant: Tenant = request.state.tenant
+    tenant.check_model(req.model, settings.model_names)
     await await_first_check(runtime, getattr(request.app.state, "supervisor", None))
-    return runtime, req
+    tokens = _charged_tokens(runtime, req) if tenant.limits.tokens_per_minute else 0
+    granted = await runtime.tenancy.limiter.admit(tenant, tokens)
+    request.state.ctx = replace(request_context(request), claim=tenant.claim)
+    return runtime, req, granted
+
+
+def _charged_tokens(runtime: Runtime, req: ClientRequest) -> int:
+    """What a request is charged on admission against ``tokens_per_minute``: its estimated
+    prompt tokens plus the completion tokens it allows (corrected by the answer's usage)."""
+    per_token = runtime.model(req.model).route.disaggregation.chars_per_token
+    prompt = estimated_tokens(prompt_of(req.body, req.chat), per_token)
+    limits = [req.body.get(k) for k in ("max_completion_tokens", "max_tokens")]
+    return prompt + next((n for n in limits if isinstance(n, int)), 0)
 
 
 async def _admitted_passthrough(request: Request) -> tuple[Runtime, bytes]:
@@ -262,8 +288,12 @@ def _routes(generation: dict[str, GenerationEndpoint]) -> APIRouter:
     @api.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         settings = _settings(request)
-        _authorize(request, settings.api_keys)
-        return model_list(settings, getattr(request.app.state, "runtime", None))
+        tenant = _identify(request, settings)
+        cards = model_list(settings, getattr(request.app.state, "runtime", None))
+        allowed = tenant.limits.models
+        if allowed is not None:
+            cards["data"] = [c for c in cards["data"] if c["id"] in allowed]
+        return cards
 
     @api.get("/health")
     async def health() -> dict[str, str]:

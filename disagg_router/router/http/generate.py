@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -26,17 +27,21 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from disagg_router.router.dispatch.attempt import Dispatch
 from disagg_router.router.dispatch.migration import Migrating, open_stream
 from disagg_router.router.dispatch.orchestrator import open_dispatch
-from disagg_router.router.errors import RouterError, error_payload, outcome_label
+from disagg_router.router.errors import RateLimited, RouterError, error_payload, outcome_label
 from disagg_router.router.http.disconnect import ClientWatch, notice_of, watched
 from disagg_router.router.http.stream import DispatchStream
 from disagg_router.router.observability.reqlog import Served, log_request
+from disagg_router.router.observability.tenant_metrics import TenantMetrics
 from disagg_router.router.request import ClientRequest, RequestContext
 from disagg_router.router.runtime import Runtime
+from disagg_router.router.tenants import Pass, Tenant
 
 log = logging.getLogger(__name__)
 
-Admit = Callable[[Request, bool], Awaitable[tuple[Runtime, ClientRequest]]]
-"""The app's checks before any upstream traffic: ``(request, chat) -> (runtime, request)``."""
+Admitted = tuple[Runtime, ClientRequest, Pass]
+Admit = Callable[[Request, bool], Awaitable[Admitted]]
+"""The app's checks before any upstream traffic: ``(request, chat) -> (runtime, request, pass)``
+(the pass: the request's claim on its tenant's limits, :mod:`disagg_router.router.tenants`)."""
 
 
 def request_context(request: Request) -> RequestContext:
@@ -96,12 +101,11 @@ class GenerationEndpoint:
 
 async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
     """One generation request: admit, open a dispatch, then stream or answer in one piece."""
-    endpoint = "chat" if chat else "completions"
-    accepted = time.monotonic()
+    ended = _Ending(request, "chat" if chat else "completions")
     req: ClientRequest | None = None
     watch: ClientWatch | None = None
     try:
-        rt, req = await admit(request, chat)
+        rt, req, ended.granted = await admit(request, chat)
         watch = ClientWatch(request.receive, notice_of(request.scope))  # the body is read
         ctx = request_context(request)
         opening = open_stream(rt, req, ctx) if req.stream else open_dispatch(rt, req, ctx)
@@ -110,24 +114,30 @@ async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
         if watch is not None:
             watch.stop()
         if not isinstance(exc, RouterError):
+            ended.abandon()
             raise
-        _finish(request, endpoint, outcome_label(exc), exc.status, req)
-        return error_response(exc, {"X-Request-Id": request_context(request).request_id})
+        ended(outcome_label(exc), exc.status, req)
+        return error_response(exc, ended.headers(request_context(request).request_id, exc))
     # TTFT: D's first token in hand (not streamed: D's whole answer, headers and body at once).
-    times = accepted, time.monotonic() - accepted
+    times = ended.accepted, time.monotonic() - ended.accepted
     m, flag = rt.metrics, "true" if req.stream else "false"
     m.child(m.ttft, rt.settings.mode, req.model, flag).observe(times[1])
+    if ended.tenant is not None:
+        m.child(m.tenants.ttft, ended.tenant).observe(times[1])
     if req.stream:
-        return DispatchStream(
-            dispatch, watch, lambda d: _finish(request, endpoint, d.outcome, 200, req, d, times)
+        stream = DispatchStream(
+            dispatch,
+            watch,
+            lambda d: ended(d.outcome, 200, req, d, times),
         )
+        stream.headers += [(k.encode(), v.encode()) for k, v in ended.granted_headers().items()]
+        return stream
     assert isinstance(dispatch, Dispatch)
-    return await _answer(request, endpoint, req, dispatch, watch, times)
+    return await _answer(ended, req, dispatch, watch, times)
 
 
 async def _answer(
-    request: Request,
-    endpoint: str,
+    ended: _Ending,
     req: ClientRequest,
     dispatch: Dispatch,
     watch: ClientWatch,
@@ -137,42 +147,87 @@ async def _answer(
     try:
         answer = await watched(watch, dispatch.json_response())
     except RouterError as exc:
-        _finish(request, endpoint, outcome_label(exc), exc.status, req, dispatch)
-        return error_response(exc, {"X-Request-Id": dispatch.request_id})
+        ended(outcome_label(exc), exc.status, req, dispatch)
+        return error_response(exc, ended.headers(dispatch.request_id, exc))
     finally:
         watch.stop()  # before close() awaits (disagg_router.router.http.disconnect)
         await dispatch.close()
-    _finish(request, endpoint, "ok", 200, req, dispatch, times)
-    return JSONResponse(answer, headers={"X-Request-Id": dispatch.request_id})
+    ended("ok", 200, req, dispatch, times)
+    return JSONResponse(answer, headers=ended.headers(dispatch.request_id))
 
 
-def _finish(
-    request: Request,
-    endpoint: str,
-    outcome: str,
-    status: int,
-    req: ClientRequest | None = None,
-    dispatch: Dispatch | Migrating | None = None,
-    times: tuple[float, float] | None = None,
-) -> None:
-    """Count and log the end of one generation request; one answered in full (``ok``, with
-    ``times``: accepted and its TTFT) also records its latency, tokens and time per token.
-    The ``model`` label is "" for a request refused before its model was validated."""
-    model = req.model if req is not None else ""
+class _Ending:
+    """The end of one generation request, once: counted, logged, its tenant's pass finished."""
 
-    def count(runtime: Runtime) -> None:
-        m = runtime.metrics
-        m.child(m.requests, runtime.settings.mode, endpoint, model, outcome).inc()
-        if outcome == "ok" and times is not None and dispatch is not None and req is not None:
-            e2e = (dispatch.answered or time.monotonic()) - times[0]
-            m.answers.observe(model, req.stream, times[1], e2e, dispatch.usage)
+    def __init__(self, request: Request, endpoint: str) -> None:
+        self.request = request
+        self.endpoint = endpoint
+        self.accepted = time.monotonic()
+        self.granted: Pass | None = None
 
-    finish_request(
-        request,
-        count,
-        endpoint=endpoint,
-        model=req.model if req else None,
-        outcome=outcome,
-        status=status,
-        served=dispatch,
-    )
+    @property
+    def tenant(self) -> str | None:
+        """The caller's tenant name once identified (the ``tenant`` metric label)."""
+        tenant: Tenant | None = getattr(self.request.state, "tenant", None)
+        return tenant.name if tenant is not None else None
+
+    def granted_headers(self) -> dict[str, str]:
+        return self.granted.headers if self.granted is not None else {}
+
+    def headers(self, request_id: str, exc: RouterError | None = None) -> dict[str, str]:
+        """An answer's headers: its id and the tenant's rate-limit headers (a refusal's own)."""
+        limits = exc.headers if isinstance(exc, RateLimited) else self.granted_headers()
+        return {**limits, "X-Request-Id": request_id}
+
+    def abandon(self) -> None:
+        """The request's task is cancelled before an answer: only the pass is given back."""
+        if self.granted is not None:
+            self.granted.finish(None)
+
+    def __call__(
+        self,
+        outcome: str,
+        status: int,
+        req: ClientRequest | None = None,
+        dispatch: Dispatch | Migrating | None = None,
+        times: tuple[float, float] | None = None,
+    ) -> None:
+        """Count and log the end; one answered in full (``ok``, with ``times``: accepted and
+        its TTFT) also records its latency, tokens and time per token. The ``model`` label is
+        "" for a request refused before its model was validated."""
+        model = req.model if req is not None else ""
+        usage = dispatch.usage if dispatch is not None else None
+        if self.granted is not None:
+            self.granted.finish(usage)
+        tenant, endpoint = self.tenant, self.endpoint
+
+        def count(runtime: Runtime) -> None:
+            m = runtime.metrics
+            m.child(m.requests, runtime.settings.mode, endpoint, model, outcome).inc()
+            if tenant is not None:
+                m.child(m.tenants.requests, tenant, outcome).inc()
+                _count_tokens(m.tenants, tenant, usage, self.granted)
+            if outcome == "ok" and times is not None and dispatch is not None and req is not None:
+                e2e = (dispatch.answered or time.monotonic()) - times[0]
+                m.answers.observe(model, req.stream, times[1], e2e, usage)
+
+        finish_request(
+            self.request,
+            count,
+            endpoint=endpoint,
+            model=req.model if req else None,
+            outcome=outcome,
+            status=status,
+            served=dispatch,
+        )
+
+
+def _count_tokens(m: TenantMetrics, tenant: str, usage: Any, granted: Pass | None) -> None:
+    """A tenant's tokens: as the answer's usage reports them, else as charged on admission."""
+    if isinstance(usage, dict):
+        for kind in ("prompt", "completion"):
+            value = usage.get(f"{kind}_tokens")
+            if isinstance(value, int) and value > 0:
+                m.tokens.labels(tenant, kind).inc(value)
+    elif granted is not None and granted.tokens > 0:
+        m.tokens.labels(tenant, "estimated").inc(granted.tokens)

@@ -92,6 +92,7 @@ class PassthroughEndpoint:
             runtime, raw = await self.admit(request)
             settings = runtime.settings
             model, body, _ = parse_passthrough(raw, settings.model_names, settings.limits)
+            request.state.tenant.check_model(model, settings.model_names)
             role = self.role or runtime.model(model).route.passthrough_pool
             headers = {k.lower(): v for k, v in request.headers.items()}
             call = Forward(self.path, model, strip_client_fields(body), role, headers)

@@ -5,7 +5,9 @@ before any leg starts. Each instance has one :class:`Gate` (on its
 :class:`~disagg_router.router.instances.state.BackendState`): at most ``max_in_flight`` slots held
 at once; up to ``queue_size`` callers wait for one, each at most ``max_wait`` seconds; anyone beyond
 that gets :class:`~disagg_router.router.errors.Overloaded` (429 with ``Retry-After``) at once.
-Nothing here waits without a bound.
+A freed slot goes straight to the next waiter in the order of
+:mod:`disagg_router.router.instances.fairness` (priority classes, then fair shares between
+tenants). Nothing here waits without a bound.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 from disagg_router.router.config import AdmissionConfig
 from disagg_router.router.errors import Overloaded
+from disagg_router.router.instances.fairness import NO_CLAIM, Claim, FairQueue, Waiter
 
 
 class Slot:
@@ -34,23 +37,29 @@ class Gate:
 
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
-        self._free = asyncio.Semaphore(config.max_in_flight)
         self.in_use = 0
-        self.waiting = 0
+        self._queue: FairQueue[asyncio.Future[None]] = FairQueue()
+
+    @property
+    def waiting(self) -> int:
+        """Callers queued for a slot now."""
+        return len(self._queue)
 
     def has_room(self) -> bool:
         """True when a slot is free right now and nobody queues for one."""
-        return self.in_use < self.config.max_in_flight and self.waiting == 0
+        return self.in_use < self.config.max_in_flight and not self._queue
 
-    async def acquire(self, label: str, max_wait: float | None = None) -> tuple[Slot, float]:
+    async def acquire(
+        self, label: str, max_wait: float | None = None, claim: Claim = NO_CLAIM
+    ) -> tuple[Slot, float]:
         """A slot and the seconds waited for it; :class:`Overloaded` beyond the bounds.
 
         ``max_wait``: wait at most this long (default, and at most: ``config.max_wait``), for a
-        caller whose admission already spent part of its wait elsewhere."""
+        caller whose admission already spent part of its wait elsewhere. ``claim``: who waits,
+        which places it in the queue (:mod:`disagg_router.router.instances.fairness`)."""
         c = self.config
         wait = c.max_wait if max_wait is None else min(max(max_wait, 0.0), c.max_wait)
         if self.has_room():
-            await self._free.acquire()  # cannot block: a slot is free and nobody queues
             self.in_use += 1
             return Slot(self), 0.0
         if self.waiting >= c.queue_size:
@@ -59,18 +68,33 @@ class Gate:
                 retry_after=c.retry_after,
             )
         start = time.monotonic()
-        self.waiting += 1
+        handed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter = self._queue.push(handed, claim, start)
         try:
-            await asyncio.wait_for(self._free.acquire(), wait)
-        except TimeoutError as exc:
-            raise Overloaded(
-                f"no slot on instance {label} within {c.max_wait:g}s", retry_after=c.retry_after
-            ) from exc
-        finally:
-            self.waiting -= 1
-        self.in_use += 1
+            async with asyncio.timeout(wait):
+                await asyncio.shield(handed)
+        except BaseException as exc:
+            self._give_up(waiter, handed)
+            if isinstance(exc, TimeoutError):
+                raise Overloaded(
+                    f"no slot on instance {label} within {c.max_wait:g}s",
+                    retry_after=c.retry_after,
+                ) from exc
+            raise
         return Slot(self), time.monotonic() - start
 
+    def _give_up(self, waiter: Waiter[asyncio.Future[None]], handed: asyncio.Future[None]) -> None:
+        """A caller leaves the queue (timed out, cancelled): a slot handed to it meanwhile goes
+        to the next one."""
+        if handed.done():
+            self.release()
+        else:
+            handed.cancel()
+            self._queue.remove(waiter)
+
     def release(self) -> None:
-        self.in_use -= 1
-        self._free.release()
+        """A slot is given back: it goes to the next waiter in order, else it is free."""
+        if self._queue:
+            self._queue.pop(time.monotonic()).set_result(None)
+        else:
+            self.in_use -= 1

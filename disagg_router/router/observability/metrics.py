@@ -26,6 +26,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from disagg_router.router.observability.tenant_metrics import TenantMetrics
 from disagg_router.router.observability.timeline import STAGES
 
 _LATENCY_BUCKETS = (
@@ -115,6 +116,7 @@ class RouterMetrics:
         self.answers = AnswerMetrics(registry)
         self.kv = KvMetrics(registry, shared=self.shared_dir is not None)
         self.passthrough = PassthroughMetrics(registry)
+        self.tenants = TenantMetrics(registry)
         self.shared_names = {family.name for family in registry.collect()}  # not process_*
         ProcessCollector(registry=registry)
 
