@@ -210,6 +210,15 @@ BIND_KEYS = (
 )
 """summary.json keys of ``disagg-bench bind`` (real vLLM 1P2D; docs/benchmarks/binding.md)."""
 
+TENANT_KEYS = (
+    "victim_p99_ttft_noisy_over_alone",
+    "victim_p99_ttft_noisy_over_neighbour_at_share",
+    "noisy_admitted_over_share",
+    "priority_p99_ttft_saturated_over_light",
+    "token_limit_error",
+)
+"""summary.json keys of ``disagg-bench tenants`` (real vLLM 1P1D; docs/benchmarks/tenants.md)."""
+
 BIND_NOT_RUN = {
     "ttft_jit_over_pull_loaded": "disagg-bench bind runs no pull stack (vLLM's NIXL connector "
     "keeps a core busy per instance; three starve a 2-core machine)",
@@ -359,6 +368,14 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
             "disagg-bench bind (binding.json)"
             if binding.get(key) is not None
             else BIND_NOT_RUN.get(key, "no binding results (binding.json)")
+        )
+    tenants = (_load(out_dir / "tenants.json") or {}).get("summary", {})
+    for key in TENANT_KEYS:
+        summary[key] = tenants.get(key)
+        notes[key] = (
+            "disagg-bench tenants (tenants.json)"
+            if tenants.get(key) is not None
+            else "no tenants results (tenants.json)"
         )
     summary["measured_at"] = time.strftime("%Y-%m-%d", time.gmtime())
     summary["machine"] = machine()

@@ -3,13 +3,16 @@
 Who calls it: ``disagg-bench tenants`` (:mod:`bench.tenants_cmd`; wrap it in ``flock
 /tmp/vllm-e2e.lock``). One 1P1D stack of our connector (P on core 0, D on core 1), one router
 whose admission holds ``max_in_flight`` legs per instance, so the queue forms in the router where
-tenants are ordered. Capacity first: the stack's requests per second with every slot busy. Then
+tenants are ordered, ``reserved_for_high`` of them for the high class. Capacity first: the
+stack's requests per second with every slot the normal class may take busy. Then
 per repetition, the same victim arrivals (Poisson) for each point:
 
 - ``alone``: the victim at ``victim_fraction`` of its share (its ``requests_per_minute``,
   ``share`` of capacity);
-- ``noisy``: the same, beside a noisy tenant of the same share offering ``noisy_factor`` times
-  it: the victim's p99 TTFT against ``alone``'s, and how much of its offer the noisy tenant got;
+- ``neighbour``: the same, beside a tenant of the same share offering exactly its share (what
+  the victim must live with whatever the router does);
+- ``noisy``: the same, beside that tenant offering ``noisy_factor`` times its share: the victim's
+  p99 TTFT against ``alone``'s and ``neighbour``'s, and how much the noisy tenant got;
 - ``light``/``saturated``: a high-priority tenant at the victim's rate, alone, then beside a
   low-priority tenant without limits offering ``saturation`` times capacity.
 
@@ -36,7 +39,12 @@ from bench.loadgen import LoadSpec, RunResult, make_client, run_load
 from bench.routers import our_router
 from devstack.ports import free_port
 from devstack.stack import Stack, StackOptions, start_stack
+from disagg_router.router.config import TenancyConfig
 
+VICTIM_POINTS = ("alone", "neighbour", "noisy")
+POINTS = (*VICTIM_POINTS, "light", "saturated")
+BURST_S = TenancyConfig().burst
+"""The routers' ``tenancy.burst`` (the default)."""
 KEYS = {name: f"sk-bench-{name}" for name in ("victim", "noisy", "high", "bulk", "metered")}
 
 
@@ -53,7 +61,8 @@ class TenantsSpec:
     victim_fraction: float = 0.8
     noisy_factor: float = 5.0
     saturation: float = 2.0
-    max_in_flight: int = 2
+    max_in_flight: int = 4
+    reserved_for_high: int = 1
     max_wait_s: float = 20.0
     repetitions: int = 2
     token_share: float = 0.3
@@ -114,6 +123,7 @@ async def _run(spec: TenantsSpec, stack: Stack, work_dir: Path) -> dict[str, Any
     config = stack.router_config(with_identity=True, health_interval_s=30.0)
     config["admission"] = {
         "max_in_flight": spec.max_in_flight,
+        "reserved_for_high": spec.reserved_for_high,
         "queue_size": 4096,
         "max_wait": spec.max_wait_s,
     }
@@ -130,7 +140,7 @@ async def _run(spec: TenantsSpec, stack: Stack, work_dir: Path) -> dict[str, Any
         points: list[Point] = []
         with our_router(config, port, logs):
             for rep in range(spec.repetitions):
-                for name in ("alone", "noisy", "light", "saturated"):
+                for name in POINTS:
                     point = await _point(client, stack, url, spec, capacity, name, rep, prompts)
                     points.append(point)
                     print(_line(point), flush=True)
@@ -168,44 +178,54 @@ async def _point(
     and, for ``noisy``/``saturated``, the background tenant's, until the foreground is done."""
     n = spec.requests
     rate = spec.victim_fraction * spec.share * capacity
-    fore = "victim" if name in ("alone", "noisy") else "high"
-    back = {"noisy": "noisy", "saturated": "bulk"}.get(name)
-    back_rate = spec.noisy_factor * spec.share * capacity if back == "noisy" else 0.0
-    if back == "bulk":
-        back_rate = spec.saturation * capacity
+    fore = "victim" if name in VICTIM_POINTS else "high"
+    back = {"neighbour": "noisy", "noisy": "noisy", "saturated": "bulk"}.get(name)
+    back_rate = {
+        "neighbour": spec.share * capacity,
+        "noisy": spec.noisy_factor * spec.share * capacity,
+        "saturated": spec.saturation * capacity,
+    }.get(name, 0.0)
     rates = {fore: rate, **({back: back_rate} if back else {})}
     seed = spec.seed + rep
-    start = time.perf_counter()
-    fg = asyncio.create_task(
-        run_load(
-            client,
-            _target(stack, url, fore),
-            prompts[:n],
-            LoadSpec(request_rate=rate, seed=seed, show_progress=False),
-        )
-    )
+    fg_load = LoadSpec(request_rate=rate, seed=seed, show_progress=False)
     results: dict[str, RunResult] = {}
+    bg: asyncio.Task[RunResult] | None = None
     if back is not None:
-        span = n / rate  # the foreground's arrivals; the background stops with them
-        count = int(back_rate * span) + 1
+        # The background tenant starts a burst's worth of seconds early: its burst is spent
+        # when the foreground's arrivals begin (a neighbour that has been noisy for a while).
+        lead, span = BURST_S + 1.0, n / rate
+        count = int(back_rate * (lead + span)) + 1
         background = (prompts[n:] * (count // len(prompts[n:]) + 1))[:count]
         load = LoadSpec(
-            request_rate=back_rate, seed=seed + 1000, show_progress=False, time_limit_s=span
+            request_rate=back_rate,
+            seed=seed + 1000,
+            show_progress=False,
+            time_limit_s=lead + span,
         )
         bg = asyncio.create_task(run_load(client, _target(stack, url, back), background, load))
+        await asyncio.sleep(lead)
+    start = time.perf_counter()
+    results[fore] = await run_load(client, _target(stack, url, fore), prompts[:n], fg_load)
+    end = time.perf_counter()
+    if bg is not None and back is not None:
         results[back] = await bg
-    results[fore] = await fg
-    duration = time.perf_counter() - start
+    # Each tenant's requests sent while the foreground's arrivals ran, and those it had
+    # answered in that time (a backlog's included).
+    during = {
+        t: [r for r in res.records if start <= r.start_time <= end] for t, res in results.items()
+    }
+    served = {
+        t: sum(r.success and start <= r.start_time + r.latency <= end for r in res.records)
+        for t, res in results.items()
+    }
     return Point(
         name=name,
         rep=rep,
         rates=rates,
-        ttft_ms={
-            t: [1000 * r.ttft for r in res.records if r.success] for t, res in results.items()
-        },
-        ok={t: sum(r.success for r in res.records) for t, res in results.items()},
-        refused={t: sum("HTTP 429" in r.error for r in res.records) for t, res in results.items()},
-        duration_s=duration,
+        ttft_ms={t: [1000 * r.ttft for r in rs if r.success] for t, rs in during.items()},
+        ok=served,
+        refused={t: sum("HTTP 429" in r.error for r in rs) for t, rs in during.items()},
+        duration_s=end - start,
     )
 
 
@@ -263,7 +283,7 @@ def summarize(
     """Per point: each tenant's TTFT p50/p99 (mean and spread over repetitions), admitted and
     refused; the summary keys (:data:`bench.report.TENANT_KEYS`)."""
     table: dict[str, dict[str, Any]] = {}
-    for name in ("alone", "noisy", "light", "saturated"):
+    for name in POINTS:
         mine = [p for p in points if p.name == name]
         for tenant in mine[0].rates if mine else ():
             p99s = [_p99(p.ttft_ms[tenant]) for p in mine]
@@ -308,6 +328,9 @@ def _keys(table: dict[str, dict[str, Any]], rpm: int, limit: int, measured: int)
     return {
         "victim_p99_ttft_noisy_over_alone": _ratio(
             cell("noisy/victim", "ttft_p99_ms"), cell("alone/victim", "ttft_p99_ms")
+        ),
+        "victim_p99_ttft_noisy_over_neighbour_at_share": _ratio(
+            cell("noisy/victim", "ttft_p99_ms"), cell("neighbour/victim", "ttft_p99_ms")
         ),
         "noisy_admitted_over_share": _ratio(cell("noisy/noisy", "admitted_rps") * 60, rpm),
         "priority_p99_ttft_saturated_over_light": _ratio(

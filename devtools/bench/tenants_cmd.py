@@ -60,17 +60,20 @@ def format_report(data: dict[str, Any]) -> str:
         "",
         f"Produced by `{COMMAND}`: 1P1D, tiny model, our connector; P on core 0, D on core 1; "
         f"prompts of {spec['input_len']} token ids, {spec['output_len']} output tokens; the "
-        f"router admits {spec['max_in_flight']} legs per instance (the queue forms in the "
-        f"router). Capacity {data['capacity_rps']:.2f} requests/s (8 clients, no tenants). "
+        f"router admits {spec['max_in_flight']} legs per instance, {spec['reserved_for_high']} of "
+        "them for the high class alone (the queue forms in the router). Capacity "
+        f"{data['capacity_rps']:.2f} requests/s (8 clients, no tenants). "
         f"victim and noisy: requests_per_minute {limits['requests_per_minute']} each "
         f"({spec['share']:g} of capacity); the victim offers {spec['victim_fraction']:g} of "
-        f"it, the noisy tenant {spec['noisy_factor']:g}x; high (priority high) offers the "
+        f"it, the neighbour (tenant noisy) its share, then {spec['noisy_factor']:g}x it; "
+        "high (priority high) offers the "
         f"victim's rate, alone (light) and beside bulk (priority low, no limits, "
         f"{spec['saturation']:g}x capacity: saturated). Poisson arrivals, {spec['requests']} "
         f"foreground requests per point, {spec['repetitions']} repetitions (p99: mean, "
-        "low-high).",
+        "low-high). Served: answers completed while the foreground's arrivals ran; 429s and "
+        "TTFT: of the requests sent then (bulk's wait behind its own backlog).",
         "",
-        "| point | tenant | offered req/s | admitted req/s | 429s | TTFT p50 ms "
+        "| point | tenant | offered req/s | served req/s | 429s | TTFT p50 ms "
         "| TTFT p99 ms (low-high) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]

@@ -19,6 +19,18 @@ class AdmissionConfig(Frozen):
     queue_size: int = Field(default=512, ge=0)
     max_wait: float = Field(default=10.0, gt=0)
     retry_after: int = Field(default=1, ge=1, description="seconds, sent as Retry-After")
+    reserved_for_high: int = Field(
+        default=0,
+        ge=0,
+        description="of max_in_flight, slots only high-priority tenants' requests take "
+        "(tenancy): a high request then never waits behind the other classes for a slot",
+    )
+
+    @model_validator(mode="after")
+    def _reserve_fits(self) -> AdmissionConfig:
+        if self.reserved_for_high >= self.max_in_flight:
+            raise ValueError("reserved_for_high must be < max_in_flight")
+        return self
 
 
 class BreakerConfig(Frozen):

@@ -1,9 +1,9 @@
 """``tenancy``: who may call the router, which models, how much and at what priority.
 
 A tenant is named by its API keys (stored as SHA-256 hex digests, never in the clear:
-``disagg-router hash-key``). Its limits: requests and tokens per minute (a sliding minute), requests
-in flight at once; its ``priority`` class and ``weight`` order the admission queues of the instances
-(docs/router.md, "Tenants")."""
+``disagg-router hash-key``). Its limits: requests and tokens per minute (refilled every second, with
+a bounded burst), requests in flight at once; its ``priority`` class and ``weight`` order the
+admission queues of the instances (docs/router.md, "Tenants")."""
 
 from __future__ import annotations
 
@@ -91,6 +91,13 @@ class TenancyConfig(Frozen):
         description="router processes sharing the limits (replicas x workers): without a "
         "store (or while it is away) each enforces its share of every limit; max_concurrent "
         "is always shared this way",
+    )
+    burst: float = Field(
+        default=10.0,
+        gt=0,
+        le=60.0,
+        description="seconds' worth of a per-minute limit a tenant may take at once (at least "
+        "one request or token); after that, limit / 60 per second",
     )
     max_priority_wait: float = Field(
         default=2.0,

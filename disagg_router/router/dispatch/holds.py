@@ -73,11 +73,13 @@ class Holds:
         """
         backends = [b for b in self._counted.values() if b.role not in self._slots]
         start = time.monotonic()
-        full = next((b for b in backends if not b.gate.has_room()), None)
+        full = next((b for b in backends if not b.gate.has_room(self._claim)), None)
         while full is not None:
             waited = time.monotonic() - start
             slot = await self._queue_for(full, full.gate.config.max_wait - waited)
-            blocked = next((b for b in backends if b is not full and not b.gate.has_room()), None)
+            blocked = next(
+                (b for b in backends if b is not full and not b.gate.has_room(self._claim)), None
+            )
             if blocked is None:
                 self._slots[full.role] = slot
             else:

@@ -45,9 +45,23 @@ class Gate:
         """Callers queued for a slot now."""
         return len(self._queue)
 
-    def has_room(self) -> bool:
-        """True when a slot is free right now and nobody queues for one."""
-        return self.in_use < self.config.max_in_flight and not self._queue
+    def has_room(self, claim: Claim = NO_CLAIM) -> bool:
+        """True when a slot ``claim`` may take is free right now and no waiter may take it
+        (waiters left are those the free slots are reserved against)."""
+        if not self._may_take(claim, self.in_use):
+            return False
+        return not self._queue or self._next(time.monotonic()) is None
+
+    def _next(self, now: float) -> Waiter[asyncio.Future[None]] | None:
+        """The waiter next in order that may take a free slot now."""
+        return self._queue.peek(now, lambda c: self._may_take(c, self.in_use))
+
+    def _may_take(self, claim: Claim, in_use: int) -> bool:
+        """Whether ``claim`` may take a slot while ``in_use`` are taken: the last
+        ``reserved_for_high`` slots are the high priority class's alone."""
+        c = self.config
+        reserved = 0 if claim.priority == 0 else c.reserved_for_high
+        return in_use < c.max_in_flight - reserved
 
     async def acquire(
         self, label: str, max_wait: float | None = None, claim: Claim = NO_CLAIM
@@ -59,7 +73,7 @@ class Gate:
         which places it in the queue (:mod:`disagg_router.router.instances.fairness`)."""
         c = self.config
         wait = c.max_wait if max_wait is None else min(max(max_wait, 0.0), c.max_wait)
-        if self.has_room():
+        if self.has_room(claim):
             self.in_use += 1
             return Slot(self), 0.0
         if self.waiting >= c.queue_size:
@@ -70,6 +84,7 @@ class Gate:
         start = time.monotonic()
         handed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter = self._queue.push(handed, claim, start)
+        self._hand_out()  # a reserved slot may be free for this one while others wait
         try:
             async with asyncio.timeout(wait):
                 await asyncio.shield(handed)
@@ -93,8 +108,17 @@ class Gate:
             self._queue.remove(waiter)
 
     def release(self) -> None:
-        """A slot is given back: it goes to the next waiter in order, else it is free."""
-        if self._queue:
-            self._queue.pop(time.monotonic()).set_result(None)
-        else:
-            self.in_use -= 1
+        """A slot is given back: it goes to the waiters in order (:meth:`_hand_out`)."""
+        self.in_use -= 1
+        self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Free slots to the waiters next in order that may take them (a slot reserved for the
+        high class goes to a high request only)."""
+        while self._queue:
+            waiter = self._next(time.monotonic())
+            if waiter is None:
+                return
+            self._queue.remove(waiter)
+            self.in_use += 1
+            waiter.item.set_result(None)

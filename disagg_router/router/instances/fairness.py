@@ -3,10 +3,12 @@
 Who calls it: the instance's :class:`~disagg_router.router.instances.admission.Gate`, when a caller
 queues for a slot (:meth:`FairQueue.push`), gives up (:meth:`FairQueue.remove`) or a slot frees
 (:meth:`FairQueue.pop`). Who waits is a :class:`Claim` (the tenant's name, priority class and
-weight, :mod:`disagg_router.router.tenants`). The order:
+weight, made by the tenants package). The order:
 
 1. a waiter of a lower class than the highest waiting one that has waited ``max_priority_wait``
    seconds (its claim's) goes first, oldest first: the bound on a lower class's starvation;
+   (the gate may rule some claims out of a slot, :meth:`FairQueue.peek`'s ``allowed``: the order
+   is then that of the others)
 2. otherwise the highest class with waiters;
 3. within a class, weighted fair queuing between tenants: each waiter gets a finish tag, its
    tenant's previous tag (or the class's virtual time, if later) plus ``1 / weight``, and the
@@ -20,6 +22,7 @@ Pure and single-threaded: the caller passes the clock; nothing here awaits.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -77,7 +80,7 @@ class FairQueue(Generic[T]):
 
     def push(self, item: T, claim: Claim, now: float) -> Waiter[T]:
         """Queue ``item`` for ``claim``; the returned waiter is what :meth:`remove` takes."""
-        cls = self._classes[min(max(claim.priority, 0), len(self._classes) - 1)]
+        cls = self._classes[self._index(claim)]
         start = max(cls.virtual_time, cls.last_finish.get(claim.tenant, 0.0))
         finish = start + 1.0 / claim.weight
         cls.last_finish[claim.tenant] = finish
@@ -87,39 +90,44 @@ class FairQueue(Generic[T]):
         return waiter
 
     def remove(self, waiter: Waiter[T]) -> None:
-        """Take ``waiter`` out (it gave up); nothing if it is no longer queued."""
-        for cls in self._classes:
-            if waiter in cls.waiters:
-                cls.waiters.remove(waiter)
-                self._size -= 1
-                self._forget_if_idle(cls)
-                return
+        """Take ``waiter`` out (served, or it gave up); nothing if it is no longer queued. A
+        waiter served moves its class's virtual time to its start."""
+        cls = self._classes[self._index(waiter.claim)]
+        if waiter in cls.waiters:
+            cls.waiters.remove(waiter)
+            self._size -= 1
+            cls.virtual_time = max(cls.virtual_time, waiter.start)
+            self._forget_if_idle(cls)
 
-    def pop(self, now: float) -> T:
-        """The item of the waiter that gets the freed slot; the queue must not be empty."""
-        waiter = self._overdue(now) or self._next_fair()
-        cls = self._classes[min(max(waiter.claim.priority, 0), len(self._classes) - 1)]
-        cls.waiters.remove(waiter)
-        self._size -= 1
-        cls.virtual_time = max(cls.virtual_time, waiter.start)
-        self._forget_if_idle(cls)
-        return waiter.item
-
-    def _overdue(self, now: float) -> Waiter[T] | None:
-        """The oldest waiter of a class below the highest waiting one that has waited its
-        ``max_priority_wait`` (within the highest class, fair queuing alone decides)."""
+    def peek(
+        self, now: float, allowed: Callable[[Claim], bool] = lambda _: True
+    ) -> Waiter[T] | None:
+        """The waiter next in order among those whose claim is ``allowed`` (None: none is).
+        Nothing changes until it is taken out (:meth:`remove`)."""
         waiting = [c for c in self._classes if c.waiters]
         late = [
             w
             for cls in waiting[1:]
             for w in cls.waiters
-            if now - w.since >= w.claim.max_priority_wait
+            if now - w.since >= w.claim.max_priority_wait and allowed(w.claim)
         ]
-        return min(late, key=lambda w: (w.since, w.seq)) if late else None
+        if late:
+            return min(late, key=lambda w: (w.since, w.seq))
+        for cls in waiting:
+            fair = [w for w in cls.waiters if allowed(w.claim)]
+            if fair:
+                return min(fair, key=lambda w: (w.finish, w.seq))
+        return None
 
-    def _next_fair(self) -> Waiter[T]:
-        cls = next(c for c in self._classes if c.waiters)
-        return min(cls.waiters, key=lambda w: (w.finish, w.seq))
+    def pop(self, now: float) -> T:
+        """The item of the waiter next in order, taken out; the queue must not be empty."""
+        waiter = self.peek(now)
+        assert waiter is not None, "pop() from an empty queue"
+        self.remove(waiter)
+        return waiter.item
+
+    def _index(self, claim: Claim) -> int:
+        return min(max(claim.priority, 0), len(self._classes) - 1)
 
     @staticmethod
     def _forget_if_idle(cls: _Class[T]) -> None:

@@ -1,9 +1,9 @@
 """Per-tenant metrics: requests, tokens, refusals, queue wait, TTFT; and the shared store's state.
 
-Who calls it: :class:`disagg_router.router.observability.metrics.RouterMetrics` creates one
+Who calls it: :mod:`disagg_router.router.observability.metrics` (``RouterMetrics``) creates one
 :class:`TenantMetrics` per registry (its ``tenants``); the tenant limiter
-(:mod:`disagg_router.router.tenants.limiter`), the dispatch's admission
-(:mod:`disagg_router.router.dispatch.holds`) and the generation endpoints record into it. The
+(:mod:`disagg_router.router.tenants.limiter`), the dispatch's admission and the generation
+endpoints record into it through that. The
 ``tenant`` label is only ever a configured tenant's name or ``default``, so the series stay as
 few as the config's tenants.
 """

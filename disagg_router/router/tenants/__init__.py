@@ -2,10 +2,10 @@
 
 Who calls it: the app (:mod:`disagg_router.router.http.app`) identifies each request's tenant and
 admits it against the tenant's limits through the runtime's one :class:`Tenancy`; the dispatch
-places the request in the instances' admission queues by the tenant's claim
-(:mod:`disagg_router.router.instances.fairness`). The pieces: :mod:`.identity` (keys to tenants),
-:mod:`.limiter` (per-minute and concurrency limits), :mod:`.window` (a sliding minute),
-:mod:`.store` (the minute in Redis, shared by replicas), :mod:`.headers` (OpenAI's rate-limit
+places the request in the instances' admission queues by the tenant's claim (the instances'
+fairness module orders them). The pieces: :mod:`.identity` (keys to tenants),
+:mod:`.limiter` (per-minute and concurrency limits), :mod:`.bucket` (a per-minute limit's bucket),
+:mod:`.store` (the buckets in Redis, shared by replicas), :mod:`.headers` (OpenAI's rate-limit
 headers).
 """
 
@@ -29,7 +29,9 @@ class Tenancy:
     def directory(self, settings: RouterSettings) -> Directory:
         """The directory of ``settings`` (rebuilt when a reload changed its tenants or keys)."""
         found = self._directory
-        if found is None or (found.config, found.api_keys) != (settings.tenancy, settings.api_keys):
+        if found is None or not (
+            found.config is settings.tenancy and found.api_keys is settings.api_keys
+        ):
             found = self._directory = Directory(settings.tenancy, settings.api_keys)
         return found
 

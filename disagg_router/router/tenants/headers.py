@@ -1,15 +1,15 @@
-"""OpenAI's rate-limit headers, from the usage of a tenant's windows.
+"""OpenAI's rate-limit headers, from the usage of a tenant's buckets.
 
 Who calls it: the tenant limiter (:mod:`disagg_router.router.tenants.limiter`), which puts them on
 every generation answer of a tenant with per-minute limits (a refusal's too). Names and value forms
 follow OpenAI's API: ``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
-``x-ratelimit-reset-requests`` (a duration such as ``250ms``, ``12s``, ``1m6s``: until the window
-holds nothing counted now) and the same three for ``tokens``. Pure.
+``x-ratelimit-reset-requests`` (a duration such as ``250ms``, ``12s``, ``1m6s``: until the bucket
+is full again) and the same three for ``tokens``. Pure.
 """
 
 from __future__ import annotations
 
-from disagg_router.router.tenants.window import Usage
+from disagg_router.router.tenants.bucket import Usage
 
 
 def duration(seconds: float) -> str:

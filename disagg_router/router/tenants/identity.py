@@ -1,11 +1,11 @@
 """Who is calling: an API key to its tenant, and what that tenant may call.
 
-Who calls it: the app's admission checks (:mod:`disagg_router.router.http.app`), once per request,
-through :class:`Directory` (one per config, rebuilt when a reload changes ``tenancy`` or
-``api_keys``). Keys are compared as SHA-256 digests (the config holds only digests; a lookup in a
-table of digests reveals nothing about the keys through its timing); ``api_keys`` (in the clear)
-are the ``default`` tenant's, compared in constant time. Never logs a key.
-"""
+Who calls it: the app's admission checks, once per request, through a :class:`Directory` the
+runtime's tenancy (:mod:`disagg_router.router.tenants`) keeps (one per config, rebuilt when a reload
+changes ``tenancy`` or ``api_keys``). Keys are compared as SHA-256 digests (the config holds only
+digests; a lookup in a table of digests reveals nothing about the keys through its timing);
+``api_keys`` (in the clear) are the ``default`` tenant's, compared in constant time. Never logs a
+key."""
 
 from __future__ import annotations
 

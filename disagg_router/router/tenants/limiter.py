@@ -1,20 +1,20 @@
 """A tenant's limits, counted on admission and corrected when the answer ends.
 
-Who calls it: the app's admission checks (:mod:`disagg_router.router.http.app`) call
-:meth:`Limiter.admit` once per generation request, after its input is valid; the generation
-endpoint (:mod:`disagg_router.router.http.generate`) calls :meth:`Pass.finish` exactly once when
-the request ends (after its dispatch closed, so ``max_concurrent`` counts requests holding P or D,
-not client connections). The app's lifespan builds one :class:`Limiter` per app run, calls
-:meth:`Limiter.configure` at start and on each reload (through
-:class:`disagg_router.router.tenants.Tenancy`), and :meth:`Limiter.close` at the end.
+Who calls it: the runtime's :class:`disagg_router.router.tenants.Tenancy` holds one (the package
+:mod:`disagg_router.router.tenants` imports it): the app's admission checks call
+:meth:`Limiter.admit` once per generation request, after its input is valid; the generation endpoint
+calls :meth:`Pass.finish` exactly once when the request ends (after its dispatch closed, so
+``max_concurrent`` counts requests holding P or D, not client connections). The app's lifespan
+builds one :class:`Limiter` per app run, calls :meth:`Limiter.configure` at start and on each reload
+(through :class:`disagg_router.router.tenants.Tenancy`), and :meth:`Limiter.close` at the end.
 
-Per-minute limits are sliding minutes (:mod:`disagg_router.router.tenants.window`): with
-``tenancy.store`` their counts live in Redis (:mod:`disagg_router.router.tenants.store`), one count
-for every replica; without one each process counts its share, ``limit / tenancy.replicas``
-(rounded up). A store call that fails puts this process on its local shares for
-``store.retry_after`` seconds: logged once per outage, counted, never an error for the client.
-``max_concurrent`` is always counted per process, as its share.
-"""
+Per-minute limits are buckets refilled at ``limit / 60`` per second that hold ``tenancy.burst``
+seconds' worth (:mod:`disagg_router.router.tenants.bucket`): with ``tenancy.store`` they live in
+Redis (:mod:`disagg_router.router.tenants.store`), one bucket for every replica; without one each
+process fills its own at its share, ``limit / tenancy.replicas`` (rounded up). A store call that
+fails puts this process on its local shares for ``store.retry_after`` seconds: logged once per
+outage, counted, never an error for the client. ``max_concurrent`` is always counted per process, as
+its share."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from typing import Any
 from disagg_router.router.config import TenancyConfig
 from disagg_router.router.errors import RateLimited
 from disagg_router.router.observability.tenant_metrics import TenantMetrics
+from disagg_router.router.tenants.bucket import Bucket, Rate, Usage
 from disagg_router.router.tenants.headers import rate_limit_headers
 from disagg_router.router.tenants.identity import Tenant
-from disagg_router.router.tenants.store import SharedWindows, StoreUnavailable
-from disagg_router.router.tenants.window import Usage, Window
+from disagg_router.router.tenants.store import SharedBuckets, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,9 @@ class Limiter:
         self._metrics = metrics
         self._clock = clock
         self._config = TenancyConfig()
-        self._windows: dict[tuple[str, str], Window] = {}
+        self._buckets: dict[tuple[str, str], Bucket] = {}
         self._in_flight: dict[str, int] = {}
-        self._store: SharedWindows | None = None
+        self._store: SharedBuckets | None = None
         self._local_until = 0.0
         self._shared = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -78,7 +78,7 @@ class Limiter:
             self._background(self._store.close())
             self._store = None
         if config.store is not None and self._store is None:
-            self._store = SharedWindows(config.store)
+            self._store = SharedBuckets(config.store)
             self._local_until = 0.0
         self._shared = self._store is not None
         self._metrics.store_shared.set(1 if self._shared else 0)
@@ -162,10 +162,10 @@ class Limiter:
         wait = usage.wait_for(amount)
         raise RateLimited(
             f"Rate limit reached for tenant {tenant.name} on {kind} per min: limit "
-            f"{usage.limit}, used {usage.used}, requested {amount}. Please try again in "
+            f"{usage.limit}, remaining {usage.remaining}, requested {amount}. Please try again in "
             f"{wait:.1f}s.",
             kind,
-            retry_after=max(math.ceil(wait), 1),
+            retry_after=max(math.ceil(wait - 1e-6), 1),  # float dust: not a second more
             headers=headers,
         )
 
@@ -173,18 +173,19 @@ class Limiter:
         self, tenant: Tenant, kind: str, limit: int, amount: int, force: bool = False
     ) -> tuple[bool, Usage]:
         """Count ``amount`` in the store, or locally (this process's share) while it is away."""
-        key = f"{tenant.name}:{kind}"
+        burst = self._config.burst
         if self._store is not None and self._clock() >= self._local_until:
             try:
-                counted = await self._store.take(key, limit, amount, force)
+                counted = await self._store.take(
+                    f"{tenant.name}:{kind}", Rate(limit, burst), amount, force
+                )
             except StoreUnavailable as exc:
                 self._store_failed(exc)
             else:
                 self._set_shared(True)
                 return counted
-        window = self._windows.setdefault((tenant.name, kind), Window(limit))
-        window.limit = self._share(limit)
-        return window.take(amount, self._clock(), force)
+        bucket = self._buckets.setdefault((tenant.name, kind), Bucket())
+        return bucket.take(Rate(self._share(limit), burst), amount, self._clock(), force)
 
     def _share(self, limit: int) -> int:
         return max(math.ceil(limit / self._config.replicas), 1)

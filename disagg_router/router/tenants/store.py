@@ -1,18 +1,17 @@
-"""The sliding minutes of every router replica, kept in one Redis.
+"""The limits' buckets of every router replica, kept in one Redis.
 
 Who calls it: the tenant limiter (:mod:`disagg_router.router.tenants.limiter`) builds one
-:class:`SharedWindows` per ``tenancy.store``, calls :meth:`SharedWindows.take` for each count and
-correction, and :meth:`SharedWindows.close` when the store is replaced or the app ends.
+:class:`SharedBuckets` per ``tenancy.store``, calls :meth:`SharedBuckets.take` for each count and
+correction, and :meth:`SharedBuckets.close` when the store is replaced or the app ends.
 
-Contract: :meth:`SharedWindows.take` does what
-:meth:`disagg_router.router.tenants.window.Window.take` does, atomically, in one Lua script on
-the hash ``{prefix}:{key}``, whose fields are whole seconds and values counts: one EVALSHA round
-trip (the first call on a server that lacks the script loads it: two more). The clock is Redis's
-own ``TIME``, so every replica counts in the same seconds. The hash expires ``WINDOW_S + 1``
-seconds after its last take. Every call is bounded by ``store.timeout`` (per socket operation,
-and twice that in all) and never retried inside redis-py; a call that gets no answer raises
-:class:`StoreUnavailable`, and the caller falls back to its local limits. Needs Redis >= 5
-(scripts replicated by their effects).
+Contract: :meth:`SharedBuckets.take` does what :func:`disagg_router.router.tenants.bucket.take`
+does, atomically, in one Lua script on the key ``{prefix}:{key}``, whose value is what the bucket
+owes and since when: one EVALSHA round trip (the first call on a server that lacks the script loads
+it: two more). The clock is Redis's own ``TIME``, so every replica counts on one clock. The key
+expires once the bucket is full again. Every call is bounded by ``store.timeout`` (per socket
+operation, and twice that in all) and never retried inside redis-py; a call that gets no answer
+raises :class:`StoreUnavailable` and the caller falls back to its local limits (a timed-out take
+may still have been counted). Needs Redis >= 5 (scripts replicated by their effects).
 """
 
 from __future__ import annotations
@@ -23,39 +22,34 @@ import redis.asyncio
 import redis.exceptions
 
 from disagg_router.router.config.tenants import StoreConfig
-from disagg_router.router.tenants.window import WINDOW_S, Usage
+from disagg_router.router.tenants.bucket import EPSILON, Rate, Usage
 
-# KEYS[1]: the hash. ARGV: limit, amount, force ("1" or "0"), expiry seconds, window seconds.
-# Returns {allowed (1 or 0), now ("seconds.micros"), second, amount, second, amount, ...}.
+# KEYS[1]: the bucket ("owed since": units owed as of a time). ARGV: interval (seconds a unit
+# takes to come back), capacity (units), amount, force ("1" or "0"), epsilon.
+# Returns {counted (1 or 0), owed after ("units", >= 0)}.
 _TAKE = """
 local time = redis.call('TIME')
-local second = tonumber(time[1])
-local now = time[1] .. '.' .. string.format('%06d', tonumber(time[2]))
-local limit, amount = tonumber(ARGV[1]), tonumber(ARGV[2])
-local start = second - tonumber(ARGV[5])
-local fields = redis.call('HGETALL', KEYS[1])
-local counts, used = {}, 0
-for i = 1, #fields, 2 do
-    local s = tonumber(fields[i])
-    if s <= start then
-        redis.call('HDEL', KEYS[1], fields[i])
-    else
-        counts[s] = tonumber(fields[i + 1])
-        used = used + counts[s]
-    end
+local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
+local interval, capacity = tonumber(ARGV[1]), tonumber(ARGV[2])
+local amount = tonumber(ARGV[3])
+local owed = 0
+local state = redis.call('GET', KEYS[1])
+if state then
+    local was, since = string.match(state, '^(%S+) (%S+)$')
+    owed = math.max(tonumber(was) - math.max(now - tonumber(since), 0) / interval, 0)
 end
-local allowed = 0
-if used + math.min(amount, limit) <= limit or ARGV[3] == '1' then
-    counts[second] = redis.call('HINCRBY', KEYS[1], time[1], amount)
-    allowed = 1
+local counted = 0
+if ARGV[4] == '1' or owed <= capacity - math.min(amount, capacity) + tonumber(ARGV[5]) then
+    counted = 1
+    owed = math.max(owed + amount, 0)
 end
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-local reply = {allowed, now}
-for s, a in pairs(counts) do
-    reply[#reply + 1] = s
-    reply[#reply + 1] = a
+if owed > 0 then
+    local ms = math.ceil(owed * interval * 1000) + 1000
+    redis.call('SET', KEYS[1], string.format('%.9f %.6f', owed, now), 'PX', ms)
+else
+    redis.call('DEL', KEYS[1])
 end
-return reply
+return {counted, string.format('%.9f', owed)}
 """
 
 _FAILURES = (redis.exceptions.RedisError, OSError, TimeoutError)
@@ -65,8 +59,8 @@ class StoreUnavailable(Exception):
     """The store could not answer (refused, timed out, a Redis error); the message says why."""
 
 
-class SharedWindows:
-    """Per-second counts in Redis, one hash per tenant and limit, shared by every replica."""
+class SharedBuckets:
+    """The buckets in Redis, one key per tenant and limit, shared by every replica."""
 
     def __init__(self, config: StoreConfig) -> None:
         self._config = config
@@ -81,16 +75,17 @@ class SharedWindows:
         )
         self._script = self._client.register_script(_TAKE)
 
-    async def take(self, key: str, limit: int, amount: int, force: bool) -> tuple[bool, Usage]:
-        """Count ``amount`` under ``{prefix}:{key}`` if it fits ``limit`` (or always when
+    async def take(self, key: str, rate: Rate, amount: int, force: bool) -> tuple[bool, Usage]:
+        """Count ``amount`` under ``{prefix}:{key}`` if it fits ``rate`` (or always when
         ``force``); whether it was counted and the usage after, at the store's clock."""
-        args = [limit, amount, "1" if force else "0", WINDOW_S + 1, WINDOW_S]
+        args = [repr(rate.interval), repr(rate.capacity), amount, "1" if force else "0"]
+        args.append(repr(EPSILON))
         try:
             async with asyncio.timeout(self._config.timeout * 2):
                 reply = await self._script(keys=[f"{self._config.prefix}:{key}"], args=args)
         except _FAILURES as exc:
             raise StoreUnavailable(_reason(exc)) from exc
-        return _parse(reply, limit)
+        return _parse(reply, rate)
 
     async def close(self) -> None:
         """Close the client and its connections."""
@@ -101,13 +96,13 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _parse(reply: object, limit: int) -> tuple[bool, Usage]:
-    """The script's reply as (allowed, usage); a reply of another shape is an unavailable store."""
-    if not isinstance(reply, list) or len(reply) < 2 or len(reply) % 2:
+def _parse(reply: object, rate: Rate) -> tuple[bool, Usage]:
+    """The script's reply as (counted, usage); a reply of another shape is an unavailable
+    store."""
+    if not isinstance(reply, list) or len(reply) != 2:
         raise StoreUnavailable(f"unexpected reply from the store: {reply!r}")
-    allowed, now, *flat = reply
+    counted, owed = reply
     try:
-        slots = sorted(zip((int(s) for s in flat[::2]), (int(a) for a in flat[1::2]), strict=True))
-        return allowed == 1, Usage(limit, float(now), tuple(slots))
+        return counted == 1, Usage(rate, max(float(owed), 0.0))
     except (TypeError, ValueError) as exc:
         raise StoreUnavailable(f"unexpected reply from the store: {reply!r}") from exc

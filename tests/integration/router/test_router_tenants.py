@@ -40,7 +40,8 @@ def complete(url: str, who: str, prompt: str = "hello", **body: Any) -> httpx.Re
 
 
 def tenants_router(fake: dict[str, FakeVllmServer], *tenants: dict[str, Any], **extra: Any) -> Any:
-    tenancy = {"tenants": list(tenants), **extra.pop("tenancy", {})}
+    # burst 60: a whole minute's worth at once, so a test's few requests read as a minute's
+    tenancy = {"tenants": list(tenants), "burst": 60, **extra.pop("tenancy", {})}
     settings = make_settings([fake["p0"].url], [fake["d0"].url], tenancy=tenancy, **extra)
     return running_router(settings)
 
@@ -216,7 +217,7 @@ def test_a_reload_changes_a_tenants_limit_mid_traffic(
         data = make_settings(
             [fake["p0"].url],
             [fake["d0"].url],
-            tenancy={"tenants": [tenant("acme", requests_per_minute=rpm)]},
+            tenancy={"tenants": [tenant("acme", requests_per_minute=rpm)], "burst": 60},
             reload={"watch": True},
         ).model_dump(exclude_defaults=True)
         tmp = path.with_suffix(".tmp")

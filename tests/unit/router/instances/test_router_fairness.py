@@ -134,3 +134,26 @@ async def test_a_slot_handed_to_a_waiter_that_is_cancelled_goes_to_the_next_one(
     await second
     assert order == ["b"]
     assert gate.in_use == 0 and gate.waiting == 0
+
+
+async def test_slots_reserved_for_the_high_class_wait_free_for_it() -> None:
+    gate = Gate(AdmissionConfig(max_in_flight=2, queue_size=10, max_wait=30, reserved_for_high=1))
+    low = Claim("bulk", priority=2)
+    first, _ = await gate.acquire("i", claim=low)
+    assert not gate.has_room(low) and gate.has_room(HIGH)
+    order: list[str] = []
+    queued = asyncio.create_task(_queued(gate, low, "low", order))
+    await _until_waiting(gate, 1)
+    assert gate.in_use == 1  # the free slot stays free: it is the high class's
+    high, waited = await gate.acquire("i", claim=HIGH)  # at once, past the waiting low one
+    assert waited == 0.0 and gate.in_use == 2
+    high.release()
+    assert gate.waiting == 1  # a slot freed, but the reserved one: the low one still waits
+    first.release()
+    await queued
+    assert order == ["low"] and gate.in_use == 0 and gate.waiting == 0
+
+
+def test_reserved_slots_must_leave_one_for_the_others() -> None:
+    with pytest.raises(ValueError, match="reserved_for_high"):
+        AdmissionConfig(max_in_flight=2, reserved_for_high=2)

@@ -1,5 +1,6 @@
 """A tenant's limits in one process: requests and tokens per minute, concurrency, corrections,
-shares between replicas, reloads (fake clock, no store)."""
+shares between replicas, reloads (fake clock, no store; bursts of a whole minute's worth, so the
+counts read as a minute's)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def tenant(**limits: object) -> Tenant:
 def limiter(replicas: int = 1) -> tuple[Limiter, Clock, CollectorRegistry]:
     clock, registry = Clock(), CollectorRegistry()
     lim = Limiter(TenantMetrics(registry), clock)
-    lim.configure(TenancyConfig(replicas=replicas))
+    lim.configure(TenancyConfig(replicas=replicas, burst=60))  # a minute's worth at once
     return lim, clock, registry
 
 
@@ -44,12 +45,13 @@ async def test_requests_per_minute_refuse_with_429_retry_after_and_headers() -> 
     with pytest.raises(RateLimited) as caught:
         await lim.admit(t, 0)
     err = caught.value
-    assert (err.status, err.limit, err.retry_after) == (429, "requests", 50)
+    # 10 s refilled a third of a request (one per 30 s): the next whole one in 20 s
+    assert (err.status, err.limit, err.retry_after) == (429, "requests", 20)
     assert err.headers["x-ratelimit-limit-requests"] == "2"
     assert err.headers["x-ratelimit-remaining-requests"] == "0"
     refused = {"tenant": "t", "limit": "requests"}
     assert registry.get_sample_value("disagg_router_tenant_rate_limited_total", refused) == 1
-    clock.now += 50
+    clock.now += 20
     await lim.admit(t, 0)
 
 

@@ -12,8 +12,8 @@ import pytest
 import redis.asyncio
 
 from disagg_router.router.config.tenants import StoreConfig
-from disagg_router.router.tenants.store import SharedWindows, StoreUnavailable
-from disagg_router.router.tenants.window import WINDOW_S, Window
+from disagg_router.router.tenants.bucket import Bucket, Rate
+from disagg_router.router.tenants.store import SharedBuckets, StoreUnavailable
 from tests.support.redis_server import RedisServer, running_redis
 
 # Generous: a loaded 2-core machine; only a failing call waits this long.
@@ -30,12 +30,12 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
-def _store(url: str, prefix: str = "disagg-router") -> SharedWindows:
-    return SharedWindows(StoreConfig(url=url, timeout=TIMEOUT_S, prefix=prefix))
+def _store(url: str, prefix: str = "disagg-router") -> SharedBuckets:
+    return SharedBuckets(StoreConfig(url=url, timeout=TIMEOUT_S, prefix=prefix))
 
 
 @pytest.fixture
-async def store(redis_server: RedisServer) -> AsyncIterator[SharedWindows]:
+async def store(redis_server: RedisServer) -> AsyncIterator[SharedBuckets]:
     shared = _store(redis_server.url)
     yield shared
     await shared.close()
@@ -54,40 +54,46 @@ async def _read(reply: Awaitable[T] | T) -> T:
     return cast(T, await reply)
 
 
-async def test_a_take_within_the_limit_is_counted(store: SharedWindows) -> None:
-    allowed, usage = await store.take("acme:tokens", 10, 3, False)
-    assert allowed and usage.used == 3 and usage.remaining == 7 and usage.limit == 10
-    allowed, usage = await store.take("acme:tokens", 10, 2, False)
-    assert allowed and usage.used == 5 and usage.remaining == 5
+# 10 per minute, the whole minute's worth at once: a unit comes back every 6 s, so the few
+# milliseconds a test takes change no whole count.
+RATE = Rate(limit=10, burst_s=60.0)
 
 
-async def test_a_take_over_the_limit_is_refused_and_not_counted(store: SharedWindows) -> None:
-    await store.take("acme:tokens", 10, 8, False)
-    allowed, usage = await store.take("acme:tokens", 10, 3, False)
-    assert not allowed and usage.used == 8
-    assert usage.wait_for(3) > 0
-    allowed, usage = await store.take("acme:tokens", 10, 2, False)
-    assert allowed and usage.used == 10
+async def test_a_take_within_the_limit_is_counted(store: SharedBuckets) -> None:
+    counted, usage = await store.take("acme:tokens", RATE, 3, False)
+    assert counted and usage.remaining == 7 and usage.limit == 10
+    counted, usage = await store.take("acme:tokens", RATE, 2, False)
+    assert counted and usage.remaining == 5
+    assert usage.reset_s == pytest.approx(30.0, abs=1.0)
+
+
+async def test_a_take_over_the_limit_is_refused_and_not_counted(store: SharedBuckets) -> None:
+    await store.take("acme:tokens", RATE, 8, False)
+    counted, usage = await store.take("acme:tokens", RATE, 3, False)
+    assert not counted and usage.remaining == 2
+    assert usage.wait_for(3) == pytest.approx(6.0, abs=1.0)
+    counted, usage = await store.take("acme:tokens", RATE, 2, False)
+    assert counted and usage.remaining == 0
 
 
 async def test_forced_amounts_count_beyond_the_limit_and_correct_down(
-    store: SharedWindows,
+    store: SharedBuckets,
 ) -> None:
-    await store.take("acme:tokens", 10, 10, False)
-    allowed, usage = await store.take("acme:tokens", 10, 5, True)
-    assert allowed and usage.used == 15 and usage.remaining == 0
-    allowed, usage = await store.take("acme:tokens", 10, -7, True)
-    assert allowed and usage.used == 8
+    await store.take("acme:tokens", RATE, 10, False)
+    counted, usage = await store.take("acme:tokens", RATE, 5, True)
+    assert counted and usage.remaining == 0 and usage.reset_s == pytest.approx(90.0, abs=1.0)
+    counted, usage = await store.take("acme:tokens", RATE, -7, True)
+    assert counted and usage.remaining == 2
 
 
-async def test_two_replicas_share_one_count(redis_server: RedisServer) -> None:
+async def test_two_replicas_share_one_bucket(redis_server: RedisServer) -> None:
     first, second = _store(redis_server.url), _store(redis_server.url)
     try:
-        assert (await first.take("acme:requests", 10, 6, False))[0]
-        allowed, usage = await second.take("acme:requests", 10, 4, False)
-        assert allowed and usage.used == 10
-        allowed, usage = await first.take("acme:requests", 10, 1, False)
-        assert not allowed and usage.used == 10
+        assert (await first.take("acme:requests", RATE, 6, False))[0]
+        counted, usage = await second.take("acme:requests", RATE, 4, False)
+        assert counted and usage.remaining == 0
+        counted, _ = await first.take("acme:requests", RATE, 1, False)
+        assert not counted
     finally:
         await first.close()
         await second.close()
@@ -96,61 +102,60 @@ async def test_two_replicas_share_one_count(redis_server: RedisServer) -> None:
 async def test_keys_and_prefixes_are_independent(redis_server: RedisServer) -> None:
     one, other = _store(redis_server.url), _store(redis_server.url, prefix="other")
     try:
-        await one.take("acme:tokens", 10, 10, False)
-        allowed, usage = await one.take("globex:tokens", 10, 4, False)
-        assert allowed and usage.used == 4
-        allowed, usage = await other.take("acme:tokens", 10, 10, False)
-        assert allowed and usage.used == 10
+        await one.take("acme:tokens", RATE, 10, False)
+        counted, usage = await one.take("globex:tokens", RATE, 4, False)
+        assert counted and usage.remaining == 6
+        counted, usage = await other.take("acme:tokens", RATE, 10, False)
+        assert counted and usage.remaining == 0
     finally:
         await one.close()
         await other.close()
 
 
-async def test_the_hash_counts_whole_seconds_of_the_store_clock_and_expires(
-    store: SharedWindows, client: redis.asyncio.Redis
+async def test_the_key_holds_what_is_owed_on_the_store_clock_and_expires_when_full(
+    store: SharedBuckets, client: redis.asyncio.Redis
 ) -> None:
-    _, usage = await store.take("acme:tokens", 10, 3, False)
-    ((second, amount),) = usage.slots
-    assert second == int(usage.now) and amount == 3
-    assert await _read(client.hgetall(KEY)) == {str(second).encode(): b"3"}
-    ttl = await _read(client.ttl(KEY))
-    assert 0 < ttl <= WINDOW_S + 1
+    _, usage = await store.take("acme:tokens", RATE, 3, False)
+    seconds, micros = await client.time()
+    owed, since = (await _read(client.get(KEY))).split()
+    assert float(owed) == pytest.approx(3.0, abs=0.2)
+    assert float(since) == pytest.approx(seconds + micros / 1e6, abs=1.0)
+    ttl_ms = await _read(client.pttl(KEY))
+    assert 0 < ttl_ms <= 1000 * (usage.reset_s + 1) + 1
 
 
-async def test_counts_older_than_the_window_are_dropped(
-    store: SharedWindows, client: redis.asyncio.Redis
+async def test_a_full_bucket_leaves_no_key(
+    store: SharedBuckets, client: redis.asyncio.Redis
 ) -> None:
-    now, _ = await client.time()
-    old, inside = now - WINDOW_S - 5, now - WINDOW_S + 30
-    await _read(client.hset(KEY, mapping={old: 9, inside: 4}))
-    allowed, usage = await store.take("acme:tokens", 10, 6, False)
-    assert allowed and usage.used == 10 and usage.slots[0] == (inside, 4)
-    assert str(old).encode() not in await _read(client.hgetall(KEY))
+    await store.take("acme:tokens", RATE, 2, False)
+    counted, usage = await store.take("acme:tokens", RATE, -2, True)
+    assert counted and usage.reset_s == 0.0 and usage.remaining == 10
+    assert await _read(client.exists(KEY)) == 0
 
 
 async def test_a_stopped_server_makes_take_raise(
-    redis_server: RedisServer, store: SharedWindows
+    redis_server: RedisServer, store: SharedBuckets
 ) -> None:
-    assert (await store.take("acme:tokens", 10, 1, False))[0]
+    assert (await store.take("acme:tokens", RATE, 1, False))[0]
     redis_server.stop()
     async with asyncio.timeout(BOUND_S):
         with pytest.raises(StoreUnavailable):
-            await store.take("acme:tokens", 10, 1, False)
+            await store.take("acme:tokens", RATE, 1, False)
         with pytest.raises(StoreUnavailable):  # and again: no connection left to reuse
-            await store.take("acme:tokens", 10, 1, False)
+            await store.take("acme:tokens", RATE, 1, False)
 
 
 async def test_a_server_that_does_not_answer_makes_take_raise(redis_server: RedisServer) -> None:
-    impatient = SharedWindows(StoreConfig(url=redis_server.url, timeout=0.2))
+    impatient = SharedBuckets(StoreConfig(url=redis_server.url, timeout=0.2))
     try:
-        assert (await impatient.take("acme:tokens", 10, 1, False))[0]
+        assert (await impatient.take("acme:tokens", RATE, 1, False))[0]
         with redis_server.paused():
             async with asyncio.timeout(BOUND_S):
                 with pytest.raises(StoreUnavailable):
-                    await impatient.take("acme:tokens", 10, 1, False)
+                    await impatient.take("acme:tokens", RATE, 1, False)
         # It answers again once the server does (the timed-out take may have been counted).
-        allowed, usage = await impatient.take("acme:tokens", 10, 1, False)
-        assert allowed and usage.used in (2, 3)
+        counted, usage = await impatient.take("acme:tokens", RATE, 1, False)
+        assert counted and usage.remaining in (7, 8)
     finally:
         await impatient.close()
 
@@ -160,16 +165,17 @@ async def test_a_socket_that_does_not_exist_makes_take_raise(tmp_path: Path) -> 
     try:
         async with asyncio.timeout(BOUND_S):
             with pytest.raises(StoreUnavailable, match=r"absent\.sock"):
-                await absent.take("acme:tokens", 10, 1, False)
+                await absent.take("acme:tokens", RATE, 1, False)
     finally:
         await absent.close()
 
 
-async def test_the_store_takes_as_the_in_memory_window_does(store: SharedWindows) -> None:
-    window = Window(limit=10)
+async def test_the_store_takes_as_the_in_memory_bucket_does(store: SharedBuckets) -> None:
+    bucket, now = Bucket(), 1000.0  # the local clock stands still; the store's moves by ms
     steps = [(12, False), (1, False), (-5, True), (3, False), (4, False), (0, False)]
     steps += [(2, False), (9, True), (-20, True), (10, False), (11, False)]
     for amount, force in steps:
-        allowed, usage = await store.take("acme:tokens", 10, amount, force)
-        local_allowed, local = window.take(amount, usage.now, force)
-        assert (allowed, usage.used, usage.slots) == (local_allowed, local.used, local.slots)
+        counted, usage = await store.take("acme:tokens", RATE, amount, force)
+        local_counted, local = bucket.take(RATE, amount, now, force)
+        assert counted == local_counted
+        assert usage.reset_s == pytest.approx(local.reset_s, abs=1.0)
