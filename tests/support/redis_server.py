@@ -1,6 +1,6 @@
-"""A real ``redis-server`` for a test, on a Unix socket in the test's own directory.
+"""A real ``redis-server`` for a test, on a Unix socket in a temporary directory of its own.
 
-``running_redis(directory)`` starts ``redis-server`` (no TCP port, no persistence, in the
+``running_redis()`` starts ``redis-server`` (no TCP port, no persistence, in the
 foreground), waits until its socket answers PING (bounded), yields a :class:`RedisServer` whose
 ``url`` is ``unix://...``, and stops it on the way out, also when the test failed. A test can
 stop it earlier with :meth:`RedisServer.stop` (the store going away), or freeze it for a while
@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,14 +91,17 @@ class RedisServer:
 
 
 @contextmanager
-def running_redis(directory: Path) -> Iterator[RedisServer]:
-    """A ready ``redis-server`` in ``directory`` for the ``with`` block, stopped after it."""
+def running_redis() -> Iterator[RedisServer]:
+    """A ready ``redis-server`` for the ``with`` block, stopped (and its directory removed)
+    after it. Its directory is a fresh one under ``$TMPDIR``, not the test's ``tmp_path``: a Unix
+    socket's path must stay under 108 bytes, which a long test name's ``tmp_path`` exceeds."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not on PATH: run deploy/ci/install-tools.sh (as root)")
-    server = RedisServer(binary, directory)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    with tempfile.TemporaryDirectory(prefix="redis-") as directory:
+        server = RedisServer(binary, Path(directory))
+        try:
+            server.wait_ready()
+            yield server
+        finally:
+            server.stop()

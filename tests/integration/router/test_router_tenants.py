@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -253,10 +252,7 @@ def test_replicas_share_one_store_and_fall_back_to_their_shares_when_it_goes(
 ) -> None:
     """Two routers over one real Redis: one count of 4 requests per minute between them;
     once Redis is gone, each enforces its share (2) and no client sees a 5xx."""
-    with (
-        tempfile.TemporaryDirectory(prefix="redis-") as tmp,  # a short unix socket path
-        running_redis(Path(tmp)) as server,
-    ):
+    with running_redis() as server:
         store = {"url": server.url, "timeout": 0.5, "retry_after": 60}
         tenancy = {"replicas": 2, "store": store}
         acme = tenant("acme", requests_per_minute=4)

@@ -25,8 +25,8 @@ T = TypeVar("T")
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_redis(tmp_path) as server:
+def redis_server() -> Iterator[RedisServer]:
+    with running_redis() as server:
         yield server
 
 
