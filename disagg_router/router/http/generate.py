@@ -149,6 +149,9 @@ async def _answer(
     except RouterError as exc:
         ended(outcome_label(exc), exc.status, req, dispatch)
         return error_response(exc, ended.headers(dispatch.request_id, exc))
+    except BaseException:
+        ended.abandon()  # cancelled: the pass goes back all the same
+        raise
     finally:
         watch.stop()  # before close() awaits (disagg_router.router.http.disconnect)
         await dispatch.close()
