@@ -105,6 +105,12 @@ class TenancyConfig(Frozen):
         description="seconds after which a request waiting for a slot goes before higher "
         "priority classes (the bound on a lower class's starvation)",
     )
+    engine_priority: bool = Field(
+        default=False,
+        description="send each request's priority class to vLLM (the request's `priority`: 0 "
+        "high, 1 normal, 2 low; needs vLLM's --scheduling-policy priority); off: a client's own "
+        "`priority` is removed once tenants are configured",
+    )
     store: StoreConfig | None = None
 
     @model_validator(mode="after")

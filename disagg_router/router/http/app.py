@@ -230,7 +230,20 @@ async def _admitted_request(request: Request, chat: bool) -> Admitted:
     tokens = _charged_tokens(runtime, req) if tenant.limits.tokens_per_minute else 0
     granted = await runtime.tenancy.limiter.admit(tenant, tokens)
     request.state.ctx = replace(request_context(request), claim=tenant.claim)
-    return runtime, req, granted
+    return runtime, _engine_priority(req, settings, tenant), granted
+
+
+def _engine_priority(req: ClientRequest, settings: RouterSettings, tenant: Tenant) -> ClientRequest:
+    """The request as the legs send it: with ``tenancy.engine_priority`` vLLM's ``priority`` is
+    the tenant's class (0 high, 1 normal, 2 low; lower goes first in vLLM); without it, once
+    tenants or keys are configured, a client's own ``priority`` is dropped (a client must not
+    rank itself above other tenants); with neither, the body is left as it is."""
+    tenancy = settings.tenancy
+    if tenancy.engine_priority:
+        return replace(req, body={**req.body, "priority": tenant.claim.priority})
+    if "priority" in req.body and (tenancy.tenants or settings.api_keys):
+        return replace(req, body={k: v for k, v in req.body.items() if k != "priority"})
+    return req
 
 
 def _charged_tokens(runtime: Runtime, req: ClientRequest) -> int:

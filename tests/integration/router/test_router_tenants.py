@@ -269,3 +269,33 @@ def test_replicas_share_one_store_and_fall_back_to_their_shares_when_it_goes(
             assert alone == [200, 200, 429]
             assert _metric(a.url, "disagg_router_tenant_store_shared") == 0
             assert _metric(a.url, "disagg_router_tenant_store_errors_total") >= 1
+
+
+def _leg_priorities(fake: dict[str, FakeVllmServer], prompt: str) -> list[object]:
+    legs = [
+        r
+        for name in ("p0", "d0")
+        for r in fake[name].state.generation_requests()
+        if r.body.get("prompt") == prompt
+    ]
+    assert len(legs) == 2  # P's leg and D's
+    return [r.body.get("priority", "absent") for r in legs]
+
+
+def test_engine_priority_sends_the_tenants_class_to_both_legs(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    tenants = (tenant("high", priority="high"), tenant("low", priority="low"))
+    with tenants_router(fake, *tenants, tenancy={"engine_priority": True}) as router:
+        assert complete(router.url, "high", "h", priority=5).status_code == 200
+        assert complete(router.url, "low", "l", priority=-5).status_code == 200
+    assert _leg_priorities(fake, "h") == [0, 0]  # the client's own priority is overridden
+    assert _leg_priorities(fake, "l") == [2, 2]
+
+
+def test_without_engine_priority_a_clients_own_priority_is_dropped(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    with tenants_router(fake, tenant("low", priority="low")) as router:
+        assert complete(router.url, "low", "l", priority=-100).status_code == 200
+    assert _leg_priorities(fake, "l") == ["absent", "absent"]
