@@ -72,7 +72,7 @@ from disagg_router.router.request import ClientRequest
 from disagg_router.router.routing.prompt_keys import estimated_tokens, prompt_of
 from disagg_router.router.runtime import Runtime, open_runtime
 from disagg_router.router.supervisor import Supervisor
-from disagg_router.router.tenants import Directory, Tenant
+from disagg_router.router.tenants import Directory, Tenant, engine_body
 
 log = logging.getLogger(__name__)
 
@@ -230,20 +230,9 @@ async def _admitted_request(request: Request, chat: bool) -> Admitted:
     tokens = _charged_tokens(runtime, req) if tenant.limits.tokens_per_minute else 0
     granted = await runtime.tenancy.limiter.admit(tenant, tokens)
     request.state.ctx = replace(request_context(request), claim=tenant.claim)
-    return runtime, _engine_priority(req, settings, tenant), granted
-
-
-def _engine_priority(req: ClientRequest, settings: RouterSettings, tenant: Tenant) -> ClientRequest:
-    """The request as the legs send it: with ``tenancy.engine_priority`` vLLM's ``priority`` is
-    the tenant's class (0 high, 1 normal, 2 low; lower goes first in vLLM); without it, once
-    tenants or keys are configured, a client's own ``priority`` is dropped (a client must not
-    rank itself above other tenants); with neither, the body is left as it is."""
-    tenancy = settings.tenancy
-    if tenancy.engine_priority:
-        return replace(req, body={**req.body, "priority": tenant.claim.priority})
-    if "priority" in req.body and (tenancy.tenants or settings.api_keys):
-        return replace(req, body={k: v for k, v in req.body.items() if k != "priority"})
-    return req
+    keyed = runtime.tenancy.directory(settings).keyed
+    body = engine_body(req.body, tenant, settings.tenancy, keyed)
+    return runtime, req if body is req.body else replace(req, body=body), granted
 
 
 def _charged_tokens(runtime: Runtime, req: ClientRequest) -> int:

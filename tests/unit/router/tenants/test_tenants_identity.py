@@ -6,7 +6,7 @@ import pytest
 
 from disagg_router.router.config import TenancyConfig, TenantConfig
 from disagg_router.router.errors import AuthenticationError, ModelNotFound
-from disagg_router.router.tenants import Directory, hash_key
+from disagg_router.router.tenants import Directory, engine_body, hash_key
 
 
 def tenancy(**extra: object) -> TenancyConfig:
@@ -57,3 +57,14 @@ def test_a_model_outside_the_tenants_list_is_a_404_naming_only_its_own_models() 
 
 def test_the_digest_is_sha256_hex() -> None:
     assert hash_key("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def test_engine_body_ranks_by_the_tenant_never_by_the_client() -> None:
+    acme = Directory(tenancy(), []).identify("Bearer sk-acme")  # priority high: 0
+    body = {"prompt": "x", "priority": -9}
+    assert engine_body(body, acme, tenancy(engine_priority=True), keyed=True)["priority"] == 0
+    routes = engine_body(body, acme, tenancy(engine_priority=True), keyed=True, assign=False)
+    assert "priority" not in routes  # the other routes: dropped, never assigned
+    assert "priority" not in engine_body(body, acme, tenancy(), keyed=True)
+    assert engine_body(body, acme, TenancyConfig(), keyed=False) is body  # no keys: as it is
+    assert body == {"prompt": "x", "priority": -9}  # never mutated
