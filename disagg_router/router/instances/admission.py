@@ -46,11 +46,12 @@ class Gate:
         return len(self._queue)
 
     def has_room(self, claim: Claim = NO_CLAIM) -> bool:
-        """True when a slot ``claim`` may take is free right now and no waiter may take it
-        (waiters left are those the free slots are reserved against)."""
-        if not self._may_take(claim, self.in_use):
-            return False
-        return not self._queue or self._next(time.monotonic()) is None
+        """True when a slot ``claim`` may take is free right now and no waiter may take it.
+
+        One comparison: every change of the slots or the queue ends in :meth:`_hand_out`, so a
+        waiter never stays queued while a slot it may take is free; the waiters left beside a
+        free slot are those it is reserved against."""
+        return self._may_take(claim, self.in_use)
 
     def _next(self, now: float) -> Waiter[asyncio.Future[None]] | None:
         """The waiter next in order that may take a free slot now."""

@@ -2,8 +2,9 @@
 
 Who calls it: the instance's :class:`~disagg_router.router.instances.admission.Gate`, when a caller
 queues for a slot (:meth:`FairQueue.push`), gives up (:meth:`FairQueue.remove`) or a slot frees
-(:meth:`FairQueue.pop`). Who waits is a :class:`Claim` (the tenant's name, priority class and
-weight, made by the tenants package). The order:
+(:meth:`FairQueue.peek` for the next waiter that may take it, then :meth:`FairQueue.remove`).
+Who waits is a :class:`Claim` (the tenant's name, priority class and weight, made by the tenants
+package). The order:
 
 1. a waiter of a lower class than the highest waiting one that has waited ``max_priority_wait``
    seconds (its claim's) goes first, oldest first: the bound on a lower class's starvation;
@@ -48,7 +49,7 @@ NO_CLAIM = Claim()
 
 @dataclass(eq=False)
 class Waiter(Generic[T]):
-    """One queued caller: ``item`` is what :meth:`FairQueue.pop` returns for it."""
+    """One queued caller: ``item`` is what the gate hands the slot to."""
 
     item: T
     claim: Claim
@@ -118,13 +119,6 @@ class FairQueue(Generic[T]):
             if fair:
                 return min(fair, key=lambda w: (w.finish, w.seq))
         return None
-
-    def pop(self, now: float) -> T:
-        """The item of the waiter next in order, taken out; the queue must not be empty."""
-        waiter = self.peek(now)
-        assert waiter is not None, "pop() from an empty queue"
-        self.remove(waiter)
-        return waiter.item
 
     def _index(self, claim: Claim) -> int:
         return min(max(claim.priority, 0), len(self._classes) - 1)
