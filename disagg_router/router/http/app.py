@@ -72,7 +72,7 @@ from disagg_router.router.request import ClientRequest
 from disagg_router.router.routing.prompt_keys import estimated_tokens, prompt_of
 from disagg_router.router.runtime import Runtime, open_runtime
 from disagg_router.router.supervisor import Supervisor
-from disagg_router.router.tenants import Directory, Tenant, engine_body
+from disagg_router.router.tenants import Directory, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +230,7 @@ async def _admitted_request(request: Request, chat: bool) -> Admitted:
     tokens = _charged_tokens(runtime, req) if tenant.limits.tokens_per_minute else 0
     granted = await runtime.tenancy.limiter.admit(tenant, tokens)
     request.state.ctx = replace(request_context(request), claim=tenant.claim)
-    keyed = runtime.tenancy.directory(settings).keyed
-    body = engine_body(req.body, tenant, settings.tenancy, keyed)
+    body = runtime.tenancy.directory(settings).engine_body(req.body, tenant)
     return runtime, req if body is req.body else replace(req, body=body), granted
 
 

@@ -7,15 +7,16 @@ unless configured) and one for :data:`RESPONSES_PATH` (always by D alone: docs/r
 JSON bounds and the ``model`` check of
 :func:`disagg_router.router.http.validation.parse_passthrough` and goes to the instance unchanged
 except for ``kv_transfer_params``, which only the router may set, and a client's ``priority``,
-dropped once tenants or keys are configured (:func:`disagg_router.router.tenants.engine_body`). The
-instance is chosen by its pool's policy among the usable ones (health, breaker, admission) and the
-exchange runs in :mod:`disagg_router.router.dispatch.forward`; a retryable failure before any byte
-went to the client is retried once on another instance when ``retry_on_fresh_pair`` is on, within
-the same ``timeouts.total``. The instance's answer goes back as it is (status, body,
-``Content-Type``), event streams as they come; the router's own errors are OpenAI-style JSON. Each
-request is counted (``disagg_router_passthrough_*``), logged once when it ends
-(``logging.requests``) and waited for by a drain, which aborts it with a 503 (or a final SSE error
-event) when its time is over; a client that leaves cancels the work where it waits.
+dropped once tenants or keys are configured
+(:meth:`disagg_router.router.tenants.Directory.engine_body`). The instance is chosen by its pool's
+policy among the usable ones (health, breaker, admission) and the exchange runs in
+:mod:`disagg_router.router.dispatch.forward`; a retryable failure before any byte went to the client
+is retried once on another instance when ``retry_on_fresh_pair`` is on, within the same
+``timeouts.total``. The instance's answer goes back as it is (status, body, ``Content-Type``), event
+streams as they come; the router's own errors are OpenAI-style JSON. Each request is counted
+(``disagg_router_passthrough_*``), logged once when it ends (``logging.requests``) and waited for by
+a drain, which aborts it with a 503 (or a final SSE error event) when its time is over; a client
+that leaves cancels the work where it waits.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from disagg_router.router.http.generate import error_response, finish_request, r
 from disagg_router.router.http.validation import parse_passthrough
 from disagg_router.router.instances.state import Role
 from disagg_router.router.runtime import Runtime
-from disagg_router.router.tenants import Tenant, engine_body
+from disagg_router.router.tenants import Tenant
 from disagg_router.router.upstream.rewrite import strip_client_fields
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,7 @@ class PassthroughEndpoint:
             model, body, _ = parse_passthrough(raw, settings.model_names, settings.limits)
             tenant: Tenant = request.state.tenant
             tenant.check_model(model, settings.model_names)
-            keyed = runtime.tenancy.directory(settings).keyed
-            body = engine_body(body, tenant, settings.tenancy, keyed, assign=False)
+            body = runtime.tenancy.directory(settings).engine_body(body, tenant, assign=False)
             role = self.role or runtime.model(model).route.passthrough_pool
             headers = {k.lower(): v for k, v in request.headers.items()}
             call = Forward(self.path, model, strip_client_fields(body), role, headers)

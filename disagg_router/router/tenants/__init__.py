@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from disagg_router.router.config import RouterSettings
 from disagg_router.router.observability.tenant_metrics import TenantMetrics
-from disagg_router.router.tenants.identity import Directory, Tenant, engine_body, hash_key
+from disagg_router.router.tenants.identity import Directory, Tenant, hash_key
 from disagg_router.router.tenants.limiter import Limiter, Pass
 
-__all__ = ["Directory", "Limiter", "Pass", "Tenancy", "Tenant", "engine_body", "hash_key"]
+__all__ = ["Directory", "Limiter", "Pass", "Tenancy", "Tenant", "hash_key"]
 
 
 class Tenancy:

@@ -54,21 +54,6 @@ class Tenant:
             raise ModelNotFound(model, [m for m in served if m in allowed])
 
 
-def engine_body(
-    body: dict[str, Any], tenant: Tenant, tenancy: TenancyConfig, keyed: bool, assign: bool = True
-) -> Any:
-    """``body`` as it goes to vLLM: with ``tenancy.engine_priority`` (and ``assign``: the
-    generation endpoints) its ``priority`` is the tenant's class (0 high, 1 normal, 2 low; lower
-    goes first in vLLM); otherwise, when any tenant or key is configured (``keyed``), a client's
-    own ``priority`` is dropped (a client must not rank itself above other tenants); else
-    ``body`` itself. Never mutates ``body``."""
-    if tenancy.engine_priority and assign:
-        return {**body, "priority": tenant.claim.priority}
-    if keyed and "priority" in body:
-        return {k: v for k, v in body.items() if k != "priority"}
-    return body
-
-
 def _tenant(name: str, limits: TenantLimits, tenancy: TenancyConfig) -> Tenant:
     claim = Claim(
         tenant=name,
@@ -89,9 +74,20 @@ class Directory:
         self._by_digest = {
             digest: _tenant(t.name, t, tenancy) for t in tenancy.tenants for digest in t.key_sha256
         }
-        self.keyed = bool(api_keys or tenancy.tenants)
-        """Whether any key is configured (then clients do not rank themselves)."""
-        self._open = not self.keyed or tenancy.unknown_key == "default"
+        self._keyed = bool(api_keys or tenancy.tenants)  # then clients do not rank themselves
+        self._open = not self._keyed or tenancy.unknown_key == "default"
+
+    def engine_body(self, body: dict[str, Any], tenant: Tenant, assign: bool = True) -> Any:
+        """``body`` as it goes to vLLM: with ``tenancy.engine_priority`` (and ``assign``: the
+        generation endpoints) its ``priority`` is ``tenant``'s class (0 high, 1 normal, 2 low;
+        lower goes first in vLLM); otherwise, when any tenant or key is configured, a client's
+        own ``priority`` is dropped (a client must not rank itself above other tenants); else
+        ``body`` itself. Never mutates ``body``."""
+        if self.config.engine_priority and assign:
+            return {**body, "priority": tenant.claim.priority}
+        if self._keyed and "priority" in body:
+            return {k: v for k, v in body.items() if k != "priority"}
+        return body
 
     def tenants(self) -> list[Tenant]:
         """Every tenant, ``default`` first."""

@@ -6,7 +6,7 @@ import pytest
 
 from disagg_router.router.config import TenancyConfig, TenantConfig
 from disagg_router.router.errors import AuthenticationError, ModelNotFound
-from disagg_router.router.tenants import Directory, engine_body, hash_key
+from disagg_router.router.tenants import Directory, hash_key
 
 
 def tenancy(**extra: object) -> TenancyConfig:
@@ -60,11 +60,12 @@ def test_the_digest_is_sha256_hex() -> None:
 
 
 def test_engine_body_ranks_by_the_tenant_never_by_the_client() -> None:
-    acme = Directory(tenancy(), []).identify("Bearer sk-acme")  # priority high: 0
+    ranked = Directory(tenancy(engine_priority=True), [])
+    acme = ranked.identify("Bearer sk-acme")  # priority high: 0
     body = {"prompt": "x", "priority": -9}
-    assert engine_body(body, acme, tenancy(engine_priority=True), keyed=True)["priority"] == 0
-    routes = engine_body(body, acme, tenancy(engine_priority=True), keyed=True, assign=False)
+    assert ranked.engine_body(body, acme)["priority"] == 0
+    routes = ranked.engine_body(body, acme, assign=False)
     assert "priority" not in routes  # the other routes: dropped, never assigned
-    assert "priority" not in engine_body(body, acme, tenancy(), keyed=True)
-    assert engine_body(body, acme, TenancyConfig(), keyed=False) is body  # no keys: as it is
+    assert "priority" not in Directory(tenancy(), []).engine_body(body, acme)
+    assert Directory(TenancyConfig(), []).engine_body(body, acme) is body  # no keys: as it is
     assert body == {"prompt": "x", "priority": -9}  # never mutated
