@@ -30,8 +30,8 @@ from disagg_router.router.dispatch.orchestrator import open_dispatch
 from disagg_router.router.errors import RateLimited, RouterError, error_payload, outcome_label
 from disagg_router.router.http.disconnect import ClientWatch, notice_of, watched
 from disagg_router.router.http.stream import DispatchStream
+from disagg_router.router.observability.metrics import RouterMetrics
 from disagg_router.router.observability.reqlog import Served, log_request
-from disagg_router.router.observability.tenant_metrics import TenantMetrics
 from disagg_router.router.request import ClientRequest, RequestContext
 from disagg_router.router.runtime import Runtime
 from disagg_router.router.tenants import Pass, Tenant
@@ -125,13 +125,12 @@ async def generate(request: Request, chat: bool, admit: Admit) -> ASGIApp:
     if ended.tenant is not None:
         m.child(m.tenants.ttft, ended.tenant).observe(times[1])
     if req.stream:
-        stream = DispatchStream(
+        return DispatchStream(
             dispatch,
             watch,
             lambda d: ended(d.outcome, 200, req, d, times),
+            ended.granted_headers(),
         )
-        stream.headers += [(k.encode(), v.encode()) for k, v in ended.granted_headers().items()]
-        return stream
     assert isinstance(dispatch, Dispatch)
     return await _answer(ended, req, dispatch, watch, times)
 
@@ -209,7 +208,7 @@ class _Ending:
             m.child(m.requests, runtime.settings.mode, endpoint, model, outcome).inc()
             if tenant is not None:
                 m.child(m.tenants.requests, tenant, outcome).inc()
-                _count_tokens(m.tenants, tenant, usage, self.granted)
+                _count_tokens(m, tenant, usage, self.granted)
             if outcome == "ok" and times is not None and dispatch is not None and req is not None:
                 e2e = (dispatch.answered or time.monotonic()) - times[0]
                 m.answers.observe(model, req.stream, times[1], e2e, usage)
@@ -225,12 +224,12 @@ class _Ending:
         )
 
 
-def _count_tokens(m: TenantMetrics, tenant: str, usage: Any, granted: Pass | None) -> None:
+def _count_tokens(m: RouterMetrics, tenant: str, usage: Any, granted: Pass | None) -> None:
     """A tenant's tokens: as the answer's usage reports them, else as charged on admission."""
     if isinstance(usage, dict):
         for kind in ("prompt", "completion"):
             value = usage.get(f"{kind}_tokens")
             if isinstance(value, int) and value > 0:
-                m.tokens.labels(tenant, kind).inc(value)
+                m.child(m.tenants.tokens, tenant, kind).inc(value)
     elif granted is not None and granted.tokens > 0:
-        m.tokens.labels(tenant, "estimated").inc(granted.tokens)
+        m.child(m.tenants.tokens, tenant, "estimated").inc(granted.tokens)

@@ -12,7 +12,7 @@ raise.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import aclosing
 
 from starlette.types import Receive, Scope, Send
@@ -31,14 +31,20 @@ class DispatchStream:
     """
 
     def __init__(
-        self, dispatch: Streamed, watch: ClientWatch, on_close: Callable[[Streamed], None]
+        self,
+        dispatch: Streamed,
+        watch: ClientWatch,
+        on_close: Callable[[Streamed], None],
+        headers: Mapping[str, str] | None = None,
     ) -> None:
+        """``headers``: more response headers (the tenant's rate-limit headers)."""
         self.dispatch = dispatch
         self.watch = watch
         self.on_close = on_close
         self.headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"x-request-id", dispatch.request_id.encode()),
+            *((k.encode(), v.encode()) for k, v in (headers or {}).items()),
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
