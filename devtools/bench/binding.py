@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.client import Target
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
-from bench.metrics import RequestRecord
+from bench.metrics import RequestRecord, rounded_ratio
 from bench.routers import our_router
 from devstack.ports import free_port
 from devstack.stack import Stack, StackOptions, start_stack
@@ -361,27 +361,23 @@ def _fold(reps: list[dict[str, float]], how: Any) -> dict[str, float]:
     return {k: how(r[k] for r in reps) for k in (reps[0] if reps else {})}
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b > 0 else None
-
-
 def _keys(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     def m(cell: str, key: str) -> float:
         return float(table[cell]["mean"].get(key, 0.0)) if table[cell]["mean"] else 0.0
 
     better = max(m("loaded/eager", "goodput_rps"), m("loaded/just_in_time", "goodput_rps"))
     return {
-        "d_idle_block_seconds_jit_over_eager": _ratio(
+        "d_idle_block_seconds_jit_over_eager": rounded_ratio(
             m("loaded/just_in_time", "unwritten_block_s"), m("loaded/eager", "unwritten_block_s")
         ),
-        "goodput_jit_over_eager_d_kv_bound": _ratio(
+        "goodput_jit_over_eager_d_kv_bound": rounded_ratio(
             m("loaded/just_in_time", "goodput_rps"), m("loaded/eager", "goodput_rps")
         ),
-        "ttft_jit_over_eager_light": _ratio(
+        "ttft_jit_over_eager_light": rounded_ratio(
             m("light/just_in_time", "ttft_mean_ms"), m("light/eager", "ttft_mean_ms")
         ),
         "p_wait_for_d_p50_ms": round(m("loaded/just_in_time", "p_wait_p50_ms"), 3),
-        "goodput_adaptive_over_better_d_kv_bound": _ratio(
+        "goodput_adaptive_over_better_d_kv_bound": rounded_ratio(
             m("loaded/adaptive", "goodput_rps"), better
         ),
         "ttft_jit_over_pull_loaded": None,

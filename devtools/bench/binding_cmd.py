@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.binding import BINDS, BindSpec, run_bind_benchmark
-from devstack.process import ProcessStartError
+from bench.results import run_in_work_dir
 
 COMMAND = "flock /tmp/vllm-e2e.lock .venv/bin/disagg-bench bind --out-dir docs/benchmarks"
 
@@ -41,14 +39,10 @@ def bind_command(args: argparse.Namespace) -> int:
         light_fraction=args.light_fraction,
         loaded_fraction=args.loaded_fraction,
     )
-    try:
-        if args.work_dir is not None:
-            data = run_bind_benchmark(spec, args.work_dir)
-        else:
-            with tempfile.TemporaryDirectory(prefix="disagg-bind-") as tmp:
-                data = run_bind_benchmark(spec, Path(tmp))
-    except ProcessStartError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    data = run_in_work_dir(
+        lambda folder: run_bind_benchmark(spec, folder), args.work_dir, "disagg-bind-"
+    )
+    if data is None:
         return 1
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "binding.json").write_text(json.dumps(data, indent=1) + "\n")

@@ -69,6 +69,12 @@ def _pkey(p: float) -> str:
     return f"p{p:g}"
 
 
+def rounded_ratio(a: float, b: float) -> float | None:
+    """``a / b`` to 3 decimals, the form of a summary.json ratio; None when ``b`` is not positive
+    (nothing to compare with)."""
+    return round(a / b, 3) if b > 0 else None
+
+
 def percentile(values: Sequence[float], p: float) -> float:
     """Linear-interpolated percentile (numpy's default); 0.0 for an empty sequence."""
     if not 0.0 <= p <= 100.0:

@@ -8,13 +8,14 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bench.loadgen import RunResult
 from bench.metrics import BenchmarkMetrics, RequestRecord, counted_ttft
+from devstack.process import ProcessStartError
 
 
 def _finite(value: float) -> float | None:
@@ -80,6 +81,21 @@ def log_folder(given: Path | None, prefix: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     print(f"child process logs: {folder}", file=sys.stderr)
     return folder
+
+
+def run_in_work_dir(
+    run: Callable[[Path], dict[str, Any]], given: Path | None, prefix: str
+) -> dict[str, Any] | None:
+    """``run(folder)`` in ``given``, else in a new temporary folder named ``prefix...``, removed
+    after; None when a stack's process failed to start (the error printed on stderr)."""
+    try:
+        if given is not None:
+            return run(given)
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            return run(Path(tmp))
+    except ProcessStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ import httpx
 from bench.client import Target
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, RunResult, make_client, run_load
+from bench.metrics import rounded_ratio
 from bench.routers import our_router
 from devstack.ports import free_port
 from devstack.stack import Stack, StackOptions, start_stack
@@ -317,23 +318,19 @@ def summarize(
     }
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b > 0 else None
-
-
 def _keys(table: dict[str, dict[str, Any]], rpm: int, limit: int, measured: int) -> dict[str, Any]:
     def cell(name: str, key: str) -> float:
         return float(table.get(name, {}).get(key, 0.0))
 
     return {
-        "victim_p99_ttft_noisy_over_alone": _ratio(
+        "victim_p99_ttft_noisy_over_alone": rounded_ratio(
             cell("noisy/victim", "ttft_p99_ms"), cell("alone/victim", "ttft_p99_ms")
         ),
-        "victim_p99_ttft_noisy_over_neighbour_at_share": _ratio(
+        "victim_p99_ttft_noisy_over_neighbour_at_share": rounded_ratio(
             cell("noisy/victim", "ttft_p99_ms"), cell("neighbour/victim", "ttft_p99_ms")
         ),
-        "noisy_admitted_over_share": _ratio(cell("noisy/noisy", "admitted_rps") * 60, rpm),
-        "priority_p99_ttft_saturated_over_light": _ratio(
+        "noisy_admitted_over_share": rounded_ratio(cell("noisy/noisy", "admitted_rps") * 60, rpm),
+        "priority_p99_ttft_saturated_over_light": rounded_ratio(
             cell("saturated/high", "ttft_p99_ms"), cell("light/high", "ttft_p99_ms")
         ),
         "token_limit_error": round(abs(measured - limit) / limit, 4) if limit else None,

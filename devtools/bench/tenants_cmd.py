@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.results import run_in_work_dir
 from bench.tenants import TenantsSpec, run_tenants_benchmark
-from devstack.process import ProcessStartError
 
 COMMAND = "flock /tmp/vllm-e2e.lock .venv/bin/disagg-bench tenants --out-dir docs/benchmarks"
 
@@ -35,14 +33,10 @@ def tenants_command(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         token_run_s=args.token_run_s,
     )
-    try:
-        if args.work_dir is not None:
-            data = run_tenants_benchmark(spec, args.work_dir)
-        else:
-            with tempfile.TemporaryDirectory(prefix="disagg-tenants-") as tmp:
-                data = run_tenants_benchmark(spec, Path(tmp))
-    except ProcessStartError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    data = run_in_work_dir(
+        lambda folder: run_tenants_benchmark(spec, folder), args.work_dir, "disagg-tenants-"
+    )
+    if data is None:
         return 1
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "tenants.json").write_text(json.dumps(data, indent=1) + "\n")
