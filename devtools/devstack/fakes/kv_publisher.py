@@ -12,13 +12,16 @@ counts the subscriptions made (one per subscriber that joined), so a test can wa
 publishing (ZMQ drops what a PUB sends before a subscriber is connected).
 
 It runs on the caller's asyncio loop (``zmq.asyncio``), binds loopback only, and must be closed
-(:meth:`FakeKvPublisher.close`, or ``async with``).
+(:meth:`FakeKvPublisher.close`, or ``async with``). Many publishers in one process (an emulated
+fleet) pass one shared ``context`` (each context runs an I/O thread), which the caller terms, and a
+``buffer_limit`` (vLLM keeps a bounded replay buffer too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from types import TracebackType
 
 import zmq
@@ -30,8 +33,14 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class FakeKvPublisher:
     """A PUB (XPUB) and a replay ROUTER on ``127.0.0.1``: ``endpoint``, ``replay_endpoint``."""
 
-    def __init__(self, topic: str = "") -> None:
-        self._ctx = zmq.asyncio.Context()
+    def __init__(
+        self,
+        topic: str = "",
+        context: zmq.asyncio.Context | None = None,
+        buffer_limit: int | None = None,
+    ) -> None:
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.asyncio.Context()
         self._pub = self._ctx.socket(zmq.XPUB)  # a PUB that also tells who subscribed
         # Every subscriber's subscription, also one to a topic another (or a leaving) subscriber
         # holds: a subscriber that reconnects is then told apart from one that never left.
@@ -42,7 +51,7 @@ class FakeKvPublisher:
         self.endpoint = f"tcp://127.0.0.1:{pub_port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
         self._topic = topic.encode()
-        self._buffer: list[tuple[int, bytes]] = []
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_limit)
         self._next = 0
         self.replay_answers = True
         self.replays_served = 0
@@ -93,7 +102,8 @@ class FakeKvPublisher:
                 await task
         self._pub.close(linger=0)
         self._router.close(linger=0)
-        self._ctx.term()
+        if self._own_ctx:
+            self._ctx.term()
 
     async def __aenter__(self) -> FakeKvPublisher:
         return self

@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from devstack.fakes.bodies import whole_answer
 from devstack.fakes.routes import add_passthrough_routes
 from devstack.fakes.state import FakeVllmState, RecordedRequest
 from disagg_router.connector.contract import (
@@ -188,23 +189,15 @@ class _Generation:
         return params
 
     def full_response(self) -> dict[str, Any]:
-        text = "".join(self.token(i) for i in range(self.n_tokens))
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
-        else:
-            choice["text"] = text
-        choice["stop_reason"] = None
-        return {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.state.model,
-            "choices": [choice],
-            "usage": self.usage(self.n_tokens),
-            "system_fingerprint": None,
-            KV_TRANSFER_PARAMS: self.kv_out(),
-        }
+        return whole_answer(
+            answer_id=self.id,
+            chat=self.chat,
+            model=self.state.model,
+            text="".join(self.token(i) for i in range(self.n_tokens)),
+            usage=self.usage(self.n_tokens),
+            kv_transfer_params=self.kv_out(),
+            created=self.created,
+        )
 
     def chunk(
         self, delta_text: str | None, finish: str | None, first: bool, index: int | None = None

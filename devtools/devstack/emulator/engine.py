@@ -1,0 +1,272 @@
+"""One emulated engine: the scheduler stepped in (scaled) real time, KV hand-over between
+engines, and each request's token outlet.
+
+Who uses it: :mod:`devstack.emulator.app` (one engine behind each HTTP app: it submits requests
+and reads their outlets) and :class:`devstack.emulator.fleet.Fleet`, which runs every engine's
+:meth:`Engine.run` on its event loop. Everything runs on that one loop; nothing here blocks.
+
+Time: every duration the engine waits (a step, a transfer, a lease) is the profile's figure
+times ``scale``, so a fleet too large for real time runs slower as a whole and every ratio
+between its times holds.
+
+KV hand-over (:class:`Fabric`, shared by the engines of one process): a finished P leg is held
+under its key (the router's ``transfer_id``, else the request id); a D leg registers under the
+same key once its blocks are allocated. Whichever comes second starts the transfer (the profile's
+:class:`~devstack.emulator.profile.Transfer` time, with a handshake the first time the pair
+meets); at its end P frees its blocks and D decodes. This is push when D registers before P
+finishes and pull when after: the same matching as our connector's. A P whose KV nobody took
+within ``kv_lease_s`` frees it; a D that waited that long for its P fails its request, as vLLM's
+connectors time out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from devstack.emulator.blocks import BlockPool
+from devstack.emulator.profile import Profile
+from devstack.emulator.scheduler import Limits, Phase, Scheduler, Seq, Step
+from disagg_router.router.routing.kv_wire import KvEvent
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[list[KvEvent]], None]
+
+
+class KvTransferFailed(Exception):
+    """A D leg's KV never came (its P was unknown, gone, or let the lease pass)."""
+
+
+@dataclass
+class Outlet:
+    """What a request's HTTP handler reads: token indexes as they are produced, then the end."""
+
+    queue: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    error: str | None = None
+
+
+@dataclass
+class Counters:
+    """Lifetime totals, for ``/metrics`` (vLLM's counters of the same meaning)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    success: int = 0
+    steps: int = 0
+    busy_s: float = 0.0  # emulated seconds spent in steps
+
+
+class Engine:
+    """One engine: its block pool, scheduler and step loop; ``engine_id`` names it to the
+    fabric and in P's answers."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        engine_id: str,
+        fabric: Fabric,
+        scale: float = 1.0,
+        events: EventSink | None = None,
+    ) -> None:
+        self.profile = profile
+        self.engine_id = engine_id
+        self.scale = scale
+        self.fabric = fabric
+        self.pool = BlockPool(profile.num_blocks, profile.block_size)
+        limits = Limits(profile.max_num_batched_tokens, profile.max_num_seqs)
+        self.scheduler = Scheduler(self.pool, limits)
+        self.counters = Counters()
+        self._events = events
+        self._outlets: dict[Seq, Outlet] = {}
+        self._wake = asyncio.Event()
+        fabric.join(self)
+
+    def submit(self, seq: Seq) -> Outlet:
+        """Queue ``seq``; its tokens arrive on the returned outlet."""
+        outlet = Outlet()
+        self._outlets[seq] = outlet
+        self.counters.prompt_tokens += seq.prompt_len
+        delay = self.profile.request_overhead_s * self.scale
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay, self._admit, seq)
+        else:
+            self._admit(seq)
+        return outlet
+
+    def _admit(self, seq: Seq) -> None:
+        if seq in self._outlets:  # not aborted during the API server's part
+            self.scheduler.add(seq)
+            self._wake.set()
+
+    def abort(self, seq: Seq) -> None:
+        """The client left: drop ``seq`` and its blocks (also a held P leg's)."""
+        self.fabric.forget(self, seq)
+        self.scheduler.abort(seq)
+        self._outlets.pop(seq, None)
+        self._wake.set()
+
+    def release(self, seq: Seq) -> None:
+        """A held P leg's KV left (or its lease passed): free its blocks."""
+        self.scheduler.release(seq)
+        self._wake.set()
+
+    def kv_arrived(self, seq: Seq) -> None:
+        """D leg ``seq`` has its KV: it decodes from the next step."""
+        self.scheduler.kv_arrived(seq)
+        self._wake.set()
+
+    def fail(self, seq: Seq, reason: str) -> None:
+        """End ``seq`` with an error its handler answers."""
+        outlet = self._outlets.pop(seq, None)
+        self.scheduler.abort(seq)
+        if outlet is not None:
+            outlet.error = reason
+            outlet.queue.put_nowait(None)
+        self._wake.set()
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` of emulated time."""
+        await asyncio.sleep(seconds * self.scale)
+
+    async def run(self) -> None:
+        """The step loop; runs until cancelled."""
+        while True:
+            step = self.scheduler.schedule()
+            for seq in self.scheduler.drain_registered():
+                self.fabric.register(self, seq)
+            if not step.items:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            seconds = self.step_seconds(step)
+            await self.sleep(seconds)
+            self.counters.steps += 1
+            self.counters.busy_s += seconds
+            self._deliver(self.scheduler.finish(step))
+            events = self.pool.drain_events()
+            if events and self._events is not None:
+                self._events(events)
+
+    def step_seconds(self, step: Step) -> float:
+        """The profile's duration of ``step``."""
+        return self.profile.step.seconds(step.tokens, len(step.items), step.context, step.pairs)
+
+    def _deliver(self, produced: list[Seq]) -> None:
+        for seq in produced:
+            self.counters.generation_tokens += 1
+            outlet = self._outlets.get(seq)
+            if outlet is None:
+                continue
+            outlet.queue.put_nowait(seq.generated - 1)
+            if seq.phase in (Phase.DONE, Phase.HELD):
+                outlet.queue.put_nowait(None)
+                self.counters.success += 1
+                del self._outlets[seq]
+            if seq.phase is Phase.HELD:
+                self.fabric.prefill_held(self, seq)
+
+
+@dataclass(eq=False)
+class _Side:
+    engine: Engine
+    seq: Seq
+    expiry: asyncio.TimerHandle | None = None
+
+
+class Fabric:
+    """Matches finished P legs with registered D legs by key and moves their KV."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, Engine] = {}
+        self._held: dict[str, _Side] = {}
+        self._waiting: dict[str, _Side] = {}
+        self._keys: dict[Seq, str] = {}
+        self._met: set[tuple[str, str]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.transfers = 0
+        self.failures = 0
+
+    def join(self, engine: Engine) -> None:
+        self._engines[engine.engine_id] = engine
+
+    def knows(self, engine_id: str) -> bool:
+        return engine_id in self._engines
+
+    def expect(self, seq: Seq, key: str) -> None:
+        """``seq`` (a P leg or a D leg) hands over its KV under ``key``."""
+        self._keys[seq] = key
+
+    def prefill_held(self, engine: Engine, seq: Seq) -> None:
+        key = self._keys.get(seq)
+        if key is None:
+            engine.release(seq)
+            return
+        side = _Side(engine, seq)
+        peer = self._waiting.pop(key, None)
+        if peer is not None:
+            self._start(side, peer)
+            return
+        self._held[key] = side
+        side.expiry = self._expire_later(key, self._held, engine)
+
+    def register(self, engine: Engine, seq: Seq) -> None:
+        key = self._keys.get(seq)
+        if key is None:
+            engine.fail(seq, "no KV transfer key")
+            return
+        side = _Side(engine, seq)
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._start(held, side)
+            return
+        self._waiting[key] = side
+        side.expiry = self._expire_later(key, self._waiting, engine)
+
+    def forget(self, engine: Engine, seq: Seq) -> None:
+        """``seq`` ended early (aborted): drop what waits for it."""
+        key = self._keys.pop(seq, None)
+        for table in (self._held, self._waiting):
+            side = table.get(key) if key is not None else None
+            if side is not None and side.seq is seq:
+                del table[key]  # type: ignore[arg-type]
+                if side.expiry is not None:
+                    side.expiry.cancel()
+
+    def _expire_later(
+        self, key: str, table: dict[str, _Side], engine: Engine
+    ) -> asyncio.TimerHandle:
+        loop = asyncio.get_running_loop()
+        delay = engine.profile.kv_lease_s * engine.scale
+        return loop.call_later(delay, self._expire, key, table)
+
+    def _expire(self, key: str, table: dict[str, _Side]) -> None:
+        side = table.pop(key, None)
+        if side is None:
+            return
+        self._keys.pop(side.seq, None)
+        self.failures += 1
+        if side.seq.role == "prefill":
+            side.engine.release(side.seq)
+        else:
+            side.engine.fail(side.seq, f"no KV from the prefill instance for {key}")
+
+    def _start(self, p: _Side, d: _Side) -> None:
+        for side in (p, d):
+            if side.expiry is not None:
+                side.expiry.cancel()
+            self._keys.pop(side.seq, None)
+        task = asyncio.get_running_loop().create_task(self._transfer(p, d))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _transfer(self, p: _Side, d: _Side) -> None:
+        pair = (p.engine.engine_id, d.engine.engine_id)
+        first = pair not in self._met
+        self._met.add(pair)
+        await d.engine.sleep(d.engine.profile.transfer.seconds(p.seq.prompt_len, first))
+        self.transfers += 1
+        p.engine.release(p.seq)
+        d.engine.kv_arrived(d.seq)

@@ -1,0 +1,80 @@
+"""Engine profiles (``devstack.emulator.profile``): the shipped ``cpu-tiny`` profile loads and
+round-trips through its file text, the step and transfer time formulas, and a profile file with a
+field the emulator does not know is refused."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from devstack.emulator.profile import (
+    PROFILES_DIR,
+    StepModel,
+    Transfer,
+    load_profile,
+    profile_from_mapping,
+)
+
+
+def test_cpu_tiny_loads_and_round_trips() -> None:
+    profile = load_profile("cpu-tiny")
+    assert profile.name == "cpu-tiny" and profile.model == "tiny"
+    assert profile.block_size > 0 and profile.num_blocks > 0
+    assert profile.max_num_batched_tokens > 0 and profile.max_num_seqs > 0
+    assert profile.step.base_s > 0 and profile.transfer.bandwidth_bytes_per_s > 0
+    assert profile_from_mapping(json.loads(profile.to_json())) == profile
+    # by path as well as by name, and the file is the profile's own text
+    path = PROFILES_DIR / "cpu-tiny.json"
+    assert load_profile(str(path)) == profile
+    assert json.loads(path.read_text()) == json.loads(profile.to_json())
+
+
+def test_a_changed_profile_round_trips(tmp_path: Path) -> None:
+    profile = replace(load_profile("cpu-tiny"), name="other", num_blocks=7, kv_lease_s=0.5)
+    path = tmp_path / "other.json"
+    path.write_text(profile.to_json())
+    assert load_profile(str(path)) == profile
+
+
+def test_step_seconds_are_linear_in_what_the_step_computes() -> None:
+    model = StepModel(
+        base_s=1.0,
+        per_token_s=0.1,
+        per_seq_s=0.01,
+        per_context_token_s=0.001,
+        per_attention_pair_s=0.0001,
+    )
+    assert model.seconds(0, 0, 0, 0) == 1.0
+    assert model.seconds(10, 2, 300, 4000) == pytest.approx(1.0 + 1.0 + 0.02 + 0.3 + 0.4)
+    assert StepModel(base_s=0.5, per_token_s=0.25).seconds(4, 3, 100, 100) == 1.5
+
+
+def test_transfer_seconds_pay_the_handshake_only_on_first_meeting() -> None:
+    transfer = Transfer(
+        bytes_per_token=100, bandwidth_bytes_per_s=1000.0, latency_s=0.5, handshake_s=2.0
+    )
+    assert transfer.seconds(10, first_meeting=False) == pytest.approx(0.5 + 1.0)
+    assert transfer.seconds(10, first_meeting=True) == pytest.approx(2.0 + 0.5 + 1.0)
+    assert transfer.seconds(0, first_meeting=False) == 0.5
+    no_handshake = Transfer(bytes_per_token=100, bandwidth_bytes_per_s=1000.0, latency_s=0.5)
+    assert no_handshake.seconds(10, first_meeting=True) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("where", ["top", "step", "transfer"])
+def test_a_profile_with_an_unknown_field_is_refused(tmp_path: Path, where: str) -> None:
+    data = json.loads(load_profile("cpu-tiny").to_json())
+    (data if where == "top" else data[where])["surprise"] = 1
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TypeError, match="surprise"):
+        load_profile(str(path))
+
+
+def test_a_profile_missing_a_field_is_refused() -> None:
+    data = json.loads(load_profile("cpu-tiny").to_json())
+    del data["num_blocks"]
+    with pytest.raises(TypeError, match="num_blocks"):
+        profile_from_mapping(data)
