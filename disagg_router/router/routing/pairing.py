@@ -60,9 +60,15 @@ def _refused_as(prefill: BackendState, decode: BackendState) -> str | None:
 
 def _first_refusal(prefill: BackendState, decode: Sequence[BackendState]) -> str | None:
     """``None`` when ``prefill`` pairs with one of ``decode`` (or there is none), else the
-    reason it does not pair with the first."""
-    reasons = [_refused_as(prefill, d) for d in decode]
-    return None if not reasons or None in reasons else reasons[0]
+    reason it does not pair with the first. Stops at the first D that pairs: it runs for every
+    candidate P of every request, so a scan of all D each time would cost P x D per request."""
+    first = None
+    for d in decode:
+        why = _refused_as(prefill, d)
+        if why is None:
+            return None
+        first = first or why
+    return first
 
 
 def choose_pair(
