@@ -12,7 +12,13 @@ from collections.abc import Sequence
 from bench.answers_cmd import add_answers_arguments, answers_command
 from bench.binding_cmd import add_bind_arguments, bind_command
 from bench.clients import add_clients_arguments, clients_command
+from bench.emulator_accuracy_cmd import (
+    add_emulator_accuracy_arguments,
+    emulator_accuracy_command,
+)
+from bench.fleet_scale_cmd import add_fleet_scale_arguments, fleet_scale_command
 from bench.overhead_cmd import add_overhead_arguments, overhead_command
+from bench.profile_fit_cmd import add_fit_profile_arguments, fit_profile_command
 from bench.routing_cmd import add_routing_arguments, routing_command
 from bench.run_cmd import add_run_arguments, run_command
 from bench.scenarios_cmd import (
@@ -28,8 +34,7 @@ from bench.vllm_serve_cmd import add_vllm_serve_arguments, vllm_serve_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``run``/``overhead``/``clients``/``transfer``/``scenarios``/``report``/``routing``/
-    ``soak``/``vllm-serve``/``answers``/``bind``/``tenants`` subcommands to ``parser``."""
+    """Add the benchmarks' subcommands (``run``, ``overhead``, ``scenarios``, ...) to ``parser``."""
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_run_arguments(sub.add_parser("run", help="one load-generator run"))
     add_overhead_arguments(
@@ -80,6 +85,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="noisy neighbour, priority under saturation, token limit on real vLLM CPU 1P1D",
         )
     )
+    add_fleet_scale_arguments(
+        sub.add_parser(
+            "fleet-scale", help="router CPU per request and memory, 1P1D to 32P32D, emulated"
+        )
+    )
+    add_fit_profile_arguments(
+        sub.add_parser("fit-profile", help="fit the emulator's cpu-tiny profile to real vLLM CPU")
+    )
+    add_emulator_accuracy_arguments(
+        sub.add_parser(
+            "emulator-accuracy", help="the scenario sweep on real vLLM CPU and on the emulator"
+        )
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
         return bind_command(args)
     if command == "tenants":
         return tenants_command(args)
+    if command == "fleet-scale":
+        return fleet_scale_command(args)
+    if command == "fit-profile":
+        return fit_profile_command(args)
+    if command == "emulator-accuracy":
+        return emulator_accuracy_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,10 +220,49 @@ TENANT_KEYS = (
 )
 """summary.json keys of ``disagg-bench tenants`` (real vLLM 1P1D; docs/benchmarks/tenants.md)."""
 
+EMULATOR_KEYS = ("emulator_cpu_point_error_max", "emulator_cpu_ratio_error_max")
+"""summary.json keys of ``disagg-bench emulator-accuracy`` (emulator-accuracy.md)."""
+
+FLEET_KEYS = ("router_cpu_per_request_32p32d_over_1p1d",)
+"""summary.json keys of ``disagg-bench fleet-scale`` (emulated fleets; fleet-scale.md)."""
+
+
+@dataclass(frozen=True)
+class ResultSource:
+    """A benchmark whose result file's ``summary`` holds some summary.json keys."""
+
+    file: str
+    keys: tuple[str, ...]
+    command: str
+    not_run: Mapping[str, str] | None = None
+
+
+def _take_summary(
+    out_dir: Path, source: ResultSource, summary: dict[str, Any], notes: dict[str, str]
+) -> None:
+    """Copy ``source``'s keys from its result file into ``summary``, each with its note."""
+    found = (_load(out_dir / source.file) or {}).get("summary", {})
+    for key in source.keys:
+        summary[key] = found.get(key)
+        missing = (source.not_run or {}).get(key, f"no results ({source.file})")
+        notes[key] = f"{source.command} ({source.file})" if found.get(key) is not None else missing
+
+
 BIND_NOT_RUN = {
     "ttft_jit_over_pull_loaded": "disagg-bench bind runs no pull stack (vLLM's NIXL connector "
     "keeps a core busy per instance; three starve a 2-core machine)",
 }
+
+RESULT_SOURCES = (
+    ResultSource(
+        "failover.json", FAILOVER_KEYS, "tests/e2e/test_failover_matrix.py with FAILOVER_OUT"
+    ),
+    ResultSource("binding.json", BIND_KEYS, "disagg-bench bind", BIND_NOT_RUN),
+    ResultSource("tenants.json", TENANT_KEYS, "disagg-bench tenants"),
+    ResultSource("emulator-accuracy.json", EMULATOR_KEYS, "disagg-bench emulator-accuracy"),
+    ResultSource("fleet-scale.json", FLEET_KEYS, "disagg-bench fleet-scale"),
+)
+"""The benchmarks whose summaries report.py copies into summary.json, in order."""
 
 
 def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -353,30 +393,8 @@ def summarize(out_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
             if value is not None
             else "no routing results for this part (routing.json)"
         )
-    failover = (_load(out_dir / "failover.json") or {}).get("summary", {})
-    for key in FAILOVER_KEYS:
-        summary[key] = failover.get(key)
-        notes[key] = (
-            "tests/e2e/test_failover_matrix.py with FAILOVER_OUT (failover.json)"
-            if key in failover
-            else "no failover results (failover.json)"
-        )
-    binding = (_load(out_dir / "binding.json") or {}).get("summary", {})
-    for key in BIND_KEYS:
-        summary[key] = binding.get(key)
-        notes[key] = (
-            "disagg-bench bind (binding.json)"
-            if binding.get(key) is not None
-            else BIND_NOT_RUN.get(key, "no binding results (binding.json)")
-        )
-    tenants = (_load(out_dir / "tenants.json") or {}).get("summary", {})
-    for key in TENANT_KEYS:
-        summary[key] = tenants.get(key)
-        notes[key] = (
-            "disagg-bench tenants (tenants.json)"
-            if tenants.get(key) is not None
-            else "no tenants results (tenants.json)"
-        )
+    for source in RESULT_SOURCES:
+        _take_summary(out_dir, source, summary, notes)
     summary["measured_at"] = time.strftime("%Y-%m-%d", time.gmtime())
     summary["machine"] = machine()
     return summary, notes

@@ -105,6 +105,11 @@ class SweepSpec:
     #: core 0, D: core 1) and the routers and the load generator to core 1, instead of pinning
     #: only the instances' OpenMP compute threads: each instance then has exactly one core.
     pin_processes: bool = False
+    #: ``(stack, input_len, req/s)``: the capacity the points of that stack and input length are
+    #: fractions of, instead of the one measured in this run (which is still measured and
+    #: recorded): another run's, so both offer the same load (``disagg-bench
+    #: emulator-accuracy``).
+    given_capacity_rps: tuple[tuple[str, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.input_lens or not self.fractions:
@@ -235,7 +240,8 @@ async def _measure_capacity(client: httpx.AsyncClient, sweep: _Sweep, input_len:
         raise StackStalled(
             f"{sweep.stack} capacity at {input_len} tokens: no request completed ({errors})"
         )
-    return m.request_throughput
+    given = [c for s, n, c in spec.given_capacity_rps if (s, n) == (sweep.stack, input_len)]
+    return given[0] if given else m.request_throughput
 
 
 async def _run_point(

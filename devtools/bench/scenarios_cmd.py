@@ -91,7 +91,8 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _spec(args: argparse.Namespace) -> SweepSpec:
+def sweep_spec(args: argparse.Namespace) -> SweepSpec:
+    """The sweep the parsed scenario flags describe (``ValueError`` naming a bad one)."""
     return SweepSpec(
         input_lens=_ints(args.input_lens),
         fractions=_floats(args.fractions),
@@ -121,7 +122,7 @@ def scenarios_command(args: argparse.Namespace) -> int:
         print(f"error: --stacks: unknown {unknown}, choose from {STACKS}", file=sys.stderr)
         return 2
     try:
-        spec = _spec(args)
+        spec = sweep_spec(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

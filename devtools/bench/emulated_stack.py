@@ -1,0 +1,89 @@
+"""An emulated stack for the scenario sweep: the same P/D (or aggregated) topology as a real
+vLLM group, served by one emulator process (``python -m devstack.emulator``).
+
+Who calls it: :mod:`bench.emulator_accuracy`, which passes :func:`start_emulated` to the
+scenario sweep in place of the real stack's starter, so the sweep, its routers and its load are
+exactly those of the real run. :class:`EmulatedStack` offers what the
+sweep uses of :class:`devstack.stack.Stack`: the model name, the instances of each role, the
+router config, ``stop()``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.routers import pinned
+from bench.scenarios import InstanceGroup
+from devstack.connectors import router_mode
+from devstack.emulator.profile import load_profile
+from devstack.ports import free_port
+from devstack.process import ChildProcess, http_process
+from devstack.stack import PREFILL_CORE
+
+
+@dataclass(frozen=True)
+class EmulatedInstance:
+    name: str
+    url: str
+
+
+class EmulatedStack:
+    """A running emulated group; the caller stops it."""
+
+    def __init__(
+        self, process: ChildProcess, instances: dict[str, Any], group: InstanceGroup, model: str
+    ) -> None:
+        self._process = process
+        self.model_name = model
+        self.mode = router_mode(group.kind)
+        roles = {
+            role: [EmulatedInstance(i["name"], i["url"]) for i in found]
+            for role, found in instances.items()
+        }
+        aggregated = group.topology == "aggregated"
+        self.prefill = [] if aggregated else roles["prefill"]
+        self.decode = [] if aggregated else roles["decode"]
+        self.aggregated = roles["decode"] if aggregated else []
+
+    def router_config(self, with_identity: bool = False) -> dict[str, Any]:
+        """The router config of the real stack's :meth:`devstack.stack.Stack.router_config`
+        (round robin, identities probed)."""
+        del with_identity  # an emulated P answers identity probes like ours
+        return {
+            "models": [self.model_name],
+            "mode": self.mode,
+            "prefill": {"instances": [vars(i) for i in self.prefill], "policy": "round_robin"},
+            "decode": {"instances": [vars(i) for i in self.decode], "policy": "round_robin"},
+            "health": {"interval": 30.0},
+        }
+
+    def stop(self) -> None:
+        self._process.stop()
+
+
+def start_emulated(
+    group: InstanceGroup, work_dir: Path, profile: str = "cpu-tiny", pin_processes: bool = False
+) -> EmulatedStack:
+    """Start ``group``'s topology emulated (one P and one D, or one aggregated engine);
+    ``pin_processes``: the emulator on P's core, as the real instances' processes are pinned."""
+    aggregated = group.topology == "aggregated"
+    mode = router_mode(group.kind)
+    port = free_port()
+    argv = [sys.executable, "-m", "devstack.emulator", "--profile", profile, "--no-kv-events"]
+    argv += ["--prefill", "0" if aggregated else "1", "--decode", "1"]
+    argv += ["--transfer-mode", mode, "--control-port", str(port)]
+    ready = f"http://127.0.0.1:{port}/health"
+    cpus = str(PREFILL_CORE) if pin_processes else None
+    process = http_process("emulator", pinned(argv, cpus), ready, work_dir / "emulator.log")
+    process.start()
+    try:
+        instances = httpx.get(f"http://127.0.0.1:{port}/instances", timeout=10).json()
+    except httpx.HTTPError:
+        process.stop()
+        raise
+    return EmulatedStack(process, instances, group, load_profile(profile).model)

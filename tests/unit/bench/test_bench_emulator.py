@@ -1,0 +1,112 @@
+"""The emulator benchmarks' arithmetic: the profile fit's rows and its non-negative least
+squares, the accuracy comparison's point and ratio errors, the fleet-scale pooling."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.emulator_accuracy import capacity_errors, point_errors, ratio_errors
+from bench.fleet_scale import pooled_runs
+from bench.profile_fit import decode_row, nnls, predicted, prefill_row
+from bench.scenarios import SweepSpec
+
+pytest.importorskip("numpy")
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks() -> None:
+    row = prefill_row(5000, 2048, 0.1)
+    assert (row.steps, row.tokens, row.seqs) == (3, 5000, 3)
+    # chunk i attends to itself and everything before it
+    pairs = sum(n * done + n * (n + 1) // 2 for n, done in ((2048, 0), (2048, 2048), (904, 4096)))
+    assert row.pairs == pairs
+    assert (row.request, row.answer) == (1, 0)
+    assert prefill_row(5000, 2048, 0.1, answer=True).answer == 1
+
+
+def test_a_decode_row_is_one_step_of_the_batch() -> None:
+    row = decode_row(8, 1000.0, 0.004)
+    assert (row.steps, row.tokens, row.seqs, row.context, row.request) == (1, 8, 8, 8000, 0)
+
+
+def test_the_fit_recovers_known_coefficients_and_never_goes_negative() -> None:
+    truth = [0.002, 3e-6, 4e-5, 1e-8, 2e-9, 0.003, 0.004]
+    lengths = (64, 256, 1024, 2048, 4096, 8192)
+    rows = [prefill_row(n, 2048, 0.0, answer) for n in lengths for answer in (False, True)]
+    rows += [decode_row(b, c, 0.0) for b in (1, 4, 16, 32) for c in (160.0, 2080.0)]
+    rows = [r.__class__(**{**vars(r), "seconds": predicted(r, truth)}) for r in rows]
+    fitted = nnls(rows)
+    for got, want in zip(fitted, truth, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+    # a row set that would want a negative coefficient gets it pinned at zero
+    skewed = [
+        r.__class__(**{**vars(r), "seconds": r.seconds * (2 if r.request else 1)}) for r in rows
+    ]
+    assert min(nnls(skewed)) >= 0.0
+
+
+def _row(stack: str, length: int, fraction: float, ttft: float, tpot: float) -> dict[str, object]:
+    metrics = {"mean_ttft_ms": ttft, "mean_tpot_ms": tpot}
+    return {"stack": stack, "input_len": length, "fraction": fraction, "rep": 0, "metrics": metrics}
+
+
+def test_points_and_ratios_compare_the_emulated_run_with_the_real_one() -> None:
+    real = [
+        _row("ours", 512, 0.3, 100.0, 2.0),
+        _row("ours", 512, 0.9, 200.0, 4.0),
+        _row("aggregated", 512, 0.3, 50.0, 2.0),
+    ]
+    emulated = [
+        _row("ours", 512, 0.3, 110.0, 2.0),
+        _row("ours", 512, 0.9, 180.0, 5.0),
+        _row("aggregated", 512, 0.3, 55.0, 1.0),
+    ]
+    points = point_errors(real, emulated)
+    first = points[0]
+    assert first["error_mean_ttft_ms"] == pytest.approx(0.1)
+    assert points[1]["error_mean_tpot_ms"] == pytest.approx(0.25)
+    ratios = {r["ratio"]: r for r in ratio_errors(points, SweepSpec(fractions=(0.3, 0.9)))}
+    loaded = ratios["ours TTFT loaded/light at 512"]
+    assert (loaded["real"], loaded["emulated"]) == pytest.approx((2.0, 180 / 110))
+    assert ratios["TTFT ours/aggregated at 512, 0.3"]["error"] == pytest.approx(0.0)
+
+
+def test_a_point_missing_from_one_run_is_left_out() -> None:
+    real = [_row("ours", 512, 0.3, 100.0, 2.0), _row("ours", 2048, 0.3, 100.0, 2.0)]
+    assert [p["input_len"] for p in point_errors(real, real[:1])] == [512]
+
+
+def test_fleet_scale_pools_the_cpu_of_both_runs_of_a_size() -> None:
+    runs = [
+        {
+            "router_cpu_s": 1.0,
+            "completed": 400,
+            "failed": 0,
+            "router_cpu_ms_per_request": 2.5,
+            "router_rss_mib": 500.0,
+            "indexed_blocks": 10,
+            "mean_ttft_ms": 30.0,
+        },
+        {
+            "router_cpu_s": 1.4,
+            "completed": 400,
+            "failed": 1,
+            "router_cpu_ms_per_request": 3.5,
+            "router_rss_mib": 510.0,
+            "indexed_blocks": 12,
+            "mean_ttft_ms": 40.0,
+        },
+    ]
+    pooled = pooled_runs(runs)
+    assert pooled["router_cpu_ms_per_request"] == pytest.approx(3.0)
+    assert (pooled["completed"], pooled["failed"], pooled["indexed_blocks"]) == (800, 1, 12)
+    assert pooled["router_rss_mib"] == 510.0
+
+
+def test_capacities_are_compared_per_stack_and_input_length() -> None:
+    real = [
+        {"stack": "ours", "input_len": 512, "request_throughput": 20.0},
+        {"stack": "ours", "input_len": 2048, "request_throughput": 10.0},
+    ]
+    emulated = [{"stack": "ours", "input_len": 512, "request_throughput": 25.0}]
+    [only] = capacity_errors(real, emulated)
+    assert (only["input_len"], only["error"]) == (512, pytest.approx(0.25))
