@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from bench.answers_cmd import add_answers_arguments, answers_command
 from bench.binding_cmd import add_bind_arguments, bind_command
+from bench.churn_cmd import add_churn_arguments, churn_command
 from bench.clients import add_clients_arguments, clients_command
 from bench.emulator_accuracy_cmd import (
     add_emulator_accuracy_arguments,
@@ -93,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_fit_profile_arguments(
         sub.add_parser("fit-profile", help="fit the emulator's cpu-tiny profile to real vLLM CPU")
     )
+    add_churn_arguments(
+        sub.add_parser("churn", help="an instance joins or leaves every second under load")
+    )
     add_emulator_accuracy_arguments(
         sub.add_parser(
             "emulator-accuracy", help="the scenario sweep on real vLLM CPU and on the emulator"
@@ -131,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         return fleet_scale_command(args)
     if command == "fit-profile":
         return fit_profile_command(args)
+    if command == "churn":
+        return churn_command(args)
     if command == "emulator-accuracy":
         return emulator_accuracy_command(args)
     raise ValueError(f"unknown bench command: {command}")

@@ -6,12 +6,11 @@ Who calls it: :mod:`bench.cli`. The run and the comparison are :mod:`bench.emula
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
 from bench.emulator_accuracy import run_accuracy
-from bench.results import recorded_command, run_in_work_dir
+from bench.results import recorded_command, run_in_work_dir, write_outputs
 from bench.scenarios_cmd import add_scenarios_arguments, sweep_spec
 
 ACCURACY_STACKS = "ours,aggregated"
@@ -36,11 +35,10 @@ def emulator_accuracy_command(args: argparse.Namespace) -> int:
     if data is None:
         return 1
     data["command"] = recorded_command(sys.argv[1:])
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "emulator-accuracy.json").write_text(json.dumps(data, indent=1) + "\n")
-    markdown = format_report(data)
-    (args.out_dir / "emulator-accuracy.md").write_text(markdown)
-    print(markdown)
+    out = args.out_dir
+    write_outputs(
+        data, format_report(data), out / "emulator-accuracy.json", out / "emulator-accuracy.md"
+    )
     return 0 if not any(data["errors"].values()) else 1
 
 

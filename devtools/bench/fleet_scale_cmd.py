@@ -6,12 +6,11 @@ Who calls it: :mod:`bench.cli`. The run itself is :mod:`bench.fleet_scale`.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from bench.fleet_scale import FleetScaleSpec, run_fleet_scale
-from bench.results import run_in_work_dir
+from bench.results import run_in_work_dir, write_outputs
 
 COMMAND = ".venv/bin/disagg-bench fleet-scale --out-dir docs/benchmarks"
 
@@ -38,11 +37,8 @@ def fleet_scale_command(args: argparse.Namespace) -> int:
     )
     if data is None:
         return 1
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "fleet-scale.json").write_text(json.dumps(data, indent=1) + "\n")
-    markdown = format_report(data)
-    (args.out_dir / "fleet-scale.md").write_text(markdown)
-    print(markdown)
+    out = args.out_dir
+    write_outputs(data, format_report(data), out / "fleet-scale.json", out / "fleet-scale.md")
     return 0
 
 

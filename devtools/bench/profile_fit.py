@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from bench.client import Target
-from devstack.emulator.profile import Profile, StepModel, load_profile
+from devstack.emulator.profile import Profile, StepModel, Transfer, load_profile
 from devstack.stack import StackOptions, start_stack
 from devstack.vllm_server import read_metrics_text
 
@@ -261,5 +261,44 @@ def run_fit(
     return {"spec": asdict(spec), "limits": limits, "profile": profile, "rows": table}
 
 
-def with_source(profile: Profile, source: str) -> Profile:
-    return replace(profile, source=source)
+GPU_BLOCK_SIZE = 128
+"""Block size of a GPU profile: what P/D recipes use (vLLM's default of 16 fragments transfers)."""
+GPU_LINK_BYTES_PER_S = 50e9
+"""A GPU's share of an AWS P5en instance's network (3,200 Gbit/s of EFA for 8 H200s)."""
+GPU_TRANSFER_LATENCY_S = 0.001
+"""Fixed cost of one KV hand-over on GPUs: assumed, not measured here."""
+
+
+def fit_estimates(data: dict[str, Any], name: str, kv_cache_gb: float) -> dict[str, Any]:
+    """A GPU profile fitted to an estimator's rows (:mod:`bench.aiconfigurator_rows`' output):
+    its step model, vLLM's H200 server limits, a KV cache of ``kv_cache_gb``; the fit's rows."""
+    chunk = int(data["max_num_batched_tokens"])
+    rows = [
+        replace(prefill_row(int(r["length"]), chunk, float(r["seconds"])), request=0)
+        if r["kind"] == "prefill"
+        else decode_row(int(r["batch"]), float(r["context"]), float(r["seconds"]))
+        for r in data["rows"]
+    ]
+    coef = nnls(rows)
+    per_token = int(data["kv_bytes_per_token"])
+    profile = Profile(
+        name=name,
+        source="",
+        model=str(data["model"]),
+        block_size=GPU_BLOCK_SIZE,
+        num_blocks=int(kv_cache_gb * 1e9 // (per_token * GPU_BLOCK_SIZE)),
+        max_num_batched_tokens=chunk,
+        max_num_seqs=1024,
+        max_model_len=40960,
+        step=StepModel(**dict(zip(FEATURES, coef[:5], strict=True))),
+        transfer=Transfer(per_token, GPU_LINK_BYTES_PER_S, GPU_TRANSFER_LATENCY_S),
+    )
+    table = [
+        {**asdict(r), "fitted_s": predicted(r, coef), "error": predicted(r, coef) / r.seconds - 1}
+        for r in rows
+    ]
+    return {
+        "estimates": {k: v for k, v in data.items() if k != "rows"},
+        "profile": profile,
+        "rows": table,
+    }

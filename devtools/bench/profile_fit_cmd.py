@@ -1,4 +1,6 @@
-"""``disagg-bench fit-profile``: measure real vLLM CPU, fit, write the profile and the report.
+"""``disagg-bench fit-profile``: fit an emulator profile and write it with its report: to real
+vLLM CPU (measured here), or to a GPU estimator's rows (``--rows``, from
+:mod:`bench.aiconfigurator_rows`).
 
 Who calls it: :mod:`bench.cli`. The measurement and the fit are :mod:`bench.profile_fit`.
 """
@@ -13,73 +15,103 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.profile_fit import FitSpec, run_fit
-from bench.results import recorded_command, run_in_work_dir
+from bench.profile_fit import FitSpec, fit_estimates, run_fit
+from bench.results import recorded_command, run_in_work_dir, write_outputs
 from devstack.emulator.profile import PROFILES_DIR
 
 
 def add_fit_profile_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--profile-out",
-        type=Path,
-        default=PROFILES_DIR / "cpu-tiny.json",
-        help="the profile file written",
-    )
-    parser.add_argument("--out-dir", type=Path, default=Path("."), help="emulator-fit.json/.md")
+    parser.add_argument("--profile-out", type=Path, help="default: profiles/<name>.json")
+    parser.add_argument("--out-dir", type=Path, default=Path("."), help="emulator-fit*.json/.md")
     parser.add_argument(
         "--pin-processes",
         action="store_true",
         help="the instance's whole process on one core (as scenarios --pin-processes runs it)",
     )
+    parser.add_argument("--rows", type=Path, help="fit these estimator rows instead of vLLM CPU")
+    parser.add_argument("--name", default="cpu-tiny", help="the profile's name")
+    parser.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=61.0,
+        help="with --rows: KV cache per instance (H200: 0.9 x 141 GB less 65.5 GB of BF16 weights)",
+    )
     parser.add_argument("--work-dir", type=Path, help="model, logs (default: a temp dir)")
 
 
 def fit_profile_command(args: argparse.Namespace) -> int:
-    data = run_in_work_dir(
-        lambda folder: run_fit(FitSpec(), folder, pin_processes=args.pin_processes),
-        args.work_dir,
-        "disagg-fit-",
-    )
-    if data is None:
-        return 1
     today = datetime.date.today().isoformat()
-    command = f"flock /tmp/vllm-e2e.lock .venv/bin/{recorded_command(sys.argv[1:])}"
+    if args.rows is not None:
+        data = fit_estimates(json.loads(args.rows.read_text()), args.name, args.kv_cache_gb)
+        command = f".venv/bin/{recorded_command(sys.argv[1:])}"
+        source = _estimate_source(data["estimates"], command, today, args.kv_cache_gb)
+        report = f"emulator-fit-{args.name}"
+    else:
+        found = run_in_work_dir(
+            lambda folder: run_fit(FitSpec(), folder, pin_processes=args.pin_processes),
+            args.work_dir,
+            "disagg-fit-",
+        )
+        if found is None:
+            return 1
+        data = found
+        command = f"flock /tmp/vllm-e2e.lock .venv/bin/{recorded_command(sys.argv[1:])}"
+        source = _cpu_source(command, today, args.pin_processes)
+        report = "emulator-fit"
     data["command"] = command
-    source = (
-        f"Fitted by `{command}` on {today} to one vLLM CPU instance of the devstack tiny model "
-        f"(compiled, VLLM_CPU_KVCACHE_SPACE=1 GiB; whole process on one core: "
-        f"{args.pin_processes}): docs/benchmarks/emulator-fit.md "
-        "lists every measurement beside the fit. Transfer: the connector path of "
-        "docs/benchmarks/transfer.json (disagg-bench transfer); a P and a D meeting for the "
-        "first time cost nothing extra (handshake_s 0: not measured here)."
-    )
     profile = replace(data["profile"], source=source)
-    args.profile_out.write_text(profile.to_json())
+    (args.profile_out or PROFILES_DIR / f"{args.name}.json").write_text(profile.to_json())
     data["profile"] = asdict(profile)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "emulator-fit.json").write_text(json.dumps(data, indent=1) + "\n")
-    markdown = format_report(data)
-    (args.out_dir / "emulator-fit.md").write_text(markdown)
-    print(markdown)
+    out = args.out_dir
+    write_outputs(data, format_report(data), out / f"{report}.json", out / f"{report}.md")
     return 0
 
 
+def _cpu_source(command: str, today: str, pinned: bool) -> str:
+    return (
+        f"Fitted by `{command}` on {today} to one vLLM CPU instance of the devstack tiny model "
+        f"(compiled, VLLM_CPU_KVCACHE_SPACE=1 GiB; whole process on one core: {pinned}): "
+        "docs/benchmarks/emulator-fit.md lists every measurement beside the fit. Transfer: the "
+        "connector path of docs/benchmarks/transfer.json (disagg-bench transfer); a P and a D "
+        "meeting for the first time cost nothing extra (handshake_s 0: not measured here)."
+    )
+
+
+def _estimate_source(estimates: dict[str, Any], command: str, today: str, kv_gb: float) -> str:
+    return (
+        f"Fitted by `{command}` on {today} to {estimates['estimator']}'s step-time estimates "
+        f"for {estimates['model']} on {estimates['system']} ({estimates['backend']}, TP "
+        f"{estimates['tp']}; rows by devtools/bench/aiconfigurator_rows.py). KV cache {kv_gb:g} "
+        "GB per instance, block size 128 (P/D recipes), vLLM's H200 server limits (8192 batched "
+        "tokens, 1024 sequences). Transfer: 50 GB/s, a GPU's share of an AWS P5en's 3,200 "
+        "Gbit/s EFA, and 1 ms per hand-over (assumed). No request or answer overhead (the "
+        "estimator models the GPU only)."
+    )
+
+
 def format_report(data: dict[str, Any]) -> str:
-    step = data["profile"]["step"]
+    """The report: how the rows were made, the coefficients, every row beside the fit."""
+    profile = data["profile"]
+    how = (
+        "Rows: the estimator's step time of one prefill alone and of one decode step of b "
+        "sequences of context c."
+        if "estimates" in data
+        else "Prefill rows: time to first token of one request alone (median); answer rows: "
+        "the whole one-token JSON answer instead; decode rows: the instance's mean inter-token "
+        "latency while b copies of one cached prompt of c tokens decode together."
+    )
     lines = [
-        "# The `cpu-tiny` emulator profile, fitted to vLLM CPU",
+        f"# The `{profile['name']}` emulator profile",
         "",
-        f"Produced by `{data['command']}`. Prefill rows: time to first token of one request "
-        "alone (median); answer rows: the whole one-token JSON answer instead; decode rows: "
-        "the instance's mean inter-token latency while b copies of one "
-        "cached prompt of c tokens decode together. Fit: non-negative least squares on relative "
+        f"Produced by `{data['command']}`. {how} Fit: non-negative least squares on relative "
         "error.",
         "",
         "Coefficients: "
-        + ", ".join(f"`{k}` {v:.3g}" for k, v in step.items())
-        + f", `request_overhead_s` {data['profile']['request_overhead_s']:.3g}, "
-        f"`answer_overhead_s` {data['profile']['answer_overhead_s']:.3g}; limits read "
-        f"from the instance: {json.dumps(data['limits'])}.",
+        + ", ".join(f"`{k}` {v:.3g}" for k, v in profile["step"].items())
+        + f", `request_overhead_s` {profile['request_overhead_s']:.3g}, "
+        f"`answer_overhead_s` {profile['answer_overhead_s']:.3g}; limits: "
+        f"{profile['max_num_batched_tokens']} batched tokens, {profile['max_num_seqs']} "
+        f"sequences, {profile['num_blocks']} blocks of {profile['block_size']}.",
         "",
         "| row | measured ms | fitted ms | error |",
         "| --- | --- | --- | --- |",

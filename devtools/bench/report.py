@@ -224,6 +224,7 @@ EMULATOR_KEYS = ("emulator_cpu_point_error_max", "emulator_cpu_ratio_error_max")
 """summary.json keys of ``disagg-bench emulator-accuracy`` (emulator-accuracy.md)."""
 
 FLEET_KEYS = ("router_cpu_per_request_32p32d_over_1p1d",)
+CHURN_KEYS = ("churn_failed_requests",)
 """summary.json keys of ``disagg-bench fleet-scale`` (emulated fleets; fleet-scale.md)."""
 
 
@@ -261,6 +262,7 @@ RESULT_SOURCES = (
     ResultSource("tenants.json", TENANT_KEYS, "disagg-bench tenants"),
     ResultSource("emulator-accuracy.json", EMULATOR_KEYS, "disagg-bench emulator-accuracy"),
     ResultSource("fleet-scale.json", FLEET_KEYS, "disagg-bench fleet-scale"),
+    ResultSource("churn.json", CHURN_KEYS, "disagg-bench churn"),
 )
 """The benchmarks whose summaries report.py copies into summary.json, in order."""
 

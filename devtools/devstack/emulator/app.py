@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from devstack.emulator.engine import Engine, Outlet
+from devstack.emulator.engine import KILLED, Engine, Outlet
 from devstack.emulator.scheduler import GENERATED_TOKEN_ID, Role, Seq
 from devstack.emulator.tokens import Tokens
 from devstack.fakes.bodies import whole_answer
@@ -42,6 +42,11 @@ from disagg_router.connector.errors import ContractError
 from disagg_router.router.upstream.sse import DONE, encode_data
 
 DEFAULT_MAX_TOKENS = 16
+
+
+class _Killed(Exception):
+    """Raised in a handler of a killed engine: the server drops the connection, as a dead
+    process's would be."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,8 @@ def create_app(engine: Engine, identity: Identity, tokens: Tokens) -> FastAPI:
         return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids})
 
     async def generate(request: Request, chat: bool) -> Response:
+        if engine.dead:
+            raise _Killed
         try:
             body = await request.json()
         except ValueError:
@@ -242,6 +249,8 @@ async def _answer(
         ended.cancel()
         engine.abort(leg.seq)
         return _error(499, "client disconnected")
+    if outlet.error == KILLED:
+        raise _Killed
     if outlet.error is not None:
         return _error(500, f"KV transfer failed: {outlet.error}")
     await engine.sleep(engine.profile.answer_overhead_s)
@@ -260,7 +269,12 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return encode_data(json.dumps(payload, separators=(",", ":")))
 
 
-def _chunk(leg: _Leg, model: str, text: str | None, index: int | None, last: bool) -> bytes:
+def _chunk(
+    leg: _Leg, model: str, text: str | None, index: int | None, last: bool, first: bool
+) -> bytes:
+    """One stream chunk carrying the token ``index`` (None: a chat's role chunk); with
+    ``return_token_ids`` its token's id, and on the ``first`` chunk the prompt's ids where vLLM
+    puts them (a chat's on the chunk, a completion's on its choice)."""
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
     if leg.chat:
         delta: dict[str, Any] = {} if index is not None else {"role": "assistant"}
@@ -272,15 +286,20 @@ def _chunk(leg: _Leg, model: str, text: str | None, index: int | None, last: boo
     if last:
         choice["finish_reason"] = "length"
     choice["stop_reason"] = None
-    if leg.body.get("return_token_ids") is True and index is not None:
-        choice["token_ids"] = [GENERATED_TOKEN_ID + index]
-    out = {
+    out: dict[str, Any] = {
         "id": leg.id,
         "object": "chat.completion.chunk" if leg.chat else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
     }
+    if leg.body.get("return_token_ids") is True:
+        choice["token_ids"] = [] if index is None else [GENERATED_TOKEN_ID + index]
+        prompt = leg.seq.tokens[: leg.seq.prompt_len] if first else None
+        if leg.chat and prompt is not None:
+            out["prompt_token_ids"] = prompt
+        elif not leg.chat:
+            choice["prompt_token_ids"] = prompt
     return _sse(out)
 
 
@@ -292,12 +311,15 @@ async def _stream(
     done = False
     try:
         if leg.chat:
-            yield _chunk(leg, model, "", None, last=False)
+            yield _chunk(leg, model, "", None, last=False, first=True)
         n = 0
         while (index := await outlet.queue.get()) is not None:
             n += 1
-            yield _chunk(leg, model, _text(index), index, n == leg.seq.max_tokens)
+            last = n == leg.seq.max_tokens
+            yield _chunk(leg, model, _text(index), index, last, first=n == 1 and not leg.chat)
         done = True
+        if outlet.error == KILLED:
+            raise _Killed
         if outlet.error is not None:
             yield _sse({"error": {"message": outlet.error, "type": "InternalServerError"}})
             return

@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 EventSink = Callable[[list[KvEvent]], None]
 
 
-class KvTransferFailed(Exception):
-    """A D leg's KV never came (its P was unknown, gone, or let the lease pass)."""
+KILLED = "the engine was killed"
+"""The error of every request of an engine that :meth:`Engine.kill` ended."""
 
 
 @dataclass
@@ -82,6 +82,7 @@ class Engine:
         self._events = events
         self._outlets: dict[Seq, Outlet] = {}
         self._wake = asyncio.Event()
+        self.dead = False
         fabric.join(self)
 
     def submit(self, seq: Seq) -> Outlet:
@@ -117,6 +118,16 @@ class Engine:
         """D leg ``seq`` has its KV: it decodes from the next step."""
         self.scheduler.kv_arrived(seq)
         self._wake.set()
+
+    def kill(self) -> list[str]:
+        """The engine's process died: every request here ends at once with :data:`KILLED` (its
+        handler drops the connection) and none is taken any more; their request ids."""
+        self.dead = True
+        seqs = list(self._outlets)
+        for seq in seqs:
+            self.fabric.forget(self, seq)
+            self.fail(seq, KILLED)
+        return sorted({seq.rid for seq in seqs})
 
     def fail(self, seq: Seq, reason: str) -> None:
         """End ``seq`` with an error its handler answers."""

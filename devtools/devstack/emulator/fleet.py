@@ -26,6 +26,7 @@ import msgspec
 import uvicorn
 import zmq.asyncio
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -56,7 +57,8 @@ class FleetSpec:
     kv_events: bool = True
     control_port: int | None = None
     """Serve the fleet's own routes here: ``/health`` (every engine serving), ``/instances``
-    (:meth:`Fleet.instances` of both roles) and ``/stats`` (:meth:`Fleet.stats`)."""
+    (:meth:`Fleet.instances` of both roles), ``/stats`` (:meth:`Fleet.stats`), ``POST
+    /members/{role}`` (:meth:`Fleet.add`) and ``DELETE /members/{name}`` (:meth:`Fleet.kill`)."""
 
 
 @dataclass
@@ -86,6 +88,9 @@ class Fleet:
         self._servers: list[asyncio.Task[None]] = []
         self._ctx: zmq.asyncio.Context | None = None
         self._control: uvicorn.Server | None = None
+        self._gone: list[Member] = []  # killed members, closed with the rest at stop()
+        self._names: dict[Role, int] = {"prefill": -1, "decode": -1}
+        self._tokens = Tokens(None)
 
     def start(self) -> Fleet:
         self._thread.start()
@@ -118,6 +123,10 @@ class Fleet:
             return fn()
 
         return self._run(on_loop(), timeout=30.0)
+
+    def call_coroutine(self, work: Coroutine[Any, Any, T]) -> T:
+        """Await ``work`` on the fleet's loop (e.g. :meth:`add`) and return its value."""
+        return self._run(work, timeout=30.0)
 
     def instances(self, role: Role) -> list[dict[str, Any]]:
         """The router's config entries of ``role``'s instances (with their event endpoints)."""
@@ -159,6 +168,8 @@ class Fleet:
                 Route("/health", lambda _: Response(status_code=200)),
                 Route("/instances", lambda _: JSONResponse(self._both_roles())),
                 Route("/stats", lambda _: JSONResponse(self.stats())),
+                Route("/members/{role}", self._add_route, methods=["POST"]),
+                Route("/members/{name}", self._kill_route, methods=["DELETE"]),
             ]
         )
         config = uvicorn.Config(
@@ -168,6 +179,40 @@ class Fleet:
         self._control = server
         self._servers.append(self._spawn(server.serve, "control http", False))
 
+    async def _add_route(self, request: Request) -> Response:
+        role = request.path_params["role"]
+        if role not in ("prefill", "decode"):
+            return JSONResponse({"error": f"no role {role!r}"}, status_code=404)
+        return JSONResponse(await self.add(role))
+
+    async def _kill_route(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if not any(m.name == name for m in self.members):
+            return JSONResponse({"error": f"no member {name!r}"}, status_code=404)
+        return JSONResponse({"in_flight": self.kill(name)})
+
+    async def add(self, role: Role) -> dict[str, Any]:
+        """Start one more engine of ``role`` (on the fleet's loop); its router config entry."""
+        self._names[role] += 1
+        member = await self._member(role, f"{role[0]}{self._names[role]}", self._tokens)
+        deadline = time.monotonic() + 30.0
+        while not member.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"emulated engine {member.name} did not start")
+            await asyncio.sleep(0.01)
+        self.members.append(member)
+        return next(e for e in self.instances(role) if e["name"] == member.name)
+
+    def kill(self, name: str) -> list[str]:
+        """Kill engine ``name`` as a process dies (on the fleet's loop): its requests end with
+        their connections dropped, it answers nothing more, and it leaves :attr:`members`; the
+        ids of the requests it had."""
+        member = next(m for m in self.members if m.name == name)
+        self.members.remove(member)
+        self._gone.append(member)
+        member.server.should_exit = True
+        return member.engine.kill()
+
     def _both_roles(self) -> dict[str, Any]:
         return {"prefill": self.instances("prefill"), "decode": self.instances("decode")}
 
@@ -175,7 +220,7 @@ class Fleet:
         return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout=timeout)
 
     async def _start(self) -> None:
-        tokens = Tokens(self.spec.tokenizer_dir)
+        tokens = self._tokens = Tokens(self.spec.tokenizer_dir)
         self._ctx = zmq.asyncio.Context() if self.spec.kv_events else None
         roles: list[tuple[Role, int]] = [
             ("prefill", self.spec.prefill),
@@ -184,6 +229,7 @@ class Fleet:
         for role, count in roles:
             for i in range(count):
                 self.members.append(await self._member(role, f"{role[0]}{i}", tokens))
+            self._names[role] = count - 1
         if self.spec.control_port is not None:
             self._serve_control(self.spec.control_port)
         deadline = time.monotonic() + 30.0
@@ -242,6 +288,7 @@ class Fleet:
     async def _stop(self) -> None:
         for m in self.members:
             m.server.should_exit = True
+        self.members += self._gone
         if self._control is not None:
             self._control.should_exit = True
         if self._servers:

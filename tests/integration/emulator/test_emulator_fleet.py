@@ -5,6 +5,7 @@ back to the P that caches it, and when the load is over no engine holds a block.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -126,3 +127,44 @@ def _shared_blocks(fleet: Fleet, prompt: str) -> int:
 def _indexed_blocks(url: str) -> int:
     state = httpx.get(f"{url}/ready", timeout=5).json()["kv_events"]["tiny"]
     return sum(s["blocks"] for name, s in state["instances"].items() if name.startswith("p"))
+
+
+def _running(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_killed_engine_drops_its_streams_and_a_joined_one_serves() -> None:
+    slow = replace(
+        load_profile("cpu-tiny"), step=replace(load_profile("cpu-tiny").step, base_s=0.05)
+    )
+    with Fleet(FleetSpec(slow, 0, 1, kv_events=False)) as fleet:
+        [entry] = fleet.instances("decode")
+        errors: list[BaseException] = []
+
+        def stream() -> None:
+            body = {"prompt": [5] * 64, "max_tokens": 200, "stream": True}
+            headers = {"x-request-id": "doomed"}
+            try:
+                with httpx.stream(
+                    "POST", f"{entry['url']}/v1/completions", json=body, headers=headers, timeout=30
+                ) as response:
+                    for _ in response.iter_lines():
+                        pass
+            except httpx.HTTPError as exc:
+                errors.append(exc)
+
+        client = threading.Thread(target=stream)
+        client.start()
+        wait_until(lambda: _running(entry["url"]) == 1.0, what="the stream decoding")
+        assert fleet.call(lambda: fleet.kill(entry["name"])) == ["doomed"]
+        client.join(timeout=30)
+        assert errors and isinstance(errors[0], httpx.RemoteProtocolError)
+        joined = fleet.call_coroutine(fleet.add("decode"))
+        assert joined["name"] == "d1"
+        answer = httpx.post(
+            f"{joined['url']}/v1/completions", json={"prompt": [5] * 8, "max_tokens": 2}, timeout=30
+        )
+        assert answer.status_code == 200
+        assert [m["name"] for m in fleet.instances("decode")] == ["d1"]

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from bench.churn import Churn, ChurnSpec, Outcome, churn_result
 from bench.emulator_accuracy import capacity_errors, point_errors, ratio_errors
 from bench.fleet_scale import pooled_runs
-from bench.profile_fit import decode_row, nnls, predicted, prefill_row
+from bench.profile_fit import decode_row, fit_estimates, nnls, predicted, prefill_row
 from bench.scenarios import SweepSpec
 
 pytest.importorskip("numpy")
@@ -110,3 +111,44 @@ def test_capacities_are_compared_per_stack_and_input_length() -> None:
     emulated = [{"stack": "ours", "input_len": 512, "request_throughput": 25.0}]
     [only] = capacity_errors(real, emulated)
     assert (only["input_len"], only["error"]) == (512, pytest.approx(0.25))
+
+
+def test_a_gpu_profile_is_fitted_to_estimator_rows() -> None:
+    truth = [0.018, 6e-5, 0.0, 5e-8, 1.2e-8, 0.0, 0.0]
+    rows = [
+        {"kind": "prefill", "length": n, "seconds": predicted(prefill_row(n, 8192, 0.0), truth)}
+        for n in (128, 1024, 4096, 8192)
+    ] + [
+        {
+            "kind": "decode",
+            "batch": b,
+            "context": c,
+            "seconds": predicted(decode_row(b, c, 0.0), truth),
+        }
+        for b in (1, 32, 128)
+        for c in (1024, 16384)
+    ]
+    estimates = {"model": "m", "max_num_batched_tokens": 8192, "kv_bytes_per_token": 262144}
+    fitted = fit_estimates({**estimates, "rows": rows}, "gpu", kv_cache_gb=61.0)
+    profile = fitted["profile"]
+    assert profile.step.base_s == pytest.approx(0.018, rel=1e-6)
+    assert profile.step.per_attention_pair_s == pytest.approx(1.2e-8, rel=1e-6)
+    assert profile.num_blocks == int(61e9 // (262144 * 128))
+    assert profile.transfer.bytes_per_token == 262144
+    assert all(abs(r["error"]) < 1e-6 for r in fitted["rows"])
+
+
+def test_churn_counts_only_failures_no_killed_instance_explains() -> None:
+    outcomes = [
+        Outcome(True, "a"),
+        Outcome(False, "b", "stream ended without [DONE]"),
+        Outcome(False, "c", "status 502"),
+        Outcome(False, None, "ConnectError"),
+    ]
+    churn = Churn(killed=[("d1", ["b", "x"]), ("p2", [])], joined=["d4"])
+    result = churn_result(ChurnSpec(seconds=1.0), outcomes, churn)
+    assert (result["requests"], result["completed"]) == (4, 1)
+    assert result["failed_on_killed_instances"] == 1
+    assert result["summary"]["churn_failed_requests"] == 2
+    assert [o["request_id"] for o in result["unexplained"]] == ["c", None]
+    assert (result["kills"], result["joins"], result["requests_in_flight_at_kills"]) == (2, 1, 2)

@@ -78,3 +78,11 @@ def test_a_profile_missing_a_field_is_refused() -> None:
     del data["num_blocks"]
     with pytest.raises(TypeError, match="num_blocks"):
         profile_from_mapping(data)
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny", "h200-qwen3-32b-tp1"])
+def test_every_committed_profile_loads_and_says_where_it_comes_from(name: str) -> None:
+    profile = load_profile(name)
+    assert profile.name == name
+    assert profile.source.startswith("Fitted by")
+    assert profile.step.seconds(tokens=1, seqs=1, context=0, pairs=1) > 0
