@@ -18,7 +18,6 @@ import asyncio
 import os
 import random
 import signal
-import sys
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -28,10 +27,12 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.routers import our_router, pinned
+from bench.emulated_stack import emulator_process, fleet_instances
+from bench.overhead import cpu_split
+from bench.routers import our_router
 from devstack.emulator.profile import load_profile
 from devstack.ports import free_ports
-from devstack.process import ChildProcess, http_process
+from devstack.process import ChildProcess
 
 
 @dataclass(frozen=True)
@@ -146,16 +147,20 @@ def run_churn(spec: ChurnSpec, work: Path) -> dict[str, Any]:
     model = load_profile(spec.profile).model
     control_port, router_port = free_ports(2)
     control = f"http://127.0.0.1:{control_port}"
+    fleet_cpus, router_cpus = cpu_split(pin=True)
     with ExitStack() as stack:
-        argv = [sys.executable, "-m", "devstack.emulator", "--profile", spec.profile]
-        argv += ["--prefill", str(spec.size), "--decode", str(spec.size), "--no-kv-events"]
-        argv += ["--control-port", str(control_port)]
-        fleet = http_process("fleet", pinned(argv, "0"), f"{control}/health", work / "fleet.log")
-        stack.enter_context(fleet)
-        instances = httpx.get(f"{control}/instances", timeout=10).json()
-        router = stack.enter_context(
-            our_router(_config(instances, model), router_port, work, cpus="1")
+        fleet = emulator_process(
+            prefill=spec.size,
+            decode=spec.size,
+            control_port=control_port,
+            log=work / "fleet.log",
+            profile=spec.profile,
+            cpus=fleet_cpus,
+            kv_events=False,
         )
+        stack.enter_context(fleet)
+        config = _config(fleet_instances(control_port), model)
+        router = stack.enter_context(our_router(config, router_port, work, cpus=router_cpus))
         config_path = work / f"router-{router_port}.yaml"
         url = f"http://127.0.0.1:{router_port}"
         outcomes, churn = asyncio.run(_both(url, control, config_path, router, model, spec))

@@ -3,9 +3,10 @@ vLLM group, served by one emulator process (``python -m devstack.emulator``).
 
 Who calls it: :mod:`bench.emulator_accuracy`, which passes :func:`start_emulated` to the
 scenario sweep in place of the real stack's starter, so the sweep, its routers and its load are
-exactly those of the real run. :class:`EmulatedStack` offers what the
-sweep uses of :class:`devstack.stack.Stack`: the model name, the instances of each role, the
-router config, ``stop()``.
+exactly those of the real run; :mod:`bench.fleet_scale` and :mod:`bench.churn` start their fleets
+with :func:`emulator_process` and read them with :func:`fleet_instances`.
+:class:`EmulatedStack` offers what the sweep uses of :class:`devstack.stack.Stack`: the model
+name, the instances of each role, the router config, ``stop()``.
 """
 
 from __future__ import annotations
@@ -66,23 +67,56 @@ class EmulatedStack:
         self._process.stop()
 
 
+def emulator_process(
+    *,
+    prefill: int,
+    decode: int,
+    control_port: int,
+    log: Path,
+    profile: str = "cpu-tiny",
+    cpus: str | None = None,
+    transfer_mode: str = "push",
+    kv_events: bool = True,
+) -> ChildProcess:
+    """An unstarted ``python -m devstack.emulator`` fleet on ``cpus`` (``taskset`` list; None:
+    unpinned), ready once its control port answers ``/health``."""
+    argv = [sys.executable, "-m", "devstack.emulator", "--profile", profile]
+    argv += ["--prefill", str(prefill), "--decode", str(decode)]
+    argv += ["--transfer-mode", transfer_mode, "--control-port", str(control_port)]
+    if not kv_events:
+        argv.append("--no-kv-events")
+    ready = f"http://127.0.0.1:{control_port}/health"
+    return http_process("emulator", pinned(argv, cpus), ready, log, ready_timeout_s=60.0)
+
+
+def fleet_instances(control_port: int) -> dict[str, list[dict[str, Any]]]:
+    """The router config entries of a running fleet's instances, by role."""
+    found: dict[str, list[dict[str, Any]]] = httpx.get(
+        f"http://127.0.0.1:{control_port}/instances", timeout=10
+    ).json()
+    return found
+
+
 def start_emulated(
     group: InstanceGroup, work_dir: Path, profile: str = "cpu-tiny", pin_processes: bool = False
 ) -> EmulatedStack:
     """Start ``group``'s topology emulated (one P and one D, or one aggregated engine);
     ``pin_processes``: the emulator on P's core, as the real instances' processes are pinned."""
     aggregated = group.topology == "aggregated"
-    mode = router_mode(group.kind)
     port = free_port()
-    argv = [sys.executable, "-m", "devstack.emulator", "--profile", profile, "--no-kv-events"]
-    argv += ["--prefill", "0" if aggregated else "1", "--decode", "1"]
-    argv += ["--transfer-mode", mode, "--control-port", str(port)]
-    ready = f"http://127.0.0.1:{port}/health"
-    cpus = str(PREFILL_CORE) if pin_processes else None
-    process = http_process("emulator", pinned(argv, cpus), ready, work_dir / "emulator.log")
+    process = emulator_process(
+        prefill=0 if aggregated else 1,
+        decode=1,
+        control_port=port,
+        log=work_dir / "emulator.log",
+        profile=profile,
+        cpus=str(PREFILL_CORE) if pin_processes else None,
+        transfer_mode=router_mode(group.kind),
+        kv_events=False,
+    )
     process.start()
     try:
-        instances = httpx.get(f"http://127.0.0.1:{port}/instances", timeout=10).json()
+        instances = fleet_instances(port)
     except httpx.HTTPError:
         process.stop()
         raise

@@ -15,7 +15,6 @@ figure pools both of its runs.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
@@ -27,13 +26,15 @@ import psutil
 
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
+from bench.emulated_stack import emulator_process, fleet_instances
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import rounded_ratio
+from bench.overhead import cpu_split
 from bench.results import metrics_to_dict
-from bench.routers import our_router, pinned
+from bench.routers import our_router
 from devstack.emulator.profile import load_profile
 from devstack.ports import free_ports
-from devstack.process import ChildProcess, group_cpu_seconds, http_process
+from devstack.process import group_cpu_seconds
 from devstack.tiny_model import make_tiny_model
 
 
@@ -50,16 +51,6 @@ class FleetScaleSpec:
     output_len: int = 16
     profile: str = "cpu-tiny"
     ready_timeout_s: float = 180.0
-
-
-def _fleet(
-    size: int, spec: FleetScaleSpec, port: int, logs: Path, cpus: str | None
-) -> ChildProcess:
-    argv = [sys.executable, "-m", "devstack.emulator", "--profile", spec.profile]
-    argv += ["--prefill", str(size), "--decode", str(size), "--control-port", str(port)]
-    ready = f"http://127.0.0.1:{port}/health"
-    log = logs / f"fleet-{size}.log"
-    return http_process("fleet", pinned(argv, cpus), ready, log, ready_timeout_s=60.0)
 
 
 def _router_config(instances: dict[str, Any], model: str, tokenizer: Path) -> dict[str, Any]:
@@ -98,21 +89,23 @@ def _rss_mib(pid: int) -> float:
     return sum(p.memory_info().rss for p in procs) / 2**20
 
 
-def _split_cpus() -> tuple[str | None, str | None]:
-    n = psutil.cpu_count() or 1
-    return ("0", str(n - 1)) if n >= 2 else (None, None)
-
-
 def run_point(size: int, spec: FleetScaleSpec, work: Path) -> dict[str, Any]:
     """One size: start the fleet and the router, load them, stop them; the point's figures."""
     model = load_profile(spec.profile).model
     tokenizer = make_tiny_model(work / "tiny")
-    fleet_cpus, router_cpus = _split_cpus()
+    fleet_cpus, router_cpus = cpu_split(pin=True)
     control, router_port = free_ports(2)
     with ExitStack() as stack:
-        stack.enter_context(_fleet(size, spec, control, work, fleet_cpus))
-        instances = httpx.get(f"http://127.0.0.1:{control}/instances", timeout=10).json()
-        config = _router_config(instances, model, tokenizer)
+        fleet = emulator_process(
+            prefill=size,
+            decode=size,
+            control_port=control,
+            log=work / f"fleet-{size}.log",
+            profile=spec.profile,
+            cpus=fleet_cpus,
+        )
+        stack.enter_context(fleet)
+        config = _router_config(fleet_instances(control), model, tokenizer)
         router = stack.enter_context(
             our_router(config, router_port, work, spec.ready_timeout_s, cpus=router_cpus)
         )

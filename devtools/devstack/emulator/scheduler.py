@@ -130,6 +130,7 @@ class Scheduler:
         self.waiting.appendleft(seq)  # it came before every request still waiting
 
     def has_work(self) -> bool:
+        """Whether a request is running or waiting (a caller stepping by hand stops when not)."""
         return bool(self.running or self.waiting)
 
     def _end(self, seq: Seq) -> None:
