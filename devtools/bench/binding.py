@@ -4,18 +4,20 @@ every point computes its prompts anew).
 
 Who calls it: ``disagg-bench bind`` (:mod:`bench.binding_cmd`; wrap it in ``flock
 /tmp/vllm-e2e.lock``). The stack: P on core 0, both Ds on core 1, D's KV cache cut to
-``d_prompts`` prompts' worth of blocks (``--num-gpu-blocks-override``) so that eager binding,
-which holds D's blocks from arrival, runs it full while P's queue is long. P's capacity (prompts
-per second) is measured first; the light point offers ``light_fraction`` of it, the loaded
+``d_prompts`` requests' worth of blocks (``--num-gpu-blocks-override``) so that eager binding,
+which holds D's blocks from arrival, runs it full while P's queue is long. The stack's capacity
+is measured first (a burst through a just-in-time router: with D's cache that small, D's KV and
+P's prefills limit it about equally); the light point offers ``light_fraction`` of it, the loaded
 (D-KV-bound) point ``loaded_fraction``. For each repetition and load the modes run in turn (a
 fresh router each, P's speed learned from ``warmups`` requests first). Per point: the client's
 TTFT and TPOT, the goodput (completed requests per second within both SLOs, which are set from
 this run's light eager medians), D's unwritten block-seconds (our connector's
 ``disagg_push_unwritten_block_seconds_total`` on both Ds), P's wait for D's registration
 (``disagg_push_wait_for_registration_seconds``), how the router bound D, its prediction error,
-and D's KV usage sampled over time (for the plot). Pull mode is not run here: vLLM's NIXL
-connector keeps a core busy per instance (nixl 1.5.1's progress thread), and three such
-instances starve this 2-core machine.
+and D's KV usage sampled over time (for the plot). The pull comparison (:func:`_compare_with_pull`)
+runs on two more 1P2D stacks, both with NIXL's busy progress thread (vLLM's NIXL connector
+always runs one, nixl 1.5.1's, per instance): pull over vLLM's ``NixlConnector``, and just in
+time on our connector with the thread turned on.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from devstack.ports import free_port
 from devstack.stack import Stack, StackOptions, start_stack
 
 BINDS = ("eager", "just_in_time", "adaptive")
+PULL = "pull"
+JIT_SPIN = "just_in_time-spin"
+"""Just in time on our connector with NIXL's busy progress thread on (the pull comparison)."""
 BLOCK_SIZE = 128
 """vLLM CPU's default KV block size, in tokens."""
 _SAMPLE_S = 0.25
@@ -51,13 +56,15 @@ _SAMPLE_S = 0.25
 class BindSpec:
     """What ``disagg-bench bind`` runs."""
 
-    input_len: int = 8000
+    input_len: int = 4000
     output_len: int = 64
-    d_prompts: int = 3
+    d_prompts: int = 1
     """D's KV cache holds this many whole requests (prompt and output)."""
     requests: int = 40
+    capacity_requests: int = 16
+    """Requests sent at once through a just-in-time router to measure the stack's capacity."""
     light_fraction: float = 0.3
-    loaded_fraction: float = 0.9
+    loaded_fraction: float = 0.8
     repetitions: int = 2
     warmups: int = 3
     ttft_slo_factor: float = 3.0
@@ -66,13 +73,15 @@ class BindSpec:
     """TPOT SLO: this times the light eager median TPOT of the run."""
     point_time_limit_s: float = 300.0
     seed: int = 0
+    pull: bool = True
+    """Also compare with pull at the loaded point (two more stacks: :func:`_compare_with_pull`)."""
 
     @property
     def d_blocks(self) -> int:
-        """Each D's KV cache in blocks: ``d_prompts`` requests, and at least one max-length
-        request (vLLM refuses to start with less)."""
+        """Each D's KV cache in blocks: ``d_prompts`` requests (at least one max-length request:
+        vLLM refuses to start with less) and vLLM's null block."""
         per_request = math.ceil((self.input_len + self.output_len) / BLOCK_SIZE) + 1
-        return max(self.d_prompts, 2) * per_request
+        return max(self.d_prompts, 1) * per_request + 1
 
 
 @dataclass
@@ -105,32 +114,54 @@ class Point:
 
 
 def run_bind_benchmark(spec: BindSpec, work_dir: Path) -> dict[str, Any]:
-    """Start the stack, run every point, stop the stack; the result (see :func:`summarize`)."""
+    """Run every point on our 1P2D stack, then (``spec.pull``) the pull comparison on two more
+    stacks; the result (see :func:`summarize`)."""
+    with _started(spec, work_dir, "ours") as stack:
+        capacity, points = asyncio.run(_run(spec, stack, work_dir))
+    pull_capacity = None
+    if spec.pull:
+        pull_capacity, more = _compare_with_pull(spec, work_dir)
+        points += more
+    return summarize(spec, capacity, points, pull_capacity)
+
+
+@contextmanager
+def _started(spec: BindSpec, work_dir: Path, kind: str, spin: bool = False) -> Iterator[Stack]:
+    """A 1P2D stack of connector ``kind`` (``spin``: our connector with NIXL's busy progress
+    thread, as vLLM's connectors always run it), D's KV cut to ``spec.d_blocks``, warmed up."""
     per_d = ["--num-gpu-blocks-override", str(spec.d_blocks)] if spec.d_prompts else []
     options = StackOptions(
-        kind="ours",
+        kind=kind,
         topology="1p2d",
         enforce_eager=True,
         max_model_len=spec.input_len + spec.output_len + BLOCK_SIZE,  # vLLM: D holds one at most
         extra_args=("--no-enable-prefix-caching",),  # every point prefills its prompts anew
         instance_args={"d0": per_d, "d1": per_d},
+        connector_extra_config={"nixl_progress_thread": True} if spin else {},
     )
     stack = start_stack(options, work_dir)
     try:
         stack.warm_up()  # vLLM CPU: a D whose first forward pass reads transferred KV dies
-        return asyncio.run(_run(spec, stack, work_dir))
+        yield stack
     finally:
         stack.stop()
 
 
-async def _run(spec: BindSpec, stack: Stack, work_dir: Path) -> dict[str, Any]:
+def _prompts(spec: BindSpec) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """The warm-up prompts and the measured ones: the same for every stack and point."""
     prompts = make_token_prompts(
         SyntheticSpec(spec.requests + spec.warmups, spec.input_len, spec.output_len, seed=spec.seed)
     )
-    warm, measured = prompts[: spec.warmups], prompts[spec.warmups :]
+    return prompts[: spec.warmups], prompts[spec.warmups :]
+
+
+async def _run(spec: BindSpec, stack: Stack, work_dir: Path) -> tuple[float, list[Point]]:
+    warm, measured = _prompts(spec)
     points: list[Point] = []
     async with make_client() as client:
-        capacity = await _capacity(client, stack, warm)
+        with _router(stack, "just_in_time", work_dir) as url:
+            capacity = await _capacity(client, Target(url, stack.model_name), spec, warm, measured)
+        print(f"stack capacity {capacity:.2f} requests/s", flush=True)
         for load, fraction in (("light", spec.light_fraction), ("loaded", spec.loaded_fraction)):
             for rep in range(spec.repetitions):
                 for bind in BINDS:
@@ -141,26 +172,74 @@ async def _run(spec: BindSpec, stack: Stack, work_dir: Path) -> dict[str, Any]:
                         )  # fmt: skip
                     points.append(point)
                     print(_line(point), flush=True)
-    return summarize(spec, capacity, points)
+    return capacity, points
 
 
-async def _capacity(client: httpx.AsyncClient, stack: Stack, warm: list[BenchRequest]) -> float:
-    """P's prompts per second: one-token prefills of the warm-up prompts straight to P, in turn
-    (the first one not counted: it warms the engine)."""
-    target = Target(stack.prefill[0].url, stack.model_name)
-    took = []
-    for request in [warm[0], *warm]:
-        one = BenchRequest(request.prompt, request.prompt_len, 1)
-        start = time.perf_counter()
-        await run_load(client, target, [one], LoadSpec(show_progress=False))
-        took.append(time.perf_counter() - start)
-    return 1.0 / statistics.median(took[1:])
+def _compare_with_pull(spec: BindSpec, work_dir: Path) -> tuple[float, list[Point]]:
+    """Pull (our router, vLLM's ``NixlConnector``) against just in time on our connector with
+    the same busy progress thread (vLLM's connectors cannot run without it; on 2 cores, three
+    such threads take most of a core, so both stacks pay it): the pull stack's capacity, then
+    both at ``loaded_fraction`` of it, the same prompts and arrivals."""
+    with _started(spec, work_dir, "vllm-pull") as stack:
+        capacity, pull = asyncio.run(_loaded_points(spec, stack, work_dir, PULL, None))
+    with _started(spec, work_dir, "ours", spin=True) as stack:
+        _, jit = asyncio.run(_loaded_points(spec, stack, work_dir, JIT_SPIN, capacity))
+    return capacity, pull + jit
+
+
+async def _loaded_points(
+    spec: BindSpec, stack: Stack, work_dir: Path, bind: str, capacity: float | None
+) -> tuple[float, list[Point]]:
+    """``bind`` (``pull`` or ``just_in_time`` on a spinning stack) at the loaded fraction of
+    ``capacity`` (None: this stack's, measured first), each repetition."""
+    warm, measured = _prompts(spec)
+    points: list[Point] = []
+    async with make_client() as client:
+        if capacity is None:
+            with _router(stack, bind, work_dir) as url:
+                target = Target(url, stack.model_name)
+                capacity = await _capacity(client, target, spec, warm, measured)
+            print(f"{bind} stack capacity {capacity:.2f} requests/s", flush=True)
+        for rep in range(spec.repetitions):
+            with _router(stack, bind, work_dir) as url:
+                what = (bind, "loaded", rep)
+                rate = capacity * spec.loaded_fraction
+                point = await _point(client, stack, url, spec, what, warm, measured, rate)
+            points.append(point)
+            print(_line(point), flush=True)
+    return capacity, points
+
+
+async def _capacity(
+    client: httpx.AsyncClient,
+    target: Target,
+    spec: BindSpec,
+    warm: list[BenchRequest],
+    measured: list[BenchRequest],
+) -> float:
+    """The stack's requests per second: ``capacity_requests`` whole requests sent at once
+    through ``target`` (P's speed learned from the warm-ups first), completed over the time the
+    last one took. Everything the points share counts: P's prefills, the WRITEs, D's decodes
+    within its KV cache, and the router and client on the same two cores."""
+    await run_load(client, target, warm, LoadSpec(max_concurrency=1, show_progress=False))
+    burst = measured[: spec.capacity_requests]
+    result = await run_load(client, target, burst, LoadSpec(show_progress=False))
+    done = sum(1 for r in result.records if r.success)
+    return done / result.metrics.duration_s if result.metrics.duration_s > 0 else 0.0
 
 
 @contextmanager
 def _router(stack: Stack, bind: str, work_dir: Path) -> Iterator[str]:
-    config = stack.router_config(with_identity=True, health_interval_s=30.0)
-    config["push"] = {"bind": bind}
+    """Our router over ``stack``: push with ``push.bind`` = ``bind``, or pull mode (``pull``);
+    D chosen by load (``power_of_two``: with two Ds, the less loaded; what binding late
+    chooses with is the load at the moment it binds)."""
+    config = stack.router_config(
+        with_identity=bind != PULL, health_interval_s=30.0, decode_policy="power_of_two"
+    )
+    if bind == PULL:
+        config["mode"] = "pull"
+    else:
+        config["push"] = {"bind": bind.removesuffix("-spin")}
     config["load_signals"] = {"interval": 0.5, "stale_after": 2.0}
     config["timeouts"] = {"prefill": 300.0, "first_token": 300.0, "total": 600.0}
     port = free_port()
@@ -309,20 +388,24 @@ def _line(p: Point) -> str:
     )
 
 
-def summarize(spec: BindSpec, capacity: float, points: list[Point]) -> dict[str, Any]:
-    """The result: spec, capacity, SLOs, every point, per (load, bind) figures and the
+def summarize(
+    spec: BindSpec, capacity: float, points: list[Point], pull_capacity: float | None = None
+) -> dict[str, Any]:
+    """The result: spec, capacities, SLOs, every point, per (load, bind) figures and the
     summary.json keys (:data:`bench.report.BIND_KEYS`)."""
     light_eager = [p for p in points if p.load == "light" and p.bind == "eager"]
     ttft_slo = spec.ttft_slo_factor * _median(light_eager, "ttft_ms")
     tpot_slo = spec.tpot_slo_factor * _median(light_eager, "tpot_ms")
     table: dict[str, dict[str, Any]] = {}
     for load in ("light", "loaded"):
-        for bind in BINDS:
+        for bind in (*BINDS, PULL, JIT_SPIN):
             mine = [p for p in points if p.load == load and p.bind == bind]
-            table[f"{load}/{bind}"] = _figures(mine, ttft_slo, tpot_slo)
+            if mine or bind in BINDS:
+                table[f"{load}/{bind}"] = _figures(mine, ttft_slo, tpot_slo)
     return {
         "spec": asdict(spec) | {"d_blocks": spec.d_blocks},
         "capacity_rps": capacity,
+        "pull_capacity_rps": pull_capacity,
         "slo": {"ttft_ms": ttft_slo, "tpot_ms": tpot_slo},
         "table": table,
         "summary": _keys(table),
@@ -380,5 +463,9 @@ def _keys(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         "goodput_adaptive_over_better_d_kv_bound": rounded_ratio(
             m("loaded/adaptive", "goodput_rps"), better
         ),
-        "ttft_jit_over_pull_loaded": None,
+        "ttft_jit_over_pull_loaded": (
+            rounded_ratio(m(f"loaded/{JIT_SPIN}", "ttft_mean_ms"), m("loaded/pull", "ttft_mean_ms"))
+            if "loaded/pull" in table and f"loaded/{JIT_SPIN}" in table
+            else None
+        ),
     }

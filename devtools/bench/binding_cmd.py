@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.binding import BINDS, BindSpec, run_bind_benchmark
+from bench.binding import JIT_SPIN, BindSpec, run_bind_benchmark
 from bench.results import run_in_work_dir
 
 COMMAND = "flock /tmp/vllm-e2e.lock .venv/bin/disagg-bench bind --out-dir docs/benchmarks"
@@ -25,6 +25,9 @@ def add_bind_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetitions", type=int, default=defaults.repetitions)
     parser.add_argument("--light-fraction", type=float, default=defaults.light_fraction)
     parser.add_argument("--loaded-fraction", type=float, default=defaults.loaded_fraction)
+    parser.add_argument(
+        "--no-pull", dest="pull", action="store_false", help="skip the pull comparison"
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("."), help="binding.json/.md/.png")
     parser.add_argument("--work-dir", type=Path, help="model, logs (default: a temp dir)")
 
@@ -38,6 +41,7 @@ def bind_command(args: argparse.Namespace) -> int:
         repetitions=args.repetitions,
         light_fraction=args.light_fraction,
         loaded_fraction=args.loaded_fraction,
+        pull=args.pull,
     )
     data = run_in_work_dir(
         lambda folder: run_bind_benchmark(spec, folder), args.work_dir, "disagg-bind-"
@@ -55,45 +59,56 @@ def bind_command(args: argparse.Namespace) -> int:
 
 def format_report(data: dict[str, Any]) -> str:
     """binding.md: the command, the setup, one row per (load, mode), the summary keys."""
-    spec, slo = data["spec"], data["slo"]
-    lines = [
-        "# Binding D late (push.bind) on real vLLM CPU",
-        "",
-        f"Produced by `{COMMAND}`: 1P2D, tiny model, our connector (no busy NIXL progress "
-        f"thread); P on core 0, both Ds on core 1; prompts of {spec['input_len']} token ids, "
-        f"{spec['output_len']} output tokens; each D's KV cache {spec['d_blocks']} blocks of "
-        f"128 tokens ({spec['d_prompts']} requests' worth). P's measured capacity "
-        f"{data['capacity_rps']:.2f} prompts/s; light = {spec['light_fraction']:g}x, loaded "
-        f"= {spec['loaded_fraction']:g}x of it, Poisson arrivals, {spec['requests']} requests "
-        f"per point, {spec['repetitions']} repetitions (mean, low-high). Goodput: completed "
-        f"requests/s with TTFT <= {slo['ttft_ms']:.0f} ms and TPOT <= {slo['tpot_ms']:.1f} ms "
-        "(3x and 1.5x the light eager medians). Pull mode is not run: vLLM's NIXL connector "
-        "keeps a core busy per instance, three of which starve this 2-core machine.",
-        "",
+    lines = ["# Binding D late (push.bind) on real vLLM CPU", "", _setup(data), ""]
+    lines += [
         "| load | bind | TTFT mean ms | TTFT p99 ms | TPOT mean ms | goodput req/s "
         "| D unwritten block-s | P wait for D p50 ms | failed |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for load in ("light", "loaded"):
-        for bind in BINDS:
-            cell = data["table"][f"{load}/{bind}"]
-            cols = [
-                _cell(cell, k)
-                for k in (
-                    "ttft_mean_ms",
-                    "ttft_p99_ms",
-                    "tpot_mean_ms",
-                    "goodput_rps",
-                    "unwritten_block_s",
-                    "p_wait_p50_ms",
-                    "failed",
-                )
-            ]
-            lines.append(f"| {load} | {bind} | " + " | ".join(cols) + " |")
+    for key, cell in data["table"].items():
+        load, bind = key.split("/")
+        cols = [_cell(cell, k) for k in _COLUMNS]
+        lines.append(f"| {load} | {bind} | " + " | ".join(cols) + " |")
     lines += ["", "summary.json keys:", ""]
     lines += [f"- `{k}`: {v}" for k, v in data["summary"].items()]
     lines += ["", "![D's KV usage over time per mode](binding_d_kv_usage.png)", ""]
     return "\n".join(lines)
+
+
+_COLUMNS = (
+    "ttft_mean_ms",
+    "ttft_p99_ms",
+    "tpot_mean_ms",
+    "goodput_rps",
+    "unwritten_block_s",
+    "p_wait_p50_ms",
+    "failed",
+)
+
+
+def _setup(data: dict[str, Any]) -> str:
+    spec, slo = data["spec"], data["slo"]
+    text = (
+        f"Produced by `{COMMAND}`: 1P2D, tiny model, our connector (no busy NIXL progress "
+        f"thread); P on core 0, both Ds on core 1; prompts of {spec['input_len']} token ids, "
+        f"{spec['output_len']} output tokens; each D's KV cache {spec['d_blocks']} blocks of "
+        f"128 tokens ({spec['d_prompts']} requests' worth). The stack's measured capacity "
+        f"{data['capacity_rps']:.2f} requests/s ({spec['capacity_requests']} requests at once "
+        f"through a just-in-time router); light = {spec['light_fraction']:g}x, loaded = "
+        f"{spec['loaded_fraction']:g}x of it, Poisson arrivals, {spec['requests']} requests "
+        f"per point, {spec['repetitions']} repetitions (mean, low-high). Goodput: completed "
+        f"requests/s with TTFT <= {slo['ttft_ms']:.0f} ms and TPOT <= {slo['tpot_ms']:.1f} ms "
+        "(3x and 1.5x the light eager medians)."
+    )
+    if data.get("pull_capacity_rps") is None:
+        return text + " Pull was not compared (`--no-pull`)."
+    return text + (
+        " Pull: our router in pull mode over vLLM's `NixlConnector` on the same 1P2D, against "
+        f"`{JIT_SPIN}`, just in time on our connector with NIXL's busy progress thread on "
+        "(vLLM's connectors always run it; three such threads on 2 cores slow both stacks "
+        "alike), both at the loaded fraction of the pull stack's measured capacity "
+        f"({data['pull_capacity_rps']:.2f} requests/s), the same prompts and arrivals."
+    )
 
 
 def _cell(cell: dict[str, Any], key: str) -> str:

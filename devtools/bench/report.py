@@ -250,8 +250,7 @@ def _take_summary(
 
 
 BIND_NOT_RUN = {
-    "ttft_jit_over_pull_loaded": "disagg-bench bind runs no pull stack (vLLM's NIXL connector "
-    "keeps a core busy per instance; three starve a 2-core machine)",
+    "ttft_jit_over_pull_loaded": "disagg-bench bind ran with --no-pull (no pull stack)",
 }
 
 RESULT_SOURCES = (

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Reproduce everything under docs/benchmarks/ on one machine (holds the vLLM lock throughout so
 # no other vLLM run overlaps, and so the router-overhead and transfer numbers see a quiet machine).
-#   bash docs/benchmarks/run_all.sh            # full run (about 55 min on the 2-core machine)
+#   bash docs/benchmarks/run_all.sh            # full run (about 110 min on the 2-core machine;
+#                                              # the GPU profile's fit is separate: see README.md)
 #   SMOKE=1 bash docs/benchmarks/run_all.sh    # tiny sweep into /tmp/bench-smoke (~5 min)
 #   SPEED=1 bash docs/benchmarks/run_all.sh    # the router/connector speed numbers, one run, into
 #                                              # docs/benchmarks/speed (~20 min on the 2-core machine)
@@ -53,4 +54,14 @@ exec flock /tmp/vllm-e2e.lock bash -c '
     .venv/bin/disagg-bench vllm-serve '"${VLLM_SERVE[*]}"' --out-dir "$OUT/vllm-bench" \
         --disagg-bench-dir "$OUT"
   fi
-' "$OUT" "${#PINNED[@]}"
+  if [[ "$2" == 0 && "$1" == 0 ]]; then  # the full run: the benchmarks with no smaller form
+    .venv/bin/disagg-bench bind --out-dir "$OUT"
+    .venv/bin/disagg-bench tenants --out-dir "$OUT"
+    .venv/bin/disagg-bench fit-profile --pin-processes --out-dir "$OUT"
+    .venv/bin/disagg-bench emulator-accuracy --stacks ours,aggregated --input-lens 512,2048,8192 \
+        --fractions 0.3,0.9 --repetitions 1 --output-len 64 --point-time-limit 120 \
+        --pin-processes --seconds-per-point 30 --max-requests 40 --out-dir "$OUT"
+    .venv/bin/disagg-bench fleet-scale --out-dir "$OUT"
+    .venv/bin/disagg-bench churn --out-dir "$OUT"
+  fi
+' "$OUT" "${#PINNED[@]}" "${SMOKE:-0}"

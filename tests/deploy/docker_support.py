@@ -94,6 +94,30 @@ class ComposeProject:
         assert host == "127.0.0.1", f"{service}:{port} published on {host!r}, not loopback"
         return int(host_port)
 
+    def health_logs(self) -> str:
+        """Each of the project's containers: its name and health state with the last checks'
+        output (``docker inspect``), for a failure's report: a health check that never passed
+        says why only there."""
+        label = f"label=com.docker.compose.project={self.name}"
+        ids = subprocess.run(
+            ["docker", "ps", "-a", "-q", "--filter", label],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        ).stdout.split()
+        if not ids:
+            return "(no containers)"
+        form = "{{.Name}} {{.State.Status}} {{json .State.Health}}"
+        out = subprocess.run(
+            ["docker", "inspect", "--format", form, *ids],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        return (out.stdout + out.stderr)[-8000:]
+
     def leftovers(self) -> dict[str, list[str]]:
         """Containers, networks and volumes still labelled with this project (should be none)."""
         label = f"label=com.docker.compose.project={self.name}"

@@ -142,6 +142,7 @@ def test_cpu_profile_answers_like_aggregated() -> None:
         except BaseException:
             logs = project.run("logs", "--no-color", "--tail=60", timeout=120, check=False)
             print(f"--- compose logs ---\n{logs}")
+            print(f"--- health checks ---\n{project.health_logs()}")
             raise
         finally:
             mark = time.monotonic()

@@ -16,7 +16,7 @@ class PushConfig(Frozen):
     with P when the request arrives and its leg goes out at once; D's blocks then wait empty
     through P's queue and prefill. ``just_in_time``: P's leg goes out at once, D is chosen and
     its leg sent when P is predicted to finish less D's lead (learned per P and per D); at
-    once if P finishes first. ``adaptive``: eager while some D's KV cache is emptier than
+    once if P finishes first. ``adaptive``: eager while every D's KV cache is emptier than
     ``adaptive_kv_usage`` (an idle block costs nothing then), just in time otherwise."""
 
     bind: Bind = Field(default="eager", description="eager, just_in_time or adaptive")
@@ -24,7 +24,7 @@ class PushConfig(Frozen):
         default=0.5,
         ge=0.0,
         le=1.0,
-        description="adaptive: bind just in time when every D's KV cache usage (vLLM's "
+        description="adaptive: bind just in time when some D's KV cache usage (vLLM's "
         "kv_cache_usage_perc, from load_signals) is at least this",
     )
     lead_margin: float = Field(

@@ -5,8 +5,9 @@ Who calls it: the orchestrator (:mod:`disagg_router.router.dispatch.orchestrator
 :func:`binds_late` once per request; an attempt that binds late carries a chooser for D, and its
 D leg (:mod:`disagg_router.router.dispatch.legs`) awaits :func:`bind_decode` before it sends
 anything. The wait ends at P's predicted finish (:class:`~disagg_router.router.instances.pace.
-PrefillPace`) less the longest learned lead of the usable Ds plus ``push.lead_margin``, at once
-when P's speed is not learned yet, and when P's prefill ends first. It is re-planned whenever a
+PrefillPace`) less the longest learned lead of the usable Ds, ``push.lead_margin`` and P's own
+margin (how early its prefills end against the binding's predictions), at once when P's speed is
+not learned yet, and when P's prefill ends first. It is re-planned whenever a
 prefill on that P ends (the queue ahead moved). D is then chosen with that moment's loads, counted
 and admitted. Nothing here outlives the attempt: cancelling the D leg (the attempt's close, P's
 failure, the client leaving) cancels the wait, with nothing bound and nothing to give back.
@@ -33,8 +34,10 @@ JUST_IN_TIME = "just_in_time"
 
 def binds_late(settings: RouterSettings, decodes: list[BackendState]) -> bool:
     """Whether a push dispatch over the usable ``decodes`` binds D late: ``just_in_time``
-    always, ``adaptive`` when every D with fresh load signals reports a KV cache at least
-    ``push.adaptive_kv_usage`` full (none fresh: eager, nothing says KV is scarce)."""
+    always, ``adaptive`` as soon as one D with fresh load signals reports a KV cache at least
+    ``push.adaptive_kv_usage`` full (an eager dispatch may be sent to that D, and eager
+    reservations made between two scrapes are not in the figures yet); none fresh: eager,
+    nothing says KV is scarce."""
     push = settings.push
     if settings.mode != "push" or push.bind == EAGER:
         return False
@@ -45,13 +48,13 @@ def binds_late(settings: RouterSettings, decodes: list[BackendState]) -> bool:
     usage = [
         d.signals.kv_usage for d in decodes if d.signals is not None and now - d.signals.at <= stale
     ]
-    return bool(usage) and min(usage) >= push.adaptive_kv_usage
+    return bool(usage) and max(usage) >= push.adaptive_kv_usage
 
 
 def lead(settings: RouterSettings, decodes: list[BackendState]) -> float:
     """Seconds D's leg must go out before P finishes: the longest learned lead of ``decodes``
     (any may be chosen) plus ``push.lead_margin``."""
-    longest = max((d.pace.decode.lead() for d in decodes), default=0.0)
+    longest = max((d.pace.decode.bound() for d in decodes), default=0.0)
     return longest + settings.push.lead_margin
 
 
@@ -105,7 +108,7 @@ async def _until_due(attempt: Attempt, prefill: BackendState) -> str:
             if finish is None:
                 return "unlearned" if attempt.prefill_answered is None else "prefill_done"
             decodes = attempt.runtime.model(attempt.request.model).decode.usable()
-            wait = finish - lead(attempt.runtime.settings, decodes) - now
+            wait = finish - lead(attempt.runtime.settings, decodes) - pace.margin() - now
             if wait <= 0:
                 return "predicted"
             await changed.wait(wait)

@@ -1,12 +1,13 @@
 """How fast an instance serves its part of a push request, learned from what the router sees: a
-P's prefills as a queue with a learned speed (when will this prefill finish?), a D's lead (its leg
-sent to D accepting it). Binding D late (:mod:`disagg_router.router.dispatch.binding`) reads both.
+P's prefills as a queue with a learned speed (when will this prefill finish?) and how early its
+prefills end against that prediction, a D's lead (its leg sent to D accepting it). Binding D late
+(:mod:`disagg_router.router.dispatch.binding`) reads them all.
 
-Who calls it: :mod:`disagg_router.router.instances.state` keeps one :class:`Pace` per instance;
-the dispatch reaches it there: the P leg opens a ticket when it sends a prefill and closes it with
-the outcome, the D leg observes D's lead, the binding asks for predictions. Pure: no I/O, no clock
-of its own (callers pass ``time.monotonic()``), no asyncio; one event loop mutates it, so nothing
-locks.
+Who calls it: :mod:`disagg_router.router.instances.state` keeps one :class:`Pace` per instance.
+The dispatch reaches it there: the P leg opens a ticket when it sends a prefill and closes it with
+the outcome, the D leg observes D's lead, the binding asks for predictions. Pure: no I/O, no
+clock of its own (callers pass ``time.monotonic()``), no asyncio; one event loop mutates it, so
+nothing locks.
 
 The model: P serves the prefills this router sent it first come, first served, each taking
 ``seconds_per_token * tokens`` once the one before it ended (vLLM batches prefills, but its
@@ -30,10 +31,32 @@ DEFAULT_LEAD_S = 0.25
 
 
 @dataclass
+class Spread:
+    """A decayed mean and mean deviation of observed seconds; :meth:`bound` is the mean plus
+    two deviations (``default`` until anything is observed)."""
+
+    weight: float = 0.2
+    default: float = 0.0
+    _mean: float | None = None
+    _dev: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if self._mean is None:
+            self._mean = seconds
+            return
+        self._dev += self.weight * (abs(seconds - self._mean) - self._dev)
+        self._mean += self.weight * (seconds - self._mean)
+
+    def bound(self) -> float:
+        return self.default if self._mean is None else self._mean + 2 * self._dev
+
+
+@dataclass
 class _Open:
     tokens: int
     sent: float
-    predicted: float | None
+    predicted: float | None  # when sent: its error is reported
+    asked: float | None = None  # the last prediction given out: its error teaches the margin
 
 
 @dataclass
@@ -50,6 +73,7 @@ class PrefillPace:
     _seconds: float = 0.0
     _tokens: float = 0.0
     _samples: int = 0
+    _early: Spread = field(default_factory=Spread)
     _listeners: set[Callable[[], None]] = field(default_factory=set)
 
     @property
@@ -65,12 +89,15 @@ class PrefillPace:
         ticket = self._next
         self._next += 1
         self._open[ticket] = _Open(max(tokens, 1), now, None)
-        self._open[ticket].predicted = self.finish(ticket, now)
+        item = self._open[ticket]
+        item.predicted = self.finish(ticket, now)
+        item.asked = None  # only later predictions (the binding's) teach the margin
         return ticket
 
     def finish(self, ticket: int, now: float) -> float | None:
         """When the prefill ``ticket`` is predicted to end; None when P's speed is not learned
-        yet or the prefill ended. An overdue prefill ahead of it is taken to end now."""
+        yet or the prefill ended. An overdue prefill ahead of it is taken to end now. The
+        prediction is remembered: how early the prefill then ends teaches :meth:`margin`."""
         per_token = self.seconds_per_token
         if per_token is None or ticket not in self._open:
             return None
@@ -79,6 +106,7 @@ class PrefillPace:
             cursor = max(cursor, item.sent) + per_token * item.tokens
             cursor = max(cursor, now)
             if key == ticket:
+                item.asked = cursor
                 return cursor
         return None  # not reached: ticket is open
 
@@ -96,9 +124,17 @@ class PrefillPace:
             self._learn(now - max(item.sent, self._last_end), item.tokens)
             self._last_end = now
             error = None if item.predicted is None else now - item.predicted
+            if item.asked is not None:
+                self._early.observe(max(0.0, item.asked - now))
         for listener in list(self._listeners):
             listener()
         return error
+
+    def margin(self) -> float:
+        """Seconds to bind D ahead of this P's predicted finish beyond D's lead: how early its
+        prefills ended against the last prediction given for them after they were sent (the
+        binding's), mean plus two deviations; 0 until seen."""
+        return self._early.bound()
 
     def _learn(self, seconds: float, tokens: int) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -115,25 +151,10 @@ class PrefillPace:
         self._listeners.discard(listener)
 
 
-@dataclass
-class DecodeLead:
-    """One D's lead: from its leg sent to D accepting the request (its answer's headers), as
-    a decayed mean and mean deviation; :meth:`lead` is the mean plus two deviations."""
-
-    weight: float = 0.2
-    _mean: float | None = None
-    _dev: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        if self._mean is None:
-            self._mean = seconds
-            return
-        self._dev += self.weight * (abs(seconds - self._mean) - self._dev)
-        self._mean += self.weight * (seconds - self._mean)
-
-    def lead(self) -> float:
-        """Seconds to send D's leg ahead of P's finish (:data:`DEFAULT_LEAD_S` until seen)."""
-        return DEFAULT_LEAD_S if self._mean is None else self._mean + 2 * self._dev
+def decode_lead() -> Spread:
+    """One D's lead: from its leg sent to D accepting the request (its answer's headers); its
+    bound is how far ahead of P's finish D's leg goes out (:data:`DEFAULT_LEAD_S` until seen)."""
+    return Spread(default=DEFAULT_LEAD_S)
 
 
 @dataclass
@@ -141,4 +162,4 @@ class Pace:
     """What is learned of one instance: as a P, its prefills; as a D, its lead."""
 
     prefill: PrefillPace = field(default_factory=PrefillPace)
-    decode: DecodeLead = field(default_factory=DecodeLead)
+    decode: Spread = field(default_factory=decode_lead)

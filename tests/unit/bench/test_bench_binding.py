@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.binding import BINDS, BindSpec, Point, Samples, _histogram, summarize
+from bench.binding import BINDS, JIT_SPIN, PULL, BindSpec, Point, Samples, _histogram, summarize
 from bench.binding_cmd import format_report
 
 FAMILY = "disagg_push_wait_for_registration_seconds"
@@ -74,3 +74,15 @@ def test_summary_keys_compare_the_modes_over_repetitions() -> None:
     report = format_report(data)
     assert report.count("\n| loaded |") == 3 and report.count("\n| light |") == 3
     assert "`d_idle_block_seconds_jit_over_eager`: 0.3" in report
+    assert keys["ttft_jit_over_pull_loaded"] is None and "`--no-pull`" in report
+
+
+def test_the_pull_comparison_puts_just_in_time_on_a_spinning_stack_beside_pull() -> None:
+    points = [point(b, load, 100.0, 1.0) for b in BINDS for load in ("light", "loaded")]
+    points += [point(PULL, "loaded", 800.0, 0.0, r) for r in (0, 1)]
+    points += [point(JIT_SPIN, "loaded", 300.0, 1.0, r) for r in (0, 1)]
+    data = summarize(BindSpec(), 5.0, points, pull_capacity=2.0)
+    assert data["summary"]["ttft_jit_over_pull_loaded"] == pytest.approx(0.375)
+    report = format_report(data)
+    assert report.count("\n| loaded |") == 5 and report.count("\n| light |") == 3
+    assert f"| loaded | {JIT_SPIN} | 300.00 |" in report and "(2.00 requests/s)" in report

@@ -206,9 +206,9 @@ def _with_kv_usage(backend: BackendState, usage: float) -> None:
 
 @pytest.mark.parametrize(
     ("usages", "late"),
-    [((0.9, 0.95), True), ((0.9, 0.2), False), ((None, None), False), ((0.9, None), True)],
+    [((0.9, 0.95), True), ((0.2, 0.3), False), ((None, None), False), ((0.2, 0.9), True)],
 )
-def test_adaptive_binds_late_only_when_every_d_reports_its_kv_scarce(
+def test_adaptive_binds_late_once_one_d_reports_its_kv_scarce(
     usages: tuple[float | None, float | None], late: bool
 ) -> None:
     config = settings([f"http://127.0.0.1:{9400 + i}" for i in range(3)], "adaptive")

@@ -1,10 +1,16 @@
-"""What the router learns of an instance's pace: a P's prefill speed and queue, a D's lead."""
+"""What the router learns of an instance's pace: a P's prefill speed, queue and margin (how early
+its prefills end against the binding's predictions), a D's lead."""
 
 from __future__ import annotations
 
 import pytest
 
-from disagg_router.router.instances.pace import DEFAULT_LEAD_S, MIN_SAMPLES, DecodeLead, PrefillPace
+from disagg_router.router.instances.pace import (
+    DEFAULT_LEAD_S,
+    MIN_SAMPLES,
+    PrefillPace,
+    Spread,
+)
 
 T0 = 1000.0
 
@@ -81,9 +87,29 @@ def test_a_prefill_that_did_not_answer_leaves_the_queue_teaching_nothing() -> No
 
 
 def test_a_d_lead_is_its_mean_plus_two_deviations() -> None:
-    lead = DecodeLead(weight=0.5)
-    assert lead.lead() == DEFAULT_LEAD_S
+    lead = Spread(weight=0.5, default=DEFAULT_LEAD_S)
+    assert lead.bound() == DEFAULT_LEAD_S
     lead.observe(0.1)
-    assert lead.lead() == pytest.approx(0.1)
+    assert lead.bound() == pytest.approx(0.1)
     lead.observe(0.3)  # deviation 0.5 * 0.2 = 0.1; mean 0.2
-    assert lead.lead() == pytest.approx(0.2 + 2 * 0.1)
+    assert lead.bound() == pytest.approx(0.2 + 2 * 0.1)
+
+
+def test_a_prefill_ending_before_the_bindings_prediction_widens_the_margin() -> None:
+    pace, now = taught(0.001)
+    assert pace.margin() == 0.0
+    sent_only = pace.send(1000, now)  # nobody asked after sending (bound eagerly)
+    pace.done(sent_only, now + 0.2, answered=True)  # 0.8 s early against the send's prediction
+    assert pace.margin() == 0.0
+    now += 0.2
+    asked = pace.send(5000, now)
+    predicted = pace.finish(asked, now)  # the binding asks
+    assert predicted is not None
+    pace.done(asked, predicted - 0.3, answered=True)
+    assert pace.margin() == pytest.approx(0.3)
+    now = predicted - 0.3
+    late = pace.send(5000, now)
+    predicted = pace.finish(late, now)
+    assert predicted is not None
+    pace.done(late, predicted + 0.5, answered=True)  # late: counts as 0 s early
+    assert 0.3 < pace.margin() < 0.6  # mean fell, deviation grew
