@@ -159,9 +159,7 @@ async def _run(spec: BindSpec, stack: Stack, work_dir: Path) -> tuple[float, lis
     warm, measured = _prompts(spec)
     points: list[Point] = []
     async with make_client() as client:
-        with _router(stack, "just_in_time", work_dir) as url:
-            capacity = await _capacity(client, Target(url, stack.model_name), spec, warm, measured)
-        print(f"stack capacity {capacity:.2f} requests/s", flush=True)
+        capacity = await _capacity(client, stack, "just_in_time", spec, work_dir)
         for load, fraction in (("light", spec.light_fraction), ("loaded", spec.loaded_fraction)):
             for rep in range(spec.repetitions):
                 for bind in BINDS:
@@ -196,10 +194,7 @@ async def _loaded_points(
     points: list[Point] = []
     async with make_client() as client:
         if capacity is None:
-            with _router(stack, bind, work_dir) as url:
-                target = Target(url, stack.model_name)
-                capacity = await _capacity(client, target, spec, warm, measured)
-            print(f"{bind} stack capacity {capacity:.2f} requests/s", flush=True)
+            capacity = await _capacity(client, stack, bind, spec, work_dir)
         for rep in range(spec.repetitions):
             with _router(stack, bind, work_dir) as url:
                 what = (bind, "loaded", rep)
@@ -211,21 +206,22 @@ async def _loaded_points(
 
 
 async def _capacity(
-    client: httpx.AsyncClient,
-    target: Target,
-    spec: BindSpec,
-    warm: list[BenchRequest],
-    measured: list[BenchRequest],
+    client: httpx.AsyncClient, stack: Stack, bind: str, spec: BindSpec, work_dir: Path
 ) -> float:
     """The stack's requests per second: ``capacity_requests`` whole requests sent at once
-    through ``target`` (P's speed learned from the warm-ups first), completed over the time the
-    last one took. Everything the points share counts: P's prefills, the WRITEs, D's decodes
-    within its KV cache, and the router and client on the same two cores."""
-    await run_load(client, target, warm, LoadSpec(max_concurrency=1, show_progress=False))
-    burst = measured[: spec.capacity_requests]
-    result = await run_load(client, target, burst, LoadSpec(show_progress=False))
+    through a ``bind`` router (P's speed learned from the warm-ups first), completed over the
+    time the last one took. Everything the points share counts: P's prefills, the WRITEs, D's
+    decodes within its KV cache, and the router and client on the same two cores."""
+    warm, measured = _prompts(spec)
+    with _router(stack, bind, work_dir) as url:
+        target = Target(url, stack.model_name)
+        await run_load(client, target, warm, LoadSpec(max_concurrency=1, show_progress=False))
+        burst = measured[: spec.capacity_requests]
+        result = await run_load(client, target, burst, LoadSpec(show_progress=False))
     done = sum(1 for r in result.records if r.success)
-    return done / result.metrics.duration_s if result.metrics.duration_s > 0 else 0.0
+    capacity = done / result.metrics.duration_s if result.metrics.duration_s > 0 else 0.0
+    print(f"{bind} stack capacity {capacity:.2f} requests/s", flush=True)
+    return capacity
 
 
 @contextmanager

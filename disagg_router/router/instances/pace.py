@@ -89,15 +89,21 @@ class PrefillPace:
         ticket = self._next
         self._next += 1
         self._open[ticket] = _Open(max(tokens, 1), now, None)
-        item = self._open[ticket]
-        item.predicted = self.finish(ticket, now)
-        item.asked = None  # only later predictions (the binding's) teach the margin
+        self._open[ticket].predicted = self._predict(ticket, now)
         return ticket
 
     def finish(self, ticket: int, now: float) -> float | None:
         """When the prefill ``ticket`` is predicted to end; None when P's speed is not learned
         yet or the prefill ended. An overdue prefill ahead of it is taken to end now. The
         prediction is remembered: how early the prefill then ends teaches :meth:`margin`."""
+        predicted = self._predict(ticket, now)
+        if predicted is not None:
+            self._open[ticket].asked = predicted
+        return predicted
+
+    def _predict(self, ticket: int, now: float) -> float | None:
+        """:meth:`finish` without remembering it (the prediction made when a prefill is sent
+        is reported, never learned from)."""
         per_token = self.seconds_per_token
         if per_token is None or ticket not in self._open:
             return None
@@ -106,7 +112,6 @@ class PrefillPace:
             cursor = max(cursor, item.sent) + per_token * item.tokens
             cursor = max(cursor, now)
             if key == ticket:
-                item.asked = cursor
                 return cursor
         return None  # not reached: ticket is open
 
