@@ -5,17 +5,21 @@
 # overlap with other vLLM runs on the same machine. Exits non-zero if any step fails; every step
 # runs regardless, so one run reports all failures.
 #
-#   bash tests/run.sh            # the default suites (about 38 min on a fresh 2-core machine)
+#   bash tests/run.sh            # the default suites (about 40 min on a fresh 2-core machine)
 #   SKIP_SETUP=1 bash tests/run.sh   # reuse the existing .venv as is
 #   bash tests/run.sh clean          # remove the cache directory (.cache: the side venvs)
 #   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm upstream docker vllm033
-#                                    # latest (default: all; upstream = the same e2e cases through
-#                                    # vLLM's NixlPushConnector; vllm033 = connector unit tests
-#                                    # against vLLM 0.33.0 in a side venv, 2.5 min cold; latest =
-#                                    # the router's tests with the newest dependency versions
-#                                    # pyproject.toml allows, no constraints.txt, in a side venv:
-#                                    # about 3 min cold, so drift in a dependency shows up as a red
-#                                    # run)
+#                                    # latest shapes (default: all but shapes; upstream = the same
+#                                    # e2e cases through vLLM's NixlPushConnector; vllm033 =
+#                                    # connector unit tests against vLLM 0.33.0 in a side venv, 2.5
+#                                    # min cold; latest = the router's tests with the newest
+#                                    # dependency versions pyproject.toml allows, no
+#                                    # constraints.txt, in a side venv: about 3 min cold, so drift
+#                                    # in a dependency shows up as a red run; shapes = the
+#                                    # connector on real vLLM with TP/PP, MLA and a hybrid model,
+#                                    # about 17 min: its three stacks start 13 instances, more than
+#                                    # the default run's time allows, so run it when the connector's
+#                                    # worker side, layouts or wire format change)
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -159,8 +163,11 @@ for suite in $SUITES; do
             step "nixl suite" pytest_suite "nixl and not vllm and not docker"
             ;;
         vllm)
-            step "vllm suite" with_lock pytest_suite "vllm and not upstream_push and not docker" \
-                --durations=15
+            step "vllm suite" with_lock pytest_suite \
+                "vllm and not upstream_push and not docker and not shapes" --durations=15
+            ;;
+        shapes)
+            step "shapes suite" with_lock pytest_suite "shapes and not docker" --durations=15
             ;;
         upstream)
             step "upstream push suite" with_lock pytest_suite "upstream_push and not docker" \
@@ -186,7 +193,8 @@ for suite in $SUITES; do
             step "newest allowed dependencies" bash "$ROOT/tests/run_latest.sh"
             ;;
         *)
-            echo "unknown suite $suite (expected: lint fast nixl vllm upstream docker vllm033 latest)" >&2
+            echo "unknown suite $suite (expected: lint fast nixl vllm upstream docker vllm033 latest" \
+                "shapes)" >&2
             failures+=("$suite")
             ;;
     esac

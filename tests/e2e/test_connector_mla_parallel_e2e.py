@@ -31,7 +31,7 @@ from devstack.stack import Stack, StackOptions
 from tests.e2e.e2e_support import module_stack
 from tests.e2e.parallel_cases import CASES, EXTRA, named
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.shapes]
 
 PAIRS = [("p0", "d0"), ("p1", "d0"), ("p0", "d1"), ("p1", "d1"), ("p2", "d0")]
 """TP 1 -> 1, 2 -> 1, 1 -> 2, 2 -> 2, PP 2 -> TP 1."""

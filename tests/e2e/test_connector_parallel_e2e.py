@@ -29,7 +29,7 @@ from tests.e2e.e2e_support import module_stack
 from tests.e2e.parallel_cases import CASES, EXTRA, named
 from tests.e2e.test_connector_e2e import LOG_REQUESTS
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.shapes]
 
 STEP_TOKENS = ("--max-num-batched-tokens", "1024")
 """Prefill chunks of 1024 tokens (vLLM CPU's default is 4096): an abort takes effect only after

@@ -40,7 +40,7 @@ from tests.e2e.test_connector_e2e import (
     tokens,
 )
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.shapes]
 
 HMA_OFF = "Hybrid KV cache manager is disabled for this hybrid model"
 

@@ -16,7 +16,9 @@ class TimeoutsConfig(Frozen):
     """Seconds; all finite and positive.
 
     ``connect``: TCP connect to an instance. ``prefill``: the whole P leg. ``first_token``: from
-    dispatch until D's first token. ``total``: the whole request, end to end. ``health``: one
+    dispatch until D's first token. ``after_prefill``: from P's answer until D's first token (a D
+    that hangs on the KV hand-off is found this long after P finished, whatever P's queue took).
+    ``total``: the whole request, end to end. ``health``: one
     ``/health`` call. ``identity_probe``: one identity probe (a 1-token prefill on P).
     ``inter_token``: the longest silence of D in a stream after its first token.
     """
@@ -24,6 +26,14 @@ class TimeoutsConfig(Frozen):
     connect: float = Field(default=5.0, gt=0)
     prefill: float = Field(default=120.0, gt=0)
     first_token: float = Field(default=180.0, gt=0)
+    after_prefill: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "a stream whose D sends no first token this long after P answered ends (504 naming "
+            "D, or a retry keeping P), however long P's queue took"
+        ),
+    )
     total: float = Field(default=600.0, gt=0)
     health: float = Field(default=10.0, gt=0)
     identity_probe: float = Field(

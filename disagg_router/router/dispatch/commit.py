@@ -5,9 +5,10 @@ Who calls it: :meth:`disagg_router.router.dispatch.attempt.Dispatch.open`, after
 the first token nothing has gone to the client, so any failure here may still be retried on a fresh
 pair (:mod:`disagg_router.router.dispatch.orchestrator`). It raises P's error if P fails first, D's
 if D fails before its first token, and :class:`UpstreamTimeout` (fed to the breaker of the leg that
-kept it waiting) when the first token does not come within ``timeouts.first_token`` (streams) or
-before the request's ``timeouts.total`` deadline. It cancels nothing: the caller closes the attempt
-in every case.
+kept it waiting) when the first token does not come within ``timeouts.first_token`` (streams),
+within ``timeouts.after_prefill`` of P's answer (streams: a D that hangs on the hand-off is found
+that long after P finished, however long P's queue was) or before the request's ``timeouts.total``
+deadline. It cancels nothing: the caller closes the attempt in every case.
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ async def until_first_token(attempt: Attempt, holds: Holds) -> None:
     deadline, limit = _deadline(attempt)
     left = deadline - time.monotonic()
     if left <= 0:
-        raise _timed_out(attempt, limit)
-    watch = _PrefillWatch(attempt.p_task)
+        raise _timed_out(attempt, f"no first token within {limit:g}s")
+    handoff = attempt.runtime.settings.timeouts.after_prefill if attempt.request.stream else None
+    watch = _PrefillWatch(attempt.p_task, handoff)
     try:
-        async with asyncio.timeout(left):
+        async with asyncio.timeout(left) as timer:
+            watch.timer = timer
             item = await attempt.queue.get()
     except TimeoutError:
-        raise _timed_out(attempt, limit) from None
+        raise _timed_out(attempt, watch.reason or f"no first token within {limit:g}s") from None
     except asyncio.CancelledError:
         p_exc = watch.failure()
         if p_exc is None:
@@ -56,19 +59,37 @@ async def until_first_token(attempt: Attempt, holds: Holds) -> None:
 
 class _PrefillWatch:
     """While the commit point waits for D, cancels that wait if P fails first (P's error is
-    then the answer, as when both end together). Made and stopped in the waiting task."""
+    then the answer, as when both end together) and, once P answered, brings the wait's
+    ``timer`` forward to ``handoff`` seconds from then (None: no such bound). Made and stopped in
+    the waiting task."""
 
-    def __init__(self, p_task: asyncio.Task[Any] | None) -> None:
+    def __init__(self, p_task: asyncio.Task[Any] | None, handoff: float | None) -> None:
         self._p_task = p_task
+        self._handoff = handoff
         self._waiter = asyncio.current_task()
         self._fired = False
+        self.timer: asyncio.Timeout | None = None
+        self.reason: str | None = None  # set when the hand-off bound is the timer's deadline
         if p_task is not None:
             p_task.add_done_callback(self._on_done)
 
     def _on_done(self, task: asyncio.Task[Any]) -> None:
-        if self._waiter is not None and not task.cancelled() and task.exception() is not None:
+        if self._waiter is None or task.cancelled():
+            return
+        if task.exception() is not None:
             self._fired = True
             self._waiter.cancel()
+        elif self._handoff is not None and self.timer is not None:
+            self._tighten(self.timer, self._handoff)
+
+    def _tighten(self, timer: asyncio.Timeout, handoff: float) -> None:
+        if timer.expired():  # the wait is already ending: nothing left to bring forward
+            return
+        by = asyncio.get_running_loop().time() + handoff
+        when = timer.when()
+        if when is None or by < when:
+            timer.reschedule(by)
+            self.reason = f"no first token within {handoff:g}s of P's answer"
 
     def stop(self) -> None:
         """Stop watching (idempotent): P's later failure is the relay's concern."""
@@ -94,7 +115,7 @@ def _deadline(attempt: Attempt) -> tuple[float, float]:
     return deadline, t.first_token if deadline < attempt.deadline else t.total
 
 
-def _timed_out(attempt: Attempt, limit: float) -> UpstreamTimeout:
+def _timed_out(attempt: Attempt, reason: str) -> UpstreamTimeout:
     """The timeout of the leg the attempt still waits for (P while P runs, else D), fed to
     that instance's breaker."""
     prefill = attempt.prefill
@@ -102,7 +123,7 @@ def _timed_out(attempt: Attempt, limit: float) -> UpstreamTimeout:
     unbound = attempt.choose_decode is not None  # D bound late, not yet: P kept it waiting
     backend = prefill if (p_busy or unbound) and prefill is not None else attempt.decode
     leg = "prefill" if backend is prefill else "decode"
-    exc = UpstreamTimeout(leg, backend.label, f"no first token within {limit:g}s")
+    exc = UpstreamTimeout(leg, backend.label, reason)
     leg_failed(attempt.runtime, backend, exc)
     return exc
 

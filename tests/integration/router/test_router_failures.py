@@ -71,6 +71,34 @@ def test_first_token_timeout(fake: dict[str, FakeVllmServer]) -> None:
     assert "first token" in resp.json()["error"]["message"]
 
 
+def test_after_prefill_counts_from_ps_answer_not_from_the_dispatch(
+    fake: dict[str, FakeVllmServer],
+) -> None:
+    """A P slower than ``after_prefill`` does not time the stream out: the bound starts at P's
+    answer (D's first token follows it through the fabric)."""
+    p, d = fake["p0"], fake["d0"]
+    p.state.behavior = FakeBehavior(prefill_delay_s=1.0)
+    timeouts = {"after_prefill": 0.8, "first_token": 20, "prefill": 20, "total": 30}
+    with running_router(_settings(p, d, timeouts=timeouts)) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=30)
+    assert resp.status_code == 200
+    assert sse_payloads(resp.text)[-1] == "[DONE]"
+
+
+def test_after_prefill_finds_a_d_silent_after_ps_answer(fake: dict[str, FakeVllmServer]) -> None:
+    """D hangs: the stream ends ``after_prefill`` after P's answer, long before ``first_token``,
+    with a 504 naming D and that bound."""
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(hang=True)
+    timeouts = {"after_prefill": 0.3, "first_token": 60, "prefill": 60, "total": 60}
+    with running_router(_settings(p, d, timeouts=timeouts)) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=STREAM, timeout=30)
+        assert d.state.wait_for(lambda s: s.cancelled == 1 and s.in_flight == 0)
+    assert resp.status_code == 504
+    message = resp.json()["error"]["message"]
+    assert f"decode instance {d.url}" in message and "0.3s of P's answer" in message, message
+
+
 def test_total_timeout_mid_stream_sends_error_event(fake: dict[str, FakeVllmServer]) -> None:
     p, d = fake["p0"], fake["d0"]
     d.state.behavior = FakeBehavior(token_delay_s=0.1)
