@@ -6,20 +6,23 @@
 # runs regardless, so one run reports all failures.
 #
 #   bash tests/run.sh            # the default suites (about 40 min on a fresh 2-core machine)
+#   SUITES="upstream shapes" SKIP_SETUP=1 bash tests/run.sh   # the two suites left out of it
 #   SKIP_SETUP=1 bash tests/run.sh   # reuse the existing .venv as is
 #   bash tests/run.sh clean          # remove the cache directory (.cache: the side venvs)
 #   SUITES="fast" bash tests/run.sh  # only some of: lint fast nixl vllm upstream docker vllm033
-#                                    # latest shapes (default: all but shapes; upstream = the same
-#                                    # e2e cases through vLLM's NixlPushConnector; vllm033 =
-#                                    # connector unit tests against vLLM 0.33.0 in a side venv, 2.5
-#                                    # min cold; latest = the router's tests with the newest
+#                                    # latest shapes (default: all but upstream and shapes, which
+#                                    # the default run's 45 minutes cannot hold on 2 cores; vllm033
+#                                    # = connector unit tests against vLLM 0.33.0 in a side venv,
+#                                    # 2.5 min cold; latest = the router's tests with the newest
 #                                    # dependency versions pyproject.toml allows, no
 #                                    # constraints.txt, in a side venv: about 3 min cold, so drift
-#                                    # in a dependency shows up as a red run; shapes = the
-#                                    # connector on real vLLM with TP/PP, MLA and a hybrid model,
-#                                    # about 17 min: its three stacks start 13 instances, more than
-#                                    # the default run's time allows, so run it when the connector's
-#                                    # worker side, layouts or wire format change)
+#                                    # in a dependency shows up as a red run; upstream = the same
+#                                    # e2e cases through vLLM's NixlPushConnector, about 5 min, run
+#                                    # it when the router's push legs or the vLLM version change;
+#                                    # shapes = the connector on real vLLM with TP/PP, MLA and a
+#                                    # hybrid model, about 17 min for its three stacks of 13
+#                                    # instances, run it when the connector's worker side, layouts
+#                                    # or wire format change)
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -48,7 +51,7 @@ export DISAGG_DEPLOY_CACHE=${DISAGG_DEPLOY_CACHE:-$CACHE/deploy}
 RUN_TMP=$(mktemp -d -t disagg-tests.XXXXXX)
 export TMPDIR=$RUN_TMP
 trap 'rm -rf "$RUN_TMP"' EXIT
-SUITES=${SUITES:-"lint fast nixl vllm upstream docker vllm033 latest"}
+SUITES=${SUITES:-"lint fast nixl vllm docker vllm033 latest"}
 LOCK=${VLLM_E2E_LOCK:-/tmp/vllm-e2e.lock}
 failures=()
 

@@ -237,7 +237,12 @@ def _router(stack: Stack, bind: str, work_dir: Path) -> Iterator[str]:
     else:
         config["push"] = {"bind": bind.removesuffix("-spin")}
     config["load_signals"] = {"interval": 0.5, "stale_after": 2.0}
-    config["timeouts"] = {"prefill": 300.0, "first_token": 300.0, "total": 600.0}
+    config["timeouts"] = {
+        "prefill": 300.0,
+        "first_token": 300.0,
+        "after_prefill": 300.0,
+        "total": 600.0,
+    }
     port = free_port()
     logs = work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

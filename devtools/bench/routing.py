@@ -257,7 +257,12 @@ def conversation_requests(spec: RoutingBenchSpec, seed: int) -> list[BenchReques
 @contextmanager
 def _router_for(stack: Any, logs: Path, **overrides: dict[str, Any]) -> Iterator[str]:
     config = stack.router_config()
-    config["timeouts"] = {"health": 60.0, "first_token": 120.0, "prefill": 120.0}
+    config["timeouts"] = {
+        "health": 60.0,
+        "first_token": 120.0,
+        "after_prefill": 120.0,
+        "prefill": 120.0,
+    }
     for section, values in overrides.items():
         config[section] = {**config.get(section, {}), **values}
     port = free_port()

@@ -146,7 +146,12 @@ def our_config(stack: Any, stack_name: str, decode_only_fraction: float) -> dict
     )
     if stack_name == "kv_aware_decode_only":
         config["kv_events"]["decode_only_fraction"] = decode_only_fraction
-    config["timeouts"] = {"health": 60.0, "first_token": 120.0, "prefill": 120.0}
+    config["timeouts"] = {
+        "health": 60.0,
+        "first_token": 120.0,
+        "after_prefill": 120.0,
+        "prefill": 120.0,
+    }
     return config
 
 

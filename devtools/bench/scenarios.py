@@ -364,7 +364,12 @@ def targets_for_group(
             proc = vllm_router(p_url, d_url, port, logs, ready_timeout_s=120.0, cpus=cpus)
         else:
             config = stack_obj.router_config(with_identity=False)
-            config["timeouts"] = {"prefill": 300.0, "first_token": 300.0, "total": 600.0}
+            config["timeouts"] = {
+                "prefill": 300.0,
+                "first_token": 300.0,
+                "after_prefill": 300.0,
+                "total": 600.0,
+            }
             proc = our_router(config, port, logs, ready_timeout_s=180.0, cpus=cpus)
             metrics = (("router", f"http://127.0.0.1:{port}/metrics"), *instances)
         es.enter_context(proc)
