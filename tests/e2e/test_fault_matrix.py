@@ -282,11 +282,14 @@ def test_client_disconnect_mid_stream(stack: Stack) -> None:
 
 
 def test_client_disconnect_before_d_is_bound(stack: Stack) -> None:
-    """push.bind just_in_time: the client hangs up while P prefills a ~15k-token prompt and no
-    D is bound yet (P's speed learned from three such prompts first, so D is due near the end
-    of the prefill, long after P is seen running). No D leg is ever sent (D's prompt tokens do
-    not move); P's blocks go back to 0 like any cancelled prefill's."""
-    p, d = stack.prefill[0], stack.decode[0]
+    """push.bind just_in_time: the client hangs up once P's leg of a ~15k-token prompt is out
+    and no D is bound yet (P's speed learned from three such prompts first, so D is due near
+    the end of the prefill, seconds after P's leg went out). No D leg is ever sent (D's prompt
+    tokens do not move); P's blocks go back to 0 like any cancelled prefill's. The moment is the
+    router's own count of P's legs in flight, not vLLM's running gauge: vLLM publishes that
+    after an engine step, and a step of a 4,096-token chunk took long enough on a slow machine
+    for D's due time to come first."""
+    d = stack.decode[0]
     timeouts = {"prefill": 60.0, "first_token": 75.0, "total": 120.0}
     overrides = {"push": {"bind": "just_in_time"}}
     with running_router(
@@ -298,14 +301,14 @@ def test_client_disconnect_before_d_is_bound(stack: Stack) -> None:
         binds = _router_metric(router.url, "disagg_router_decode_binds_total")
         d_tokens = _prompt_tokens(d)
 
-        def p_running_nothing_bound(_: bytes) -> bool:
-            running = _running(p) >= 1
+        def p_out_nothing_bound(_: bytes) -> bool:
+            out = _router_metric(router.url, "disagg_router_backend_in_flight", 'role="prefill"')
             unbound = _router_metric(router.url, "disagg_router_decode_binds_total") == binds
-            assert unbound, "D was bound before P was seen running; the case did not happen"
-            return running
+            assert unbound, "D was bound before P's leg was seen out; the case did not happen"
+            return out >= 1
 
         took, got = _hang_up_when(
-            router, p_running_nothing_bound, "P running, D not bound", LONGEST_PROMPT_WORDS
+            router, p_out_nothing_bound, "P's leg out, D not bound", LONGEST_PROMPT_WORDS
         )
         blocks = _back_to_baseline(stack.prefill + stack.decode)
         assert _router_metric(router.url, "disagg_router_decode_binds_total") == binds
