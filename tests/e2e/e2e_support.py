@@ -166,9 +166,9 @@ def running_router(
     # A loaded 2-core machine answers probes slowly; do not flap backends in the suite.
     timeouts = config.setdefault("timeouts", {})
     timeouts.setdefault("health", 60.0)
-    # > P's 30 s lease: a stalled pair fails, not hangs; and more than a slow day's first token
-    # of 8 concurrent pull requests through vLLM's NixlConnector (busy progress threads on both
-    # cores), which went past 75 s once.
+    # > P's 30 s lease: a stalled pair fails, not hangs; and above what 8 concurrent pull
+    # requests through vLLM's NixlConnector (busy progress threads on both cores) take to their
+    # first tokens on a slow day, which can pass 75 s.
     timeouts.setdefault("first_token", 150.0)
     settings = settings_from_mapping(config)
     server = UvicornThread(create_app(settings))

@@ -286,9 +286,8 @@ def test_client_disconnect_before_d_is_bound(stack: Stack) -> None:
     and no D is bound yet (P's speed learned from three such prompts first, so D is due near
     the end of the prefill, seconds after P's leg went out). No D leg is ever sent (D's prompt
     tokens do not move); P's blocks go back to 0 like any cancelled prefill's. The moment is the
-    router's own count of P's legs in flight, not vLLM's running gauge: vLLM publishes that
-    after an engine step, and a step of a 4,096-token chunk took long enough on a slow machine
-    for D's due time to come first."""
+    router's own count of P's legs in flight, not vLLM's running gauge: vLLM publishes that only
+    after an engine step, and on a slow machine D's due time can come first."""
     d = stack.decode[0]
     timeouts = {"prefill": 60.0, "first_token": 75.0, "total": 120.0}
     overrides = {"push": {"bind": "just_in_time"}}

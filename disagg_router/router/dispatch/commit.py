@@ -40,10 +40,10 @@ async def until_first_token(attempt: Attempt, holds: Holds) -> None:
     if left <= 0:
         raise _timed_out(attempt, f"no first token within {limit:g}s")
     handoff = attempt.runtime.settings.timeouts.after_prefill if attempt.request.stream else None
-    watch = _PrefillWatch(attempt.p_task, handoff)
+    timer = asyncio.timeout(left)
+    watch = _PrefillWatch(attempt.p_task, timer, handoff)
     try:
-        async with asyncio.timeout(left) as timer:
-            watch.timer = timer
+        async with timer:
             item = await attempt.queue.get()
     except TimeoutError:
         raise _timed_out(attempt, watch.reason or f"no first token within {limit:g}s") from None
@@ -61,14 +61,16 @@ class _PrefillWatch:
     """While the commit point waits for D, cancels that wait if P fails first (P's error is
     then the answer, as when both end together) and, once P answered, brings the wait's
     ``timer`` forward to ``handoff`` seconds from then (None: no such bound). Made and stopped in
-    the waiting task."""
+    the waiting task, before it enters ``timer`` (P's callbacks run only once it awaits)."""
 
-    def __init__(self, p_task: asyncio.Task[Any] | None, handoff: float | None) -> None:
+    def __init__(
+        self, p_task: asyncio.Task[Any] | None, timer: asyncio.Timeout, handoff: float | None
+    ) -> None:
         self._p_task = p_task
+        self._timer = timer
         self._handoff = handoff
         self._waiter = asyncio.current_task()
         self._fired = False
-        self.timer: asyncio.Timeout | None = None
         self.reason: str | None = None  # set when the hand-off bound is the timer's deadline
         if p_task is not None:
             p_task.add_done_callback(self._on_done)
@@ -79,16 +81,16 @@ class _PrefillWatch:
         if task.exception() is not None:
             self._fired = True
             self._waiter.cancel()
-        elif self._handoff is not None and self.timer is not None:
-            self._tighten(self.timer, self._handoff)
+        elif self._handoff is not None:
+            self._tighten(self._handoff)
 
-    def _tighten(self, timer: asyncio.Timeout, handoff: float) -> None:
-        if timer.expired():  # the wait is already ending: nothing left to bring forward
+    def _tighten(self, handoff: float) -> None:
+        if self._timer.expired():  # the wait is already ending: nothing left to bring forward
             return
         by = asyncio.get_running_loop().time() + handoff
-        when = timer.when()
+        when = self._timer.when()
         if when is None or by < when:
-            timer.reschedule(by)
+            self._timer.reschedule(by)
             self.reason = f"no first token within {handoff:g}s of P's answer"
 
     def stop(self) -> None:
