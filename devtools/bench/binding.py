@@ -5,7 +5,11 @@ every point computes its prompts anew).
 Who calls it: ``disagg-bench bind`` (:mod:`bench.binding_cmd`; wrap it in ``flock
 /tmp/vllm-e2e.lock``). The stack: P on core 0, both Ds on core 1, D's KV cache cut to
 ``d_prompts`` requests' worth of blocks (``--num-gpu-blocks-override``) so that eager binding,
-which holds D's blocks from arrival, runs it full while P's queue is long. The stack's capacity
+which holds D's blocks from arrival, runs it full while P's queue is long. Half the requests
+(``short_share``) have short prompts that D serves alone: with one P, whose queue and D's are
+both first come first served, a pushed request holding D's blocks early delays only requests
+that wait on P anyway; the requests that need D's KV at once are those that do not go through
+that P, here the short ones (elsewhere those of another P). The stack's capacity
 is measured first (a burst through a just-in-time router: with D's cache that small, D's KV and
 P's prefills limit it about equally); the light point offers ``light_fraction`` of it, the loaded
 (D-KV-bound) point ``loaded_fraction``. For each repetition and load the modes run in turn (a
@@ -60,6 +64,12 @@ class BindSpec:
     output_len: int = 64
     d_prompts: int = 1
     """D's KV cache holds this many whole requests (prompt and output)."""
+    short_len: int = 256
+    """Prompt tokens of the requests D serves alone (below the router's
+    ``disaggregation.min_prompt_tokens``, :attr:`min_prompt_tokens`)."""
+    short_share: float = 0.5
+    """The share of the requests that are short: they need D's KV at once, where a pushed
+    request bound at arrival holds it through P's queue (0: every request goes through P)."""
     requests: int = 40
     capacity_requests: int = 16
     """Requests sent at once through a just-in-time router to measure the stack's capacity."""
@@ -75,6 +85,11 @@ class BindSpec:
     seed: int = 0
     pull: bool = True
     """Also compare with pull at the loaded point (two more stacks: :func:`_compare_with_pull`)."""
+
+    @property
+    def min_prompt_tokens(self) -> int:
+        """The router's ``disaggregation.min_prompt_tokens``: halfway between the two lengths."""
+        return (self.input_len + self.short_len) // 2 if self.short_share > 0 else 0
 
     @property
     def d_blocks(self) -> int:
@@ -97,20 +112,31 @@ class Point:
     duration_s: float
     ttft_ms: list[float]
     tpot_ms: list[float]
+    prompt_lens: list[int]
+    """Of each completed request, in the order of ``ttft_ms``."""
     unwritten_block_s: float
     p_wait: dict[str, float]
     binds: dict[str, float]
     prediction_error: dict[str, float]
     kv_usage: list[tuple[float, float]]
 
-    def goodput(self, ttft_slo_ms: float, tpot_slo_ms: float) -> float:
-        """Completed requests per second within both SLOs."""
+    def goodput(self, ttft_slo_ms: dict[int, float], tpot_slo_ms: float) -> float:
+        """Completed requests per second within both SLOs (TTFT's per prompt length)."""
+        both = zip(self.ttft_ms, self.tpot_ms, self.prompt_lens, strict=True)
         good = sum(
             1
-            for ttft, tpot in zip(self.ttft_ms, self.tpot_ms, strict=True)
-            if ttft <= ttft_slo_ms and tpot <= tpot_slo_ms
+            for ttft, tpot, n in both
+            if ttft <= ttft_slo_ms.get(n, math.inf) and tpot <= tpot_slo_ms
         )
         return good / self.duration_s if self.duration_s > 0 else 0.0
+
+    def ttft_of(self, short: bool, min_prompt_tokens: int) -> list[float]:
+        """TTFTs of the requests D served alone (``short``) or of the pushed ones."""
+        return [
+            t
+            for t, n in zip(self.ttft_ms, self.prompt_lens, strict=True)
+            if (n < min_prompt_tokens) == short
+        ]
 
 
 def run_bind_benchmark(spec: BindSpec, work_dir: Path) -> dict[str, Any]:
@@ -148,11 +174,24 @@ def _started(spec: BindSpec, work_dir: Path, kind: str, spin: bool = False) -> I
 
 
 def _prompts(spec: BindSpec) -> tuple[list[BenchRequest], list[BenchRequest]]:
-    """The warm-up prompts and the measured ones: the same for every stack and point."""
-    prompts = make_token_prompts(
-        SyntheticSpec(spec.requests + spec.warmups, spec.input_len, spec.output_len, seed=spec.seed)
+    """The warm-up prompts (long: P's speed is learned from them) and the measured ones, short
+    ones spread evenly among the long (``short_share``): the same for every stack and point."""
+    shorts = round(spec.requests * spec.short_share) if spec.short_len else 0
+    longs = make_token_prompts(
+        SyntheticSpec(
+            spec.requests - shorts + spec.warmups, spec.input_len, spec.output_len, seed=spec.seed
+        )
     )
-    return prompts[: spec.warmups], prompts[spec.warmups :]
+    short = make_token_prompts(
+        SyntheticSpec(max(shorts, 1), spec.short_len, spec.output_len, seed=spec.seed + 1)
+    )[:shorts]
+    warm, long_iter, short_iter = longs[: spec.warmups], iter(longs[spec.warmups :]), iter(short)
+    measured = [
+        next(short_iter) if (i + 1) * shorts // spec.requests > i * shorts // spec.requests
+        else next(long_iter)
+        for i in range(spec.requests)
+    ]  # fmt: skip
+    return warm, measured
 
 
 async def _run(spec: BindSpec, stack: Stack, work_dir: Path) -> tuple[float, list[Point]]:
@@ -163,7 +202,7 @@ async def _run(spec: BindSpec, stack: Stack, work_dir: Path) -> tuple[float, lis
         for load, fraction in (("light", spec.light_fraction), ("loaded", spec.loaded_fraction)):
             for rep in range(spec.repetitions):
                 for bind in BINDS:
-                    with _router(stack, bind, work_dir) as url:
+                    with _router(stack, bind, spec, work_dir) as url:
                         point = await _point(
                             client, stack, url, spec, (bind, load, rep), warm, measured,
                             capacity * fraction,
@@ -196,7 +235,7 @@ async def _loaded_points(
         if capacity is None:
             capacity = await _capacity(client, stack, bind, spec, work_dir)
         for rep in range(spec.repetitions):
-            with _router(stack, bind, work_dir) as url:
+            with _router(stack, bind, spec, work_dir) as url:
                 what = (bind, "loaded", rep)
                 rate = capacity * spec.loaded_fraction
                 point = await _point(client, stack, url, spec, what, warm, measured, rate)
@@ -213,7 +252,7 @@ async def _capacity(
     time the last one took. Everything the points share counts: P's prefills, the WRITEs, D's
     decodes within its KV cache, and the router and client on the same two cores."""
     warm, measured = _prompts(spec)
-    with _router(stack, bind, work_dir) as url:
+    with _router(stack, bind, spec, work_dir) as url:
         target = Target(url, stack.model_name)
         await run_load(client, target, warm, LoadSpec(max_concurrency=1, show_progress=False))
         burst = measured[: spec.capacity_requests]
@@ -225,10 +264,10 @@ async def _capacity(
 
 
 @contextmanager
-def _router(stack: Stack, bind: str, work_dir: Path) -> Iterator[str]:
+def _router(stack: Stack, bind: str, spec: BindSpec, work_dir: Path) -> Iterator[str]:
     """Our router over ``stack``: push with ``push.bind`` = ``bind``, or pull mode (``pull``);
     D chosen by load (``power_of_two``: with two Ds, the less loaded; what binding late
-    chooses with is the load at the moment it binds)."""
+    chooses with is the load at the moment it binds); short prompts to D alone."""
     config = stack.router_config(
         with_identity=bind != PULL, health_interval_s=30.0, decode_policy="power_of_two"
     )
@@ -237,6 +276,7 @@ def _router(stack: Stack, bind: str, work_dir: Path) -> Iterator[str]:
     else:
         config["push"] = {"bind": bind.removesuffix("-spin")}
     config["load_signals"] = {"interval": 0.5, "stale_after": 2.0}
+    config["disaggregation"] = {"min_prompt_tokens": spec.min_prompt_tokens}
     config["timeouts"] = {
         "prefill": 300.0,
         "first_token": 300.0,
@@ -290,6 +330,7 @@ async def _point(
         duration_s=result.metrics.duration_s,
         ttft_ms=[1000 * r.ttft for r in ok],
         tpot_ms=[_tpot_ms(r) for r in ok],
+        prompt_lens=[r.prompt_len for r in ok],
         unwritten_block_s=sum(
             _delta(before, after, d, "disagg_push_unwritten_block_seconds_total") for d in decodes
         ),
@@ -395,19 +436,19 @@ def summarize(
     """The result: spec, capacities, SLOs, every point, per (load, bind) figures and the
     summary.json keys (:data:`bench.report.BIND_KEYS`)."""
     light_eager = [p for p in points if p.load == "light" and p.bind == "eager"]
-    ttft_slo = spec.ttft_slo_factor * _median(light_eager, "ttft_ms")
+    ttft_slo = _ttft_slo(light_eager, spec.ttft_slo_factor)
     tpot_slo = spec.tpot_slo_factor * _median(light_eager, "tpot_ms")
     table: dict[str, dict[str, Any]] = {}
     for load in ("light", "loaded"):
         for bind in (*BINDS, PULL, JIT_SPIN):
             mine = [p for p in points if p.load == load and p.bind == bind]
             if mine or bind in BINDS:
-                table[f"{load}/{bind}"] = _figures(mine, ttft_slo, tpot_slo)
+                table[f"{load}/{bind}"] = _figures(mine, (ttft_slo, tpot_slo), spec)
     return {
         "spec": asdict(spec) | {"d_blocks": spec.d_blocks},
         "capacity_rps": capacity,
         "pull_capacity_rps": pull_capacity,
-        "slo": {"ttft_ms": ttft_slo, "tpot_ms": tpot_slo},
+        "slo": {"ttft_ms": {str(n): v for n, v in ttft_slo.items()}, "tpot_ms": tpot_slo},
         "table": table,
         "summary": _keys(table),
         "points": [asdict(p) for p in points],
@@ -419,17 +460,34 @@ def _median(points: list[Point], field: str) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _figures(points: list[Point], ttft_slo: float, tpot_slo: float) -> dict[str, Any]:
-    """Per repetition and their mean: TTFT mean/p99, TPOT mean, goodput, unwritten block-s,
-    P's wait p50."""
+def _ttft_slo(points: list[Point], factor: float) -> dict[int, float]:
+    """Per prompt length: ``factor`` times the median TTFT of ``points``' requests of it."""
+    by_length: dict[int, list[float]] = {}
+    for p in points:
+        for ttft, n in zip(p.ttft_ms, p.prompt_lens, strict=True):
+            by_length.setdefault(n, []).append(ttft)
+    return {n: factor * statistics.median(v) for n, v in sorted(by_length.items())}
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
+
+
+def _figures(
+    points: list[Point], slo: tuple[dict[int, float], float], spec: BindSpec
+) -> dict[str, Any]:
+    """Per repetition and their mean: the pushed requests' TTFT mean/p99, the TTFT p99 of those
+    D served alone, TPOT mean, goodput, unwritten block-s, P's wait p50."""
 
     def each(p: Point) -> dict[str, float]:
-        ttft = sorted(p.ttft_ms)
+        pushed = p.ttft_of(False, spec.min_prompt_tokens)
         return {
-            "ttft_mean_ms": statistics.mean(ttft) if ttft else 0.0,
-            "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else 0.0,
+            "ttft_mean_ms": statistics.mean(pushed) if pushed else 0.0,
+            "ttft_p99_ms": _p99(pushed),
+            "alone_ttft_p99_ms": _p99(p.ttft_of(True, spec.min_prompt_tokens)),
             "tpot_mean_ms": statistics.mean(p.tpot_ms) if p.tpot_ms else 0.0,
-            "goodput_rps": p.goodput(ttft_slo, tpot_slo),
+            "goodput_rps": p.goodput(*slo),
             "unwritten_block_s": p.unwritten_block_s,
             "p_wait_p50_ms": p.p_wait.get("p50_ms", 0.0),
             "failed": float(p.failed),

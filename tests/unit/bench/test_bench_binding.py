@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from bench.binding import BINDS, JIT_SPIN, PULL, BindSpec, Point, Samples, _histogram, summarize
+from bench.binding import (
+    BINDS,
+    JIT_SPIN,
+    PULL,
+    BindSpec,
+    Point,
+    Samples,
+    _histogram,
+    _prompts,
+    summarize,
+)
 from bench.binding_cmd import format_report
 
 FAMILY = "disagg_push_wait_for_registration_seconds"
@@ -47,6 +57,7 @@ def point(bind: str, load: str, ttft: float, block_s: float, rep: int = 0) -> Po
         duration_s=4.0,
         ttft_ms=[ttft] * 4,
         tpot_ms=[10.0] * 4,
+        prompt_lens=[4000] * 4,
         unwritten_block_s=block_s,
         p_wait={"p50_ms": 2.0 if bind != "eager" else 0.0},
         binds={},
@@ -62,7 +73,7 @@ def test_summary_keys_compare_the_modes_over_repetitions() -> None:
                250.0, 4.0, 1)]  # fmt: skip
     points += [point("adaptive", "loaded", 200.0, 3.0, r) for r in (0, 1)]
     data = summarize(BindSpec(), 5.0, points)
-    assert data["slo"] == {"ttft_ms": 300.0, "tpot_ms": 15.0}
+    assert data["slo"] == {"ttft_ms": {"4000": 300.0}, "tpot_ms": 15.0}
     keys = data["summary"]
     assert keys["d_idle_block_seconds_jit_over_eager"] == pytest.approx(0.3)
     assert keys["goodput_jit_over_eager_d_kv_bound"] is None  # eager met no SLO: no ratio
@@ -86,3 +97,36 @@ def test_the_pull_comparison_puts_just_in_time_on_a_spinning_stack_beside_pull()
     report = format_report(data)
     assert report.count("\n| loaded |") == 5 and report.count("\n| light |") == 3
     assert f"| loaded | {JIT_SPIN} | 300.00 |" in report and "(2.00 requests/s)" in report
+
+
+def test_short_prompts_are_spread_evenly_among_the_long_and_the_warm_ups_are_long() -> None:
+    spec = BindSpec(input_len=512, short_len=64, short_share=0.25, requests=8, warmups=2)
+    warm, measured = _prompts(spec)
+    assert [r.prompt_len for r in warm] == [512, 512]
+    assert [r.prompt_len for r in measured] == [512, 512, 512, 64] * 2
+    assert spec.min_prompt_tokens == 288
+    assert _prompts(spec) == (warm, measured)  # the same for every stack and point
+    only_long = BindSpec(input_len=512, short_share=0.0, requests=4, warmups=1)
+    assert {r.prompt_len for r in _prompts(only_long)[1]} == {512}
+    assert only_long.min_prompt_tokens == 0
+
+
+def test_each_prompt_length_has_its_own_ttft_slo_and_the_figures_split_them() -> None:
+    spec = BindSpec(input_len=4000, short_len=256)
+
+    def mixed(bind: str, load: str, short_ttft: float) -> Point:
+        p = point(bind, load, 100.0, 1.0)
+        p.ttft_ms, p.prompt_lens = [100.0, 100.0, 10.0, short_ttft], [4000, 4000, 256, 256]
+        return p
+
+    points = [mixed(b, "light", 10.0) for b in BINDS]
+    points += [mixed("eager", "loaded", 500.0), mixed("just_in_time", "loaded", 20.0)]
+    points.append(mixed("adaptive", "loaded", 20.0))
+    data = summarize(spec, 5.0, points)
+    assert data["slo"]["ttft_ms"] == {"256": 30.0, "4000": 300.0}
+    eager, jit = data["table"]["loaded/eager"]["mean"], data["table"]["loaded/just_in_time"]["mean"]
+    assert eager["ttft_mean_ms"] == jit["ttft_mean_ms"] == 100.0  # the pushed requests only
+    assert (eager["alone_ttft_p99_ms"], jit["alone_ttft_p99_ms"]) == (500.0, 20.0)
+    assert (eager["goodput_rps"], jit["goodput_rps"]) == (0.75, 1.0)  # 3 and 4 of 4 in 4 s
+    assert data["summary"]["goodput_jit_over_eager_d_kv_bound"] == pytest.approx(4 / 3, abs=1e-3)
+    assert "3x the light eager median TTFT of the same prompt length" in format_report(data)
