@@ -60,8 +60,8 @@ _SAMPLE_S = 0.25
 class BindSpec:
     """What ``disagg-bench bind`` runs."""
 
-    input_len: int = 4000
-    output_len: int = 64
+    input_len: int = 8000
+    output_len: int = 32
     d_prompts: int = 1
     """D's KV cache holds this many whole requests (prompt and output)."""
     short_len: int = 256
@@ -116,6 +116,8 @@ class Point:
     """Of each completed request, in the order of ``ttft_ms``."""
     unwritten_block_s: float
     p_wait: dict[str, float]
+    write: dict[str, float]
+    """P's WRITEs (post to completion): the part of D's unwritten time no binding saves."""
     binds: dict[str, float]
     prediction_error: dict[str, float]
     kv_usage: list[tuple[float, float]]
@@ -335,6 +337,7 @@ async def _point(
             _delta(before, after, d, "disagg_push_unwritten_block_seconds_total") for d in decodes
         ),
         p_wait=_histogram(before, after, "p0", "disagg_push_wait_for_registration_seconds"),
+        write=_histogram(before, after, "p0", "disagg_push_write_seconds"),
         binds=_by_label(before, after, "router", "disagg_router_decode_binds_total", "reason"),
         prediction_error=_by_label(
             before, after, "router", "disagg_router_prefill_finish_error_seconds_sum", "direction"
@@ -478,7 +481,7 @@ def _figures(
     points: list[Point], slo: tuple[dict[int, float], float], spec: BindSpec
 ) -> dict[str, Any]:
     """Per repetition and their mean: the pushed requests' TTFT mean/p99, the TTFT p99 of those
-    D served alone, TPOT mean, goodput, unwritten block-s, P's wait p50."""
+    D served alone, TPOT mean, goodput, unwritten block-s, P's wait p50, P's WRITE mean."""
 
     def each(p: Point) -> dict[str, float]:
         pushed = p.ttft_of(False, spec.min_prompt_tokens)
@@ -490,6 +493,7 @@ def _figures(
             "goodput_rps": p.goodput(*slo),
             "unwritten_block_s": p.unwritten_block_s,
             "p_wait_p50_ms": p.p_wait.get("p50_ms", 0.0),
+            "write_mean_ms": p.write.get("mean_ms", 0.0),
             "failed": float(p.failed),
         }
 

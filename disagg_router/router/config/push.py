@@ -28,7 +28,7 @@ class PushConfig(Frozen):
         "kv_cache_usage_perc, from load_signals) is at least this",
     )
     lead_margin: float = Field(
-        default=0.05,
+        default=0.02,
         ge=0.0,
         le=10.0,
         description="seconds added to D's learned lead (D leg sent to D accepting it), for "

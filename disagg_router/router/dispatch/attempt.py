@@ -56,7 +56,8 @@ class Dispatch:
         self._a = attempt
         late = attempt.choose_decode is not None  # D is counted and admitted when bound
         legs = [b for b in (attempt.prefill, None if late else attempt.decode) if b is not None]
-        self._holds = Holds(attempt.runtime.metrics, legs, attempt.ctx.claim)
+        demand = None if attempt.kv_demand is None else (attempt.kv_demand, attempt.prompt_tokens)
+        self._holds = Holds(attempt.runtime.metrics, legs, attempt.ctx.claim, demand)
         self._relay = Relay(attempt)
 
     @property

@@ -25,6 +25,7 @@ from disagg_router.router.dispatch.state import Attempt
 from disagg_router.router.errors import NoBackendAvailable
 from disagg_router.router.instances.state import BackendState
 from disagg_router.router.observability.metrics import RouterMetrics
+from disagg_router.router.routing.pools import Pool
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +33,42 @@ EAGER = "eager"
 JUST_IN_TIME = "just_in_time"
 
 
-def binds_late(settings: RouterSettings, decodes: list[BackendState]) -> bool:
-    """Whether a push dispatch over the usable ``decodes`` binds D late: ``just_in_time``
-    always, ``adaptive`` as soon as one D with fresh load signals reports a KV cache at least
-    ``push.adaptive_kv_usage`` full (an eager dispatch may be sent to that D, and eager
-    reservations made between two scrapes are not in the figures yet); none fresh: eager,
-    nothing says KV is scarce."""
+def binds_late(settings: RouterSettings, decodes: Pool, tokens: int) -> bool:
+    """Whether a push dispatch of a ``tokens``-token prompt over the D pool ``decodes`` binds D
+    late: ``just_in_time`` always; ``adaptive`` when D's KV is scarce (:func:`kv_scarce`)."""
     push = settings.push
     if settings.mode != "push" or push.bind == EAGER:
         return False
     if push.bind == JUST_IN_TIME:
         return True
+    return kv_scarce(settings, decodes.usable(), decodes.kv_demand.tokens, tokens)
+
+
+def kv_scarce(
+    settings: RouterSettings, decodes: list[BackendState], in_flight: int, tokens: int
+) -> bool:
+    """Whether D's KV is scarce for a ``tokens``-token prompt: ``push.adaptive_kv_usage``
+    reached by either figure of the usable Ds with fresh load signals.
+
+    - One D's KV cache usage (vLLM's gauge; what other routers put there is in it).
+    - The share of the Ds' KV caches (their sizes from the same scrapes) that ``in_flight``,
+      the prompt tokens of this router's requests in flight on the pool, would hold if all were
+      bound now, plus this prompt's share of the largest D. It does not swing with the binding
+      it decides (blocks bound just in time leave the gauges low while the requests in P's
+      queue would fill them), and a prompt that alone takes that share of a D, which an eager
+      binding would keep from others through P's queue, is never bound eagerly.
+
+    No fresh signals: not scarce (eager)."""
     now = time.monotonic()
     stale = settings.load_signals.stale_after
-    usage = [
-        d.signals.kv_usage for d in decodes if d.signals is not None and now - d.signals.at <= stale
-    ]
-    return bool(usage) and max(usage) >= push.adaptive_kv_usage
+    fresh = [d.signals for d in decodes if d.signals is not None and now - d.signals.at <= stale]
+    threshold = settings.push.adaptive_kv_usage
+    if any(s.kv_usage >= threshold for s in fresh):
+        return True
+    sizes = [s.kv_tokens for s in fresh if s.kv_tokens > 0]
+    if not sizes:
+        return False
+    return in_flight / sum(sizes) + tokens / max(sizes) >= threshold
 
 
 def lead(settings: RouterSettings, decodes: list[BackendState]) -> float:

@@ -9,7 +9,8 @@ counts are taken by the pools when they choose the pair
 :meth:`Holds.add`) and gives
 each leg's count and slot back once (:meth:`Holds.release`) when the leg ends, and whatever is left
 at the attempt's close (:meth:`Holds.release_all`). The ``disagg_router_backend_in_flight`` gauge
-follows the counts.
+follows the counts. It also holds the attempt's prompt tokens in its D pool's
+:class:`~disagg_router.router.instances.demand.KvDemand` from its start to its close.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 from disagg_router.router.errors import RouterError
 from disagg_router.router.instances.admission import Slot
+from disagg_router.router.instances.demand import KvDemand
 from disagg_router.router.instances.fairness import NO_CLAIM, Claim
 from disagg_router.router.instances.state import BackendState, Role
 from disagg_router.router.observability.metrics import RouterMetrics
@@ -27,12 +29,20 @@ class Holds:
     """The counts and slots of one attempt's legs (single event loop, no locking)."""
 
     def __init__(
-        self, metrics: RouterMetrics, backends: list[BackendState], claim: Claim = NO_CLAIM
+        self,
+        metrics: RouterMetrics,
+        backends: list[BackendState],
+        claim: Claim = NO_CLAIM,
+        demand: tuple[KvDemand, int] | None = None,
     ) -> None:
         """``backends``: the attempt's P (if any) and D, each already counted by its pool;
-        ``claim``: the request's tenant, which places it in the instances' queues."""
+        ``claim``: the request's tenant, which places it in the instances' queues; ``demand``:
+        the D pool's KV demand and the prompt tokens to hold in it until :meth:`release_all`."""
         self._metrics = metrics
         self._claim = claim
+        self._demand = demand
+        if demand is not None:
+            demand[0].add(demand[1])
         self._counted: dict[Role, BackendState] = {b.role: b for b in backends}
         self._slots: dict[Role, Slot] = {}
         for backend in backends:
@@ -59,6 +69,9 @@ class Holds:
         for slot in self._slots.values():
             slot.release()
         self._slots.clear()
+        if self._demand is not None:
+            self._demand[0].remove(self._demand[1])
+            self._demand = None
 
     async def admit(self) -> None:
         """An admission slot on every leg's instance that has none yet; no leg holds one while

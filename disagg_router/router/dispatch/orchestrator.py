@@ -103,9 +103,9 @@ async def open_dispatch(
     last_prefill = resume.prefill if resume is not None else None  # the last attempt's P
     pending = resume.failed if resume is not None else None  # the failure the 1st choice follows
     failover: str | None = None  # the phase of the D failure the chosen pair follows
+    tokens = len(request.prompt_ids) if request.prompt_ids else _tokens(found, routed)
     late = decision == DISAGGREGATED and resume is None  # D bound late, if push.bind says so
-    late = late and binds_late(runtime.settings, found.decode.usable())
-    tokens = len(request.prompt_ids) if request.prompt_ids else _tokens(found, routed, decision)
+    late = late and binds_late(runtime.settings, found.decode, tokens)
     choice: tuple[frozenset[str], bool] = (frozenset(), False)  # the choice's avoid, strict
 
     def choose(
@@ -135,6 +135,7 @@ async def open_dispatch(
         attempt = Attempt(runtime, request, *pair, ctx, request_id, deadline)
         attempt.failover = failover
         attempt.prompt_tokens = tokens
+        attempt.kv_demand = found.decode.kv_demand
         if pair[0] is not None and runtime.settings.mode == "push":
             if late:
                 _bind_late(attempt, pair[0], found, routed, *choice)
@@ -197,10 +198,8 @@ def _choose_pair(
     return None, found.decode.choose(avoid, routed, strict)
 
 
-def _tokens(found: ModelPools, routed: RoutingInput, decision: str) -> int:
-    """The prompt's estimated tokens, for P's pace (0 when there is no P leg)."""
-    if decision != DISAGGREGATED:
-        return 0
+def _tokens(found: ModelPools, routed: RoutingInput) -> int:
+    """The prompt's estimated tokens: P's pace predicts with them, D's KV demand holds them."""
     return estimated_tokens(routed.prompt, found.route.disaggregation.chars_per_token)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from disagg_router.router.config import PushIdentity
 from disagg_router.router.errors import RouterError, UpstreamError
 from disagg_router.router.ids import new_request_id
+from disagg_router.router.instances.demand import KvDemand
 from disagg_router.router.instances.state import BackendState
 from disagg_router.router.request import ClientRequest, RequestContext
 from disagg_router.router.runtime import Runtime
@@ -118,6 +119,8 @@ class Attempt:
         # once D is bound, or when D was chosen with P. ``decode`` is a stand-in until then.
         self.choose_decode: Callable[[], BackendState] | None = None
         self.prompt_tokens = 0  # the prompt's estimated tokens (P's pace predicts with them)
+        # The D pool's KV demand, which holds prompt_tokens while the attempt runs (None: none).
+        self.kv_demand: KvDemand | None = None
         self.p_ticket: int | None = None  # the P leg's prefill in P's pace, while it runs
         self.prefill_answered: bool | None = None  # how the P leg ended; None: it has not
 

@@ -14,22 +14,28 @@ from disagg_router.router.instances.state import BackendState, LoadSignals
 _WAITING = "vllm:num_requests_waiting"
 _RUNNING = "vllm:num_requests_running"
 _KV_USAGE = "vllm:kv_cache_usage_perc"
+_CACHE_INFO = "vllm:cache_config_info"
 
 
 def parse_signals(text: str, model: str, at: float) -> LoadSignals | None:
     """The signals for ``model`` in a vLLM ``/metrics`` page (summed over its engines).
 
     Samples whose ``model_name`` label differs from ``model`` are ignored (when ``model`` is
-    empty, all count). None when the page has neither request gauge or does not parse.
+    empty, all count). None when the page has neither request gauge or does not parse. The KV
+    cache's size in tokens comes from ``vllm:cache_config_info`` (:func:`_kv_tokens`; 0 when
+    the page does not say it).
     """
     sums = {_WAITING: 0.0, _RUNNING: 0.0, _KV_USAGE: 0.0}
     seen: set[str] = set()
+    kv_tokens = 0
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name not in sums:
-                    continue
                 if model and sample.labels.get("model_name", model) != model:
+                    continue
+                if sample.name == _CACHE_INFO:
+                    kv_tokens += _kv_tokens(sample.labels)
+                if sample.name not in sums:
                     continue
                 sums[sample.name] += sample.value
                 seen.add(sample.name)
@@ -37,7 +43,26 @@ def parse_signals(text: str, model: str, at: float) -> LoadSignals | None:
         return None
     if _WAITING not in seen and _RUNNING not in seen:
         return None
-    return LoadSignals(sums[_WAITING], sums[_RUNNING], min(sums[_KV_USAGE], 1.0), at)
+    usage = min(sums[_KV_USAGE], 1.0)
+    return LoadSignals(sums[_WAITING], sums[_RUNNING], usage, at, kv_tokens=kv_tokens)
+
+
+def _kv_tokens(labels: dict[str, str]) -> int:
+    """One engine's KV cache in tokens from its ``cache_config_info`` labels:
+    ``kv_cache_size_tokens`` (vLLM 0.32), else ``num_gpu_blocks`` times ``block_size``; 0 when
+    neither is a positive integer."""
+    size = _positive(labels.get("kv_cache_size_tokens"))
+    if size:
+        return size
+    return _positive(labels.get("num_gpu_blocks")) * _positive(labels.get("block_size"))
+
+
+def _positive(value: str | None) -> int:
+    try:
+        number = int(value or "")
+    except ValueError:
+        return 0
+    return max(number, 0)
 
 
 def backend_load(backend: BackendState, now: float, stale_after: float) -> float:

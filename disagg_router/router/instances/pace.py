@@ -30,10 +30,16 @@ DEFAULT_LEAD_S = 0.25
 """A D's lead before any was observed: D's hand-over measured upstream (about 200 ms p50)."""
 
 
+DEVIATIONS = 1.0
+"""How many mean deviations above the mean a :class:`Spread`'s bound is: one keeps P's wait
+for D's registration at 0 for most requests (the median's goal) without holding D's blocks
+as long as two did (``disagg-bench bind``, docs/benchmarks/binding.md)."""
+
+
 @dataclass
 class Spread:
     """A decayed mean and mean deviation of observed seconds; :meth:`bound` is the mean plus
-    two deviations (``default`` until anything is observed)."""
+    :data:`DEVIATIONS` deviations (``default`` until anything is observed)."""
 
     weight: float = 0.2
     default: float = 0.0
@@ -48,7 +54,7 @@ class Spread:
         self._mean += self.weight * (seconds - self._mean)
 
     def bound(self) -> float:
-        return self.default if self._mean is None else self._mean + 2 * self._dev
+        return self.default if self._mean is None else self._mean + DEVIATIONS * self._dev
 
 
 @dataclass
@@ -138,7 +144,7 @@ class PrefillPace:
     def margin(self) -> float:
         """Seconds to bind D ahead of this P's predicted finish beyond D's lead: how early its
         prefills ended against the last prediction given for them after they were sent (the
-        binding's), mean plus two deviations; 0 until seen."""
+        binding's), mean plus :data:`DEVIATIONS` deviations; 0 until seen."""
         return self._early.bound()
 
     def _learn(self, seconds: float, tokens: int) -> None:

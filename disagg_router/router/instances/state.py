@@ -26,14 +26,16 @@ Role = Literal["prefill", "decode"]
 @dataclass(frozen=True)
 class LoadSignals:
     """One scrape of vLLM's gauges: queued and running requests, KV cache usage (0..1), when it
-    was taken (``time.monotonic()``) and this router's own legs in flight on the instance at that
-    moment; see :mod:`disagg_router.router.health.load_signals`."""
+    was taken (``time.monotonic()``), this router's own legs in flight on the instance at that
+    moment and the KV cache's size in tokens (0: not reported); see
+    :mod:`disagg_router.router.health.load_signals`."""
 
     waiting: float
     running: float
     kv_usage: float
     at: float
     own_in_flight: int = 0
+    kv_tokens: int = 0
 
 
 @dataclass

@@ -29,6 +29,7 @@ from disagg_router.router.config import (
     PoolConfig,
 )
 from disagg_router.router.errors import NoBackendAvailable
+from disagg_router.router.instances.demand import KvDemand
 from disagg_router.router.instances.registry import BackendRegistry
 from disagg_router.router.instances.state import BackendState, Role
 from disagg_router.router.routing.policies.base import NO_INPUT, Policy, RoutingInput
@@ -70,6 +71,7 @@ class Pool:
         self.config = config
         self.backends = [self._backend(i, checked)[0] for i in config.instances]
         self.draining: list[BackendState] = []
+        self.kv_demand = KvDemand()  # a D pool's: what push.bind adaptive weighs
         self._policy: Policy = make_policy(config, signals)
 
     def _backend(self, instance: InstanceConfig, checked: bool) -> tuple[BackendState, bool]:

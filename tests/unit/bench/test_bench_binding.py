@@ -60,6 +60,7 @@ def point(bind: str, load: str, ttft: float, block_s: float, rep: int = 0) -> Po
         prompt_lens=[4000] * 4,
         unwritten_block_s=block_s,
         p_wait={"p50_ms": 2.0 if bind != "eager" else 0.0},
+        write={"mean_ms": 1.0},
         binds={},
         prediction_error={},
         kv_usage=[(0.0, 0.5)],
@@ -72,7 +73,7 @@ def test_summary_keys_compare_the_modes_over_repetitions() -> None:
     points += [point("just_in_time", "loaded", 200.0, 2.0), point("just_in_time", "loaded",
                250.0, 4.0, 1)]  # fmt: skip
     points += [point("adaptive", "loaded", 200.0, 3.0, r) for r in (0, 1)]
-    data = summarize(BindSpec(), 5.0, points)
+    data = summarize(BindSpec(input_len=4000), 5.0, points)
     assert data["slo"] == {"ttft_ms": {"4000": 300.0}, "tpot_ms": 15.0}
     keys = data["summary"]
     assert keys["d_idle_block_seconds_jit_over_eager"] == pytest.approx(0.3)
@@ -92,7 +93,7 @@ def test_the_pull_comparison_puts_just_in_time_on_a_spinning_stack_beside_pull()
     points = [point(b, load, 100.0, 1.0) for b in BINDS for load in ("light", "loaded")]
     points += [point(PULL, "loaded", 800.0, 0.0, r) for r in (0, 1)]
     points += [point(JIT_SPIN, "loaded", 300.0, 1.0, r) for r in (0, 1)]
-    data = summarize(BindSpec(), 5.0, points, pull_capacity=2.0)
+    data = summarize(BindSpec(input_len=4000), 5.0, points, pull_capacity=2.0)
     assert data["summary"]["ttft_jit_over_pull_loaded"] == pytest.approx(0.375)
     report = format_report(data)
     assert report.count("\n| loaded |") == 5 and report.count("\n| light |") == 3

@@ -16,7 +16,7 @@ import pytest
 
 from devstack.fakes.server import UvicornThread
 from disagg_router.router.config import settings_from_mapping
-from disagg_router.router.dispatch.binding import binds_late
+from disagg_router.router.dispatch.binding import kv_scarce
 from disagg_router.router.dispatch.orchestrator import open_dispatch
 from disagg_router.router.errors import RouterError
 from disagg_router.router.instances.pace import MIN_SAMPLES
@@ -200,8 +200,8 @@ async def test_nothing_is_bound_or_left_held_when_the_request_ends_before_d_is_d
     assert not any(e.startswith("D") for e in script.order)
 
 
-def _with_kv_usage(backend: BackendState, usage: float) -> None:
-    backend.signals = LoadSignals(0.0, 1.0, usage, time.monotonic())
+def _with_kv_usage(backend: BackendState, usage: float, kv_tokens: int = 0) -> None:
+    backend.signals = LoadSignals(0.0, 1.0, usage, time.monotonic(), kv_tokens=kv_tokens)
 
 
 @pytest.mark.parametrize(
@@ -216,4 +216,54 @@ def test_adaptive_binds_late_once_one_d_reports_its_kv_scarce(
     for backend, usage in zip(decodes, usages, strict=True):
         if usage is not None:
             _with_kv_usage(backend, usage)
-    assert binds_late(config, decodes) is late
+    assert kv_scarce(config, decodes, in_flight=0, tokens=0) is late
+
+
+@pytest.mark.parametrize(
+    ("sizes", "in_flight", "tokens", "late"),
+    [
+        ((1000, 1000), 0, 100, False),
+        ((1000, 1000), 799, 100, False),
+        ((1000, 1000), 800, 100, True),
+        ((1000, 600), 0, 499, False),
+        ((1000, 600), 0, 500, True),
+        ((0, 0), 10**9, 10**9, False),
+    ],
+)
+def test_adaptive_weighs_the_requests_in_flight_and_the_prompt_against_the_ds_kv(
+    sizes: tuple[int, int], in_flight: int, tokens: int, late: bool
+) -> None:
+    """Gauges at zero (bound just in time, nothing is registered yet): the prompts in flight,
+    as a share of all Ds' KV, and this prompt, as a share of the largest D's, decide against
+    half (the default threshold); unreported sizes leave the gauges alone to decide."""
+    config = settings([f"http://127.0.0.1:{9400 + i}" for i in range(3)], "adaptive")
+    decodes = [BackendState(instance, "decode") for instance in config.decode.instances]
+    for backend, size in zip(decodes, sizes, strict=True):
+        _with_kv_usage(backend, 0.0, kv_tokens=size)
+    assert kv_scarce(config, decodes, in_flight, tokens) is late
+
+
+async def test_adaptive_binds_late_while_the_requests_in_flight_would_fill_half_the_kv() -> None:
+    """Each D reports 200 tokens of KV and an empty cache; a prompt is 70 tokens. The first
+    request (70 of 200 on one D) binds eagerly; the second, while the first is in flight
+    (70 of 400 in flight, plus 70 of 200), binds late although the gauges still say empty;
+    every token is given back at the close."""
+    script = Script()
+    released = False
+    script.p_may_answer = lambda: released
+    with one_p_two_d(script) as servers:
+        async with runtime_for(servers, "adaptive") as runtime:
+            decodes = runtime.pools[1]
+            for backend in decodes.backends:
+                _with_kv_usage(backend, 0.0, kv_tokens=200)
+            first = asyncio.create_task(open_dispatch(runtime, REQUEST))
+            await until(lambda: "D0" in script.order)  # eager: D0's leg went out with P's
+            assert decodes.kv_demand.tokens == 70
+            second = asyncio.create_task(open_dispatch(runtime, REQUEST))
+            await until(lambda: script.order.count("P start") == 2)
+            assert decodes.kv_demand.tokens == 140
+            released = True
+            for dispatch in await asyncio.gather(first, second):
+                await dispatch.close()
+            assert (binds(runtime, "eager"), binds(runtime, "unlearned")) == (1.0, 1.0)
+            assert decodes.kv_demand.tokens == 0

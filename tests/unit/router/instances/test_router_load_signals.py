@@ -24,6 +24,20 @@ vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
 """
 
 
+def test_parse_reads_the_kv_cache_size_from_cache_config_info() -> None:
+    """vLLM 0.32 labels its size in tokens; older versions give blocks and the block size;
+    two engines add up; a page without it says 0 (unknown)."""
+    info = "# TYPE vllm:cache_config_info gauge\n"
+    new = 'vllm:cache_config_info{block_size="128",engine="%s",kv_cache_size_tokens="8287"} 1.0\n'
+    old = 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
+    two = parse_signals(VLLM_METRICS + info + new % "0" + new % "1", "tiny", at=5.0)
+    assert two is not None and two.kv_tokens == 2 * 8287
+    older = parse_signals(VLLM_METRICS + info + old, "tiny", at=5.0)
+    assert older is not None and older.kv_tokens == 1600
+    plain = parse_signals(VLLM_METRICS, "tiny", at=5.0)
+    assert plain is not None and plain.kv_tokens == 0
+
+
 def _backends(n: int) -> list[BackendState]:
     return [
         BackendState(InstanceConfig(url=f"http://127.0.0.1:{8100 + i}"), "prefill")
