@@ -203,7 +203,7 @@ async def _run(spec: BindSpec, stack: Stack, work_dir: Path) -> tuple[float, lis
         capacity = await _capacity(client, stack, "just_in_time", spec, work_dir)
         for load, fraction in (("light", spec.light_fraction), ("loaded", spec.loaded_fraction)):
             for rep in range(spec.repetitions):
-                for bind in BINDS:
+                for bind in modes_in_turn(rep):
                     with _router(stack, bind, spec, work_dir) as url:
                         point = await _point(
                             client, stack, url, spec, (bind, load, rep), warm, measured,
@@ -212,6 +212,13 @@ async def _run(spec: BindSpec, stack: Stack, work_dir: Path) -> tuple[float, lis
                     points.append(point)
                     print(_line(point), flush=True)
     return capacity, points
+
+
+def modes_in_turn(rep: int) -> tuple[str, ...]:
+    """The order the modes run in at repetition ``rep``: :data:`BINDS`, reversed every other
+    repetition, so that a drift in the machine's speed during a repetition (up to 2x within
+    minutes here) favours no mode over two repetitions."""
+    return BINDS if rep % 2 == 0 else BINDS[::-1]
 
 
 def _compare_with_pull(spec: BindSpec, work_dir: Path) -> tuple[float, list[Point]]:

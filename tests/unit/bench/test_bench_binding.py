@@ -3,6 +3,8 @@ keys and the report (the runs themselves need real vLLM)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from bench.binding import (
@@ -14,6 +16,7 @@ from bench.binding import (
     Samples,
     _histogram,
     _prompts,
+    modes_in_turn,
     summarize,
 )
 from bench.binding_cmd import format_report
@@ -131,3 +134,10 @@ def test_each_prompt_length_has_its_own_ttft_slo_and_the_figures_split_them() ->
     assert (eager["goodput_rps"], jit["goodput_rps"]) == (0.75, 1.0)  # 3 and 4 of 4 in 4 s
     assert data["summary"]["goodput_jit_over_eager_d_kv_bound"] == pytest.approx(4 / 3, abs=1e-3)
     assert "3x the light eager median TTFT of the same prompt length" in format_report(data)
+
+
+def test_two_repetitions_run_every_pair_of_modes_in_both_orders() -> None:
+    first, second = modes_in_turn(0), modes_in_turn(1)
+    assert sorted(first) == sorted(second) == sorted(BINDS)
+    for a, b in itertools.combinations(BINDS, 2):
+        assert (first.index(a) < first.index(b)) != (second.index(a) < second.index(b))

@@ -141,7 +141,7 @@ async def test_just_in_time_binds_when_p_finishes_first_and_chooses_d_then() -> 
 
 async def test_just_in_time_sends_d_ahead_of_ps_predicted_finish() -> None:
     """P answers only once D's leg has come: D must be sent on the prediction (70 tokens at
-    10 ms: 0.7 s) less its lead (0.25 s + 0.05 s), before P finishes."""
+    10 ms: 0.7 s) less its lead (0.25 s + 0.02 s), before P finishes."""
     script = Script()
     script.p_may_answer = lambda: any(e.startswith("D") for e in script.order)
     with one_p_two_d(script) as servers:
