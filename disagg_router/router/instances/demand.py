@@ -4,8 +4,8 @@ size.
 Who calls it: each :class:`~disagg_router.router.routing.pools.Pool` keeps one
 :class:`KvDemand`; a dispatch attempt's :class:`~disagg_router.router.dispatch.holds.Holds` adds
 its prompt's tokens when the attempt starts and takes them back at its close, whether D is
-bound yet or not; :func:`disagg_router.router.dispatch.binding.binds_late` reads the total.
-Pure: no I/O; one event loop mutates it, so nothing locks.
+bound yet or not. :func:`disagg_router.router.dispatch.binding.binds_late` reads the total
+through the pool. Pure: no I/O; one event loop mutates it, so nothing locks.
 """
 
 from __future__ import annotations
