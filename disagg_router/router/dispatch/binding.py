@@ -23,6 +23,7 @@ from disagg_router.router.config import RouterSettings
 from disagg_router.router.dispatch.holds import Holds
 from disagg_router.router.dispatch.state import Attempt
 from disagg_router.router.errors import NoBackendAvailable
+from disagg_router.router.instances.load import fresh_signals
 from disagg_router.router.instances.state import BackendState
 from disagg_router.router.observability.metrics import RouterMetrics
 from disagg_router.router.routing.pools import Pool
@@ -61,7 +62,7 @@ def kv_scarce(
     No fresh signals: not scarce (eager)."""
     now = time.monotonic()
     stale = settings.load_signals.stale_after
-    fresh = [d.signals for d in decodes if d.signals is not None and now - d.signals.at <= stale]
+    fresh = [s for d in decodes if (s := fresh_signals(d, now, stale)) is not None]
     threshold = settings.push.adaptive_kv_usage
     if any(s.kv_usage >= threshold for s in fresh):
         return True

@@ -1,8 +1,9 @@
 """An instance's load as vLLM reports it (its Prometheus ``/metrics``) and as policies compare it.
 
 Who calls it: the scraper (:mod:`disagg_router.router.health.load_signals`) parses each page with
-:func:`parse_signals`; the ``power_of_two`` policy compares instances with :func:`backend_load`.
-Pure functions: no I/O, nothing raised into a request.
+:func:`parse_signals`; the ``power_of_two`` policy compares instances with :func:`backend_load`;
+the binding (:mod:`disagg_router.router.dispatch.binding`) weighs the :func:`fresh_signals` of
+the Ds. Pure functions: no I/O, nothing raised into a request.
 """
 
 from __future__ import annotations
@@ -75,8 +76,15 @@ def backend_load(backend: BackendState, now: float, stale_after: float) -> float
     one instance between two scrapes. KV usage (0..1) breaks ties toward the emptier cache.
     Stale (older than ``stale_after``) or missing signals: ``in_flight`` alone.
     """
-    s = backend.signals
-    if s is None or now - s.at > stale_after:
+    s = fresh_signals(backend, now, stale_after)
+    if s is None:
         return float(backend.in_flight)
     others = max(0.0, s.running + s.waiting - s.own_in_flight)
     return backend.in_flight + others + s.kv_usage
+
+
+def fresh_signals(backend: BackendState, now: float, stale_after: float) -> LoadSignals | None:
+    """``backend``'s last scraped signals, None when there are none or they are older than
+    ``stale_after`` seconds at ``now``."""
+    s = backend.signals
+    return None if s is None or now - s.at > stale_after else s
