@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ _COLUMNS = (
 def _setup(data: dict[str, Any]) -> str:
     spec, slo = data["spec"], data["slo"]
     text = (
-        f"Produced by `{COMMAND}`: 1P2D, tiny model, our connector (no busy NIXL progress "
+        f"Produced by `{_command(spec)}`: 1P2D, tiny model, our connector (no busy NIXL progress "
         f"thread); P on core 0, both Ds on core 1; prompts of {spec['input_len']} token ids "
         f"through P, {_shorts(spec)}{spec['output_len']} output tokens; each D's KV cache "
         f"{spec['d_blocks']} blocks of 128 tokens ({spec['d_prompts']} pushed requests' worth). "
@@ -119,13 +120,37 @@ def _setup(data: dict[str, Any]) -> str:
     )
 
 
+_OPTIONS = (
+    "input_len",
+    "output_len",
+    "d_prompts",
+    "short_len",
+    "short_share",
+    "requests",
+    "repetitions",
+    "light_fraction",
+    "loaded_fraction",
+)
+"""The :class:`BindSpec` fields :func:`add_bind_arguments` offers as ``--`` options."""
+
+
+def _command(spec: dict[str, Any]) -> str:
+    """:data:`COMMAND` with the options of a run that were not the defaults."""
+    defaults = asdict(BindSpec())
+    given = [f"--{k.replace('_', '-')} {spec[k]}" for k in _OPTIONS if spec[k] != defaults[k]]
+    given += [] if spec["pull"] else ["--no-pull"]
+    head, out_dir = COMMAND.split(" --out-dir ")
+    return " ".join([head, *given, "--out-dir", out_dir])
+
+
 def _shorts(spec: dict[str, Any]) -> str:
     if not spec.get("short_share"):
         return ""
+    lengths = {k: spec[k] for k in ("input_len", "short_len", "short_share")}
     return (
         f"{100 * spec['short_share']:.0f} % of the requests with {spec['short_len']}-token "
         f"prompts that D serves alone (`disaggregation.min_prompt_tokens` "
-        f"{(spec['input_len'] + spec['short_len']) // 2}), spread among the others; "
+        f"{BindSpec(**lengths).min_prompt_tokens}), spread among the others; "
     )
 
 

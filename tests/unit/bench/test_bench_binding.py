@@ -92,6 +92,15 @@ def test_summary_keys_compare_the_modes_over_repetitions() -> None:
     assert keys["ttft_jit_over_pull_loaded"] is None and "`--no-pull`" in report
 
 
+def test_the_report_names_the_options_a_run_was_given() -> None:
+    points = [point(b, load, 100.0, 1.0) for b in BINDS for load in ("light", "loaded")]
+    data = summarize(BindSpec(input_len=4000, repetitions=4), 5.0, points)
+    report = format_report(data)
+    assert "disagg-bench bind --input-len 4000 --repetitions 4 --out-dir docs" in report
+    data = summarize(BindSpec(), 5.0, points, pull_capacity=2.0)
+    assert "disagg-bench bind --out-dir docs" in format_report(data)
+
+
 def test_the_pull_comparison_puts_just_in_time_on_a_spinning_stack_beside_pull() -> None:
     points = [point(b, load, 100.0, 1.0) for b in BINDS for load in ("light", "loaded")]
     points += [point(PULL, "loaded", 800.0, 0.0, r) for r in (0, 1)]
