@@ -194,7 +194,7 @@ _SHM_CHILD = textwrap.dedent(
         fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
         os.ftruncate(fd, 4096)
         maps.append(mmap.mmap(fd, 4096))
-    print("mapped", flush=True)
+    print("mapped", 6 * 7, flush=True)
     time.sleep(60)
     """
 )
@@ -229,7 +229,8 @@ def test_stop_removes_the_shared_memory_the_group_mapped(
     )
     child = ChildProcess(spec).launch()
     try:
-        wait_until(lambda: "mapped" in read_log_tail(child.log_path), timeout=10)
+        # "mapped 42", not "mapped": the log starts with the command line, which holds the code
+        wait_until(lambda: "mapped 42" in read_log_tail(child.log_path), timeout=10)
         child.wait_ready()  # notes what the group maps now
         if killed_before_stop:  # e.g. a fault test's SIGKILL: nothing is mapped at stop time
             pid = child.pid
