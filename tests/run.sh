@@ -160,7 +160,11 @@ for suite in $SUITES; do
             step "mypy" "$VENV/bin/mypy"
             ;;
         fast)
-            step "fast suite" pytest_suite "not vllm and not nixl and not docker"
+            # Both cores (pytest-xdist): most of these tests wait on servers and sockets, not
+            # on a core. A module's tests stay on one worker: its module-scoped servers start
+            # once.
+            step "fast suite" pytest_suite "not vllm and not nixl and not docker" \
+                -n 2 --dist loadfile
             ;;
         nixl)
             step "nixl suite" pytest_suite "nixl and not vllm and not docker"

@@ -17,5 +17,6 @@ VENV=${LATEST_VENV:-$ROOT/.cache/latest-venv}
 "$VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
     | grep -iE '^(fastapi|starlette|uvicorn|httpx|httpx-aiohttp|aiohttp|pydantic|msgspec)=='
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not vllm and not nixl and not docker" \
+    -n 2 --dist loadfile \
     tests/unit/router tests/integration/router/test_router_edge.py \
     tests/integration/router/test_router_tracing.py tests/integration/router/test_router_workers.py
