@@ -1,8 +1,8 @@
 """What the real-vLLM D failover tests share: their 1P2D stack, P's lease, stopping, killing
 and restarting an instance, P's block size.
 
-Who uses it: tests/e2e/test_decode_failover_e2e.py, test_stream_migration_e2e.py,
-test_failover_matrix.py and test_fault_matrix.py (restarting a killed instance).
+Who uses it: tests/e2e/test_decode_failover_e2e.py, test_failover_matrix.py and
+test_fault_matrix.py (restarting a killed instance).
 """
 
 from __future__ import annotations

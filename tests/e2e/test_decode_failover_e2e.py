@@ -1,18 +1,30 @@
-"""A D that dies before the first token, on real vLLM CPU (1P2D, our connector): the request goes
-on with the same P and the other D, and P serves the retry from its prefix cache instead of
-prefilling the prompt again.
+"""A D that dies, on real vLLM CPU (1P2D, our connector, one stack for the module): before its
+first token, and after its first tokens.
 
-D0 is stopped (SIGSTOP to its whole process group: its port still accepts, nothing answers), the
-request goes out (round robin pairs P with D0 first), P's prefill ends (its finished-requests
-counter moves), then D0 is killed: D's leg breaks, the router retries once keeping P and taking D1.
-Ordered by what P reports, not by time.
+Before the first token: the request goes on with the same P and the other D, and P serves the
+retry from its prefix cache instead of prefilling the prompt again. D0 is stopped (SIGSTOP to its
+whole process group: its port still accepts, nothing answers), the request goes out (round robin
+pairs P with D0 first), P's prefill ends (its finished-requests counter moves), then D0 is killed:
+D's leg breaks, the router retries once keeping P and taking D1. Ordered by what P reports, not
+by time.
+
+After its first tokens (a completion and a chat): the stream goes on on the other D; the client
+gets one stream of all its tokens, P computes only the tokens generated before the seam (and
+partial blocks) again, KV usage returns to zero. Round robin sends a new router's first request
+to D0. The client reads the stream; after 10 tokens D0 is stopped (SIGSTOP: what it sent is still
+relayed) and killed (SIGKILL): its connection breaks, and the router continues the stream with P
+and D1. Ordered by what the client has read, not by time.
+
+Each case restarts the D0 it killed, so the next one starts with two D again.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -26,11 +38,15 @@ from tests.e2e.failover_support import (
     OURS,
     block_size,
     failover_stack,
+    restart,
     stopped,
 )
 from tests.support.wait import wait_until
 
 pytestmark = OURS
+
+TOKENS = 64
+SEAM = 10
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +106,90 @@ def test_a_d_killed_before_its_first_token_leaves_p_no_second_prefill(stack: Sta
                 timeout=LEASE_S + MARGIN_S,
                 what=f"{instance.name}'s KV blocks back to 0",
             )
+    restart(stack, d0)  # the next case starts with two D again
+
+
+def _stream(
+    url: str, body: dict[str, Any], chat: bool, on_text: Any = None
+) -> tuple[list[str], Any]:
+    """The texts of a stream's events and its usage; ``on_text(n)`` after the ``n``-th event
+    with text."""
+    texts: list[str] = []
+    usage = None
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                text = choice["delta"].get("content") if chat else choice["text"]
+                if text:
+                    texts.append(text)
+                    if on_text is not None:
+                        on_text(len(texts))
+    return texts, usage
+
+
+def _body(model: str, chat: bool) -> dict[str, Any]:
+    prompt = make_prompt(f"migration-{chat}", 1500)
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if chat:  # the continuation's prompt goes as ids in kv_transfer_params.prompt_token_ids
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_stream_whose_d_is_killed_after_10_tokens_ends_whole_on_the_other_d(
+    stack: Stack, chat: bool
+) -> None:
+    [p], [d0, d1] = stack.prefill, stack.decode
+    block = block_size(p)
+    body = _body(stack.model_name, chat)
+    timeouts = {"prefill": 60.0, "first_token": 90.0, "total": 120.0}
+    with running_router(stack, timeouts=timeouts, health_interval_s=3600.0) as router:
+        whole, _ = _stream(router.url, body, chat)  # the uninterrupted run, on P and D0
+    with running_router(stack, timeouts=timeouts, health_interval_s=3600.0) as router:
+        before_p = metrics(p)
+
+        def kill_d0(n: int) -> None:
+            if n == SEAM:
+                with stopped(d0):
+                    d0.server.kill()
+
+        texts, usage = _stream(router.url, body, chat, kill_d0)
+        text = httpx.get(f"{router.url}/metrics", timeout=10).text
+    after_p = metrics(p)
+    assert 'disagg_router_stream_migrations_total{outcome="resumed"} 1.0' in text
+    assert read_metrics_text(text)["disagg_router_stream_migrations_total"] == 1.0
+    assert usage["completion_tokens"] == TOKENS, usage
+    joined = "".join(texts)
+    print(f"\n{len(texts)} events; joined equals the uninterrupted run: {joined == ''.join(whole)}")
+    assert joined == "".join(whole)
+    queries = (
+        after_p["vllm:prefix_cache_queries_total"] - before_p["vllm:prefix_cache_queries_total"]
+    )
+    hits = after_p["vllm:prefix_cache_hits_total"] - before_p["vllm:prefix_cache_hits_total"]
+    # P's two prefills (the request's, whose prompt the first run left cached, and the
+    # continuation's) computed at most the tokens generated before the seam and a block each.
+    print(f"P computed {queries - hits:g} of {queries:g} prompt tokens; block {block}")
+    assert queries - hits <= TOKENS + 2 * block, (queries, hits)
+    for instance in (p, d1):
+        wait_until(
+            lambda instance=instance: kv_blocks(instance) == 0,  # type: ignore[misc]
+            timeout=LEASE_S + MARGIN_S,
+            what=f"{instance.name}'s KV blocks back to 0",
+        )
+    restart(stack, d0)  # the next case starts with two D again
