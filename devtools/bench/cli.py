@@ -17,6 +17,7 @@ from bench.emulator_accuracy_cmd import (
     add_emulator_accuracy_arguments,
     emulator_accuracy_command,
 )
+from bench.fleet_routing_cmd import add_fleet_routing_arguments, fleet_routing_command
 from bench.fleet_scale_cmd import add_fleet_scale_arguments, fleet_scale_command
 from bench.overhead_cmd import add_overhead_arguments, overhead_command
 from bench.profile_fit_cmd import add_fit_profile_arguments, fit_profile_command
@@ -91,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "fleet-scale", help="router CPU per request and memory, 1P1D to 32P32D, emulated"
         )
     )
+    add_fleet_routing_arguments(
+        sub.add_parser(
+            "fleet-routing",
+            help="KV-aware routing on an emulated fleet: replicas, vllm-router kv_aware",
+        )
+    )
     add_fit_profile_arguments(
         sub.add_parser("fit-profile", help="fit the emulator's cpu-tiny profile to real vLLM CPU")
     )
@@ -133,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         return tenants_command(args)
     if command == "fleet-scale":
         return fleet_scale_command(args)
+    if command == "fleet-routing":
+        return fleet_routing_command(args)
     if command == "fit-profile":
         return fit_profile_command(args)
     if command == "churn":

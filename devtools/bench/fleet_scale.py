@@ -18,6 +18,7 @@ import asyncio
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,8 @@ def _router_config(instances: dict[str, Any], model: str, tokenizer: Path) -> di
     }
 
 
-def _streams_live(url: str, model: str, count: int) -> bool:
+def kv_streams_live(url: str, model: str, count: int) -> bool:
+    """Whether the router at ``url`` has its tokenizer and ``count`` live KV event streams."""
     state = httpx.get(f"{url}/ready", timeout=10).json().get("kv_events", {}).get(model, {})
     streams = state.get("instances", {})
     live = [s for s in streams.values() if s.get("state") == "live"]
@@ -75,7 +77,8 @@ def _indexed_blocks(url: str, model: str) -> int:
     return sum(int(s.get("blocks", 0)) for s in state["instances"].values())
 
 
-def _wait(check: Any, timeout_s: float, what: str) -> None:
+def wait_for(check: Any, timeout_s: float, what: str) -> None:
+    """Poll ``check()`` every 0.5 s until true; raise after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
@@ -110,7 +113,8 @@ def run_point(size: int, spec: FleetScaleSpec, work: Path) -> dict[str, Any]:
             our_router(config, router_port, work, spec.ready_timeout_s, cpus=router_cpus)
         )
         url = f"http://127.0.0.1:{router_port}"
-        _wait(lambda: _streams_live(url, model, 2 * size), spec.ready_timeout_s, "KV streams")
+        live = partial(kv_streams_live, url, model, 2 * size)
+        wait_for(live, spec.ready_timeout_s, "KV streams")
         assert router.pid is not None  # started: its pid leads its process group
         result = asyncio.run(_load(url, model, spec, router.pid))
         stats = httpx.get(f"http://127.0.0.1:{control}/stats", timeout=10).json()

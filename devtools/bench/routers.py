@@ -69,17 +69,19 @@ def our_router(
     cpus: str | None = None,
     workers: int = 1,
     source: Path | None = None,
+    log_level: str = "warning",
 ) -> ChildProcess:
     """Our router as a process (``disagg-router serve``, ``--workers`` when more than one),
     ready once both pools are usable; pinned to ``cpus`` when given. ``source``: another
     checkout whose ``router`` package runs instead of the installed one (put first on
-    ``PYTHONPATH``; its dependencies are this environment's)."""
+    ``PYTHONPATH``; its dependencies are this environment's). ``log_level``: ``info`` logs a
+    summary line per request."""
     path = logs / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     # -P: the working directory is not put first on sys.path, so a checkout it holds cannot
     # stand in for the router meant (the installed one, or ``source``).
     argv = [_python(), "-P", "-m", router_module(source), "serve", "--config", str(path)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", log_level]
     if workers > 1:
         argv += ["--workers", str(workers)]
     argv = pinned(argv, cpus)
@@ -106,23 +108,23 @@ def floor_router(
 
 def vllm_router(
     prefill_url: str | Sequence[str],
-    decode_url: str,
+    decode_url: str | Sequence[str],
     port: int,
     logs: Path,
     ready_timeout_s: float = 60.0,
     cpus: str | None = None,
     extra_args: Sequence[str] = (),
 ) -> ChildProcess:
-    """``vllm-router`` in vLLM P/D mode (NIXL pull protocol) over one or more P and one D;
+    """``vllm-router`` in vLLM P/D mode (NIXL pull protocol) over one or more P and D;
     pinned to ``cpus`` when given; ``extra_args`` last (e.g. ``--prefill-policy kv_aware``)."""
     exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     prefills = [prefill_url] if isinstance(prefill_url, str) else list(prefill_url)
+    decodes = [decode_url] if isinstance(decode_url, str) else list(decode_url)
     argv = [
         exe,
         "--vllm-pd-disaggregation",
         *[arg for url in prefills for arg in ("--prefill", url)],  # one flag per P
-        "--decode",
-        decode_url,
+        *[arg for url in decodes for arg in ("--decode", url)],  # one flag per D
         "--host",
         "127.0.0.1",
         "--port",
