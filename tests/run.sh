@@ -5,7 +5,7 @@
 # overlap with other vLLM runs on the same machine. Exits non-zero if any step fails; every step
 # runs regardless, so one run reports all failures.
 #
-#   bash tests/run.sh            # the default suites (about 40 min on a fresh 2-core machine)
+#   bash tests/run.sh            # the default suites (32-33 min on a fresh clone, 2 cores)
 #   SUITES="upstream shapes" SKIP_SETUP=1 bash tests/run.sh   # the two suites left out of it
 #   SKIP_SETUP=1 bash tests/run.sh   # reuse the existing .venv as is
 #   bash tests/run.sh clean          # remove the cache directory (.cache: the side venvs)

@@ -1,5 +1,5 @@
 """What the real-vLLM D failover tests share: their 1P2D stack, P's lease, stopping, killing
-and restarting an instance, P's block size.
+and restarting an instance, P's block size, waiting for the KV blocks to be given back.
 
 Who uses it: tests/e2e/test_decode_failover_e2e.py, test_failover_matrix.py and
 test_fault_matrix.py (restarting a killed instance).
@@ -21,7 +21,8 @@ import pytest
 from devstack.process import group_members
 from devstack.stack import Stack, StackInstance, StackOptions
 from devstack.vllm_server import VllmServer
-from tests.e2e.e2e_support import module_stack
+from tests.e2e.e2e_support import kv_blocks, module_stack
+from tests.support.wait import wait_until
 
 OURS = [
     pytest.mark.vllm,
@@ -49,6 +50,17 @@ def failover_stack(e2e_dir: Path, extra_args: Sequence[str] = ()) -> Iterator[St
     )
     with module_stack(options, e2e_dir) as started:
         yield started
+
+
+def until_kv_freed(instances: Sequence[StackInstance]) -> None:
+    """Wait until each of ``instances`` holds no KV blocks, up to P's lease and a margin (P's
+    blocks of a dead D's transfer come back when the lease ends)."""
+    for instance in instances:
+        wait_until(
+            lambda instance=instance: kv_blocks(instance) == 0,  # type: ignore[misc]
+            timeout=LEASE_S + MARGIN_S,
+            what=f"{instance.name}'s KV blocks back to 0",
+        )
 
 
 def block_size(instance: StackInstance) -> int:

@@ -31,15 +31,14 @@ import pytest
 
 from devstack.stack import Stack, StackInstance
 from devstack.vllm_server import read_metrics_text
-from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, running_router
+from tests.e2e.e2e_support import make_prompt, metrics, running_router
 from tests.e2e.failover_support import (
-    LEASE_S,
-    MARGIN_S,
     OURS,
     block_size,
     failover_stack,
     restart,
     stopped,
+    until_kv_freed,
 )
 from tests.support.wait import wait_until
 
@@ -100,12 +99,7 @@ def test_a_d_killed_before_its_first_token_leaves_p_no_second_prefill(stack: Sta
         print(f"\nprompt {prompt_tokens} tokens, block {block}: P's cache served {hits:g}")
         assert hits >= prompt_tokens - block, (hits, prompt_tokens, block)
         assert moved(d1, before_d1, finished) == 1.0  # D1 decoded it
-        for instance in (p, d1):
-            wait_until(
-                lambda instance=instance: kv_blocks(instance) == 0,  # type: ignore[misc]
-                timeout=LEASE_S + MARGIN_S,
-                what=f"{instance.name}'s KV blocks back to 0",
-            )
+        until_kv_freed((p, d1))
     restart(stack, d0)  # the next case starts with two D again
 
 
@@ -186,10 +180,5 @@ def test_a_stream_whose_d_is_killed_after_10_tokens_ends_whole_on_the_other_d(
     # continuation's) computed at most the tokens generated before the seam and a block each.
     print(f"P computed {queries - hits:g} of {queries:g} prompt tokens; block {block}")
     assert queries - hits <= TOKENS + 2 * block, (queries, hits)
-    for instance in (p, d1):
-        wait_until(
-            lambda instance=instance: kv_blocks(instance) == 0,  # type: ignore[misc]
-            timeout=LEASE_S + MARGIN_S,
-            what=f"{instance.name}'s KV blocks back to 0",
-        )
+    until_kv_freed((p, d1))
     restart(stack, d0)  # the next case starts with two D again

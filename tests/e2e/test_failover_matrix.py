@@ -41,14 +41,13 @@ import httpx
 import pytest
 
 from devstack.stack import Stack, StackInstance
-from tests.e2e.e2e_support import kv_blocks, make_prompt, metrics, running_router
+from tests.e2e.e2e_support import make_prompt, metrics, running_router
 from tests.e2e.failover_support import (
-    LEASE_S,
-    MARGIN_S,
     OURS,
     block_size,
     failover_stack,
     restart,
+    until_kv_freed,
 )
 from tests.support.wait import wait_until
 
@@ -276,12 +275,7 @@ def test_every_stream_ends_whole_when_d0_fails(
     assert most["before_first_token"] <= block, computed
     assert most["after_first_token"] <= TOKENS + block, computed
     gaps = _resume_gaps(streams, caplog.text)
-    for instance in (p, d1) if how == "kill" else stack.instances:
-        wait_until(
-            lambda instance=instance: kv_blocks(instance) == 0,  # type: ignore[misc]
-            timeout=LEASE_S + MARGIN_S,
-            what=f"{instance.name}'s KV blocks back to 0",
-        )
+    until_kv_freed((p, d1) if how == "kill" else stack.instances)
     if how == "kill":
         restart(stack, d0)
     if REPORT:
