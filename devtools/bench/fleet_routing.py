@@ -40,7 +40,7 @@ from bench.arrivals import arrival_offsets
 from bench.client import Target, send_request
 from bench.dataset import BenchRequest
 from bench.emulated_stack import emulator_process, fleet_instances
-from bench.fleet_scale import kv_streams_live, wait_for
+from bench.fleet_scale import kv_aware_config, kv_streams_live, wait_for
 from bench.loadgen import make_client
 from bench.metrics import RequestRecord, rounded_ratio
 from bench.overhead import cpu_split
@@ -95,15 +95,9 @@ class FleetRoutingSpec:
 
 
 def router_config(instances: dict[str, Any], model: str, tokenizer: Path) -> dict[str, Any]:
-    """Our router's config: KV-aware for both pools, a JSON summary line per request."""
-    return {
-        "models": [model],
-        "mode": "push",
-        "prefill": {"policy": "kv_aware", "instances": instances["prefill"]},
-        "decode": {"policy": "kv_aware", "instances": instances["decode"]},
-        "kv_events": {"enabled": True, "tokenizer": str(tokenizer)},
-        "logging": {"format": "json"},
-    }
+    """Our router's config: fleet-scale's (KV-aware for both pools) with a JSON summary line
+    per request."""
+    return {**kv_aware_config(instances, model, tokenizer), "logging": {"format": "json"}}
 
 
 def vllm_router_args(instances: dict[str, Any], block_size: int) -> list[str]:

@@ -54,7 +54,9 @@ class FleetScaleSpec:
     ready_timeout_s: float = 180.0
 
 
-def _router_config(instances: dict[str, Any], model: str, tokenizer: Path) -> dict[str, Any]:
+def kv_aware_config(instances: dict[str, Any], model: str, tokenizer: Path) -> dict[str, Any]:
+    """Our router over an emulated fleet's ``instances``: push mode, KV-aware for both pools
+    over every instance's KV event stream."""
     return {
         "models": [model],
         "mode": "push",
@@ -108,7 +110,7 @@ def run_point(size: int, spec: FleetScaleSpec, work: Path) -> dict[str, Any]:
             cpus=fleet_cpus,
         )
         stack.enter_context(fleet)
-        config = _router_config(fleet_instances(control), model, tokenizer)
+        config = kv_aware_config(fleet_instances(control), model, tokenizer)
         router = stack.enter_context(
             our_router(config, router_port, work, spec.ready_timeout_s, cpus=router_cpus)
         )
