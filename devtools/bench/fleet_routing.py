@@ -41,14 +41,14 @@ from bench.client import Target, send_request
 from bench.dataset import BenchRequest
 from bench.emulated_stack import emulator_process, fleet_instances
 from bench.fleet_scale import kv_aware_config, kv_streams_live, wait_for
-from bench.loadgen import make_client
+from bench.loadgen import launch_paced, make_client
 from bench.metrics import RequestRecord, rounded_ratio
 from bench.overhead import cpu_split
 from bench.routers import our_router, vllm_router
 from bench.routing_kv import KvWorkload, best_hit_rate, kv_requests, p_cache_counters
-from devstack.emulator.profile import load_profile
+from devstack.emulator.profile import Profile, load_profile
 from devstack.ports import free_ports
-from devstack.process import ChildProcess, wait_all_ready
+from devstack.process import ChildProcess, start_all, stop_all
 from devstack.tiny_model import make_tiny_model
 
 OURS = ("one", "spread", "agreement")
@@ -156,15 +156,13 @@ async def _offer(
 ) -> list[RequestRecord]:
     """Each arrival's sends at its Poisson offset; every record once all have ended."""
     offsets = arrival_offsets(len(plan), rate, seed=seed)
-    tasks: list[asyncio.Task[RequestRecord]] = []
     async with make_client() as client:
-        start = time.perf_counter()
-        for offset, sends in zip(offsets, plan, strict=True):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks += [asyncio.create_task(send_request(client, t, r)) for t, r in sends]
-        return list(await asyncio.gather(*tasks))
+
+        async def arrival(i: int) -> list[RequestRecord]:
+            return await asyncio.gather(*(send_request(client, t, r) for t, r in plan[i]))
+
+        tasks = await launch_paced(arrival, offsets, time.perf_counter())
+        return [record for sends in await asyncio.gather(*tasks) for record in sends]
 
 
 def run_once(
@@ -176,7 +174,8 @@ def run_once(
     control, *ports = free_ports(1 + count)
     logs = work / run
     logs.mkdir(parents=True, exist_ok=True)
-    model = load_profile(spec.profile).model
+    profile = load_profile(spec.profile)
+    model = profile.model
     with ExitStack() as stack:
         fleet = emulator_process(
             prefill=spec.size,
@@ -189,8 +188,9 @@ def run_once(
         )
         stack.enter_context(fleet)
         instances = fleet_instances(control)
-        routers = _routers(run, spec, instances, ports, work, logs, router_cpus)
-        _start(stack, routers, spec.ready_timeout_s)
+        routers = _routers(run, spec, profile, instances, ports, work, logs, router_cpus)
+        stack.callback(stop_all, routers)
+        start_all(routers, spec.ready_timeout_s)
         for port in ports if run != VLLM_ROUTER else ():
             url = f"http://127.0.0.1:{port}"
             live = partial(kv_streams_live, url, model, 2 * spec.size)
@@ -219,6 +219,7 @@ def run_once(
 def _routers(
     run: str,
     spec: FleetRoutingSpec,
+    profile: Profile,
     instances: dict[str, Any],
     ports: Sequence[int],
     work: Path,
@@ -226,7 +227,6 @@ def _routers(
     cpus: str | None,
 ) -> list[ChildProcess]:
     """The run's routers, unstarted: ``vllm-router`` on the first port, or ours on each."""
-    profile = load_profile(spec.profile)
     timeout = spec.ready_timeout_s
     if run == VLLM_ROUTER:
         prefills, decodes = ([i["url"] for i in instances[r]] for r in ("prefill", "decode"))
@@ -234,14 +234,6 @@ def _routers(
         return [vllm_router(prefills, decodes, ports[0], logs, timeout, cpus, extra)]
     config = router_config(instances, profile.model, make_tiny_model(work / "tiny"))
     return [our_router(config, port, logs, timeout, cpus, log_level="info") for port in ports]
-
-
-def _start(stack: ExitStack, routers: list[ChildProcess], timeout_s: float) -> None:
-    """Launch every router (each stopped when ``stack`` closes) and wait for all."""
-    for router in routers:
-        router.launch()
-        stack.callback(router.stop)
-    wait_all_ready(routers, timeout_s)
 
 
 def run_fleet_routing(spec: FleetRoutingSpec, work: Path) -> dict[str, Any]:

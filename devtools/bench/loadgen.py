@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import httpx
 import httpx_aiohttp
@@ -25,6 +26,8 @@ from bench.metrics import (
     compute_metrics,
 )
 from bench.progress import ProgressBar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -95,20 +98,33 @@ async def run_load(
 
     loop_start = time.perf_counter()
     deadline = math.inf if spec.time_limit_s is None else loop_start + spec.time_limit_s
-    tasks: list[asyncio.Task[RequestRecord]] = []
-    for request, offset in zip(requests, offsets, strict=True):
-        if loop_start + offset >= deadline:
-            break
-        delay = loop_start + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(request)))
+    tasks = await launch_paced(lambda i: one(requests[i]), offsets, loop_start, deadline)
     records = await _gather_until(tasks, requests, deadline, spec.time_limit_s)
     duration = time.perf_counter() - loop_start
     if bar is not None:
         bar.close()
     metrics = compute_metrics(records, max(duration, 1e-9), spec.percentiles)
     return RunResult(records, metrics)
+
+
+async def launch_paced(
+    start: Callable[[int], Coroutine[Any, Any, T]],
+    offsets: Sequence[float],
+    loop_start: float,
+    deadline: float = math.inf,
+) -> list[asyncio.Task[T]]:
+    """Start ``start(i)`` as a task at ``loop_start + offsets[i]`` (``time.perf_counter()``
+    seconds) for each ``i`` in order, none at or past ``deadline``; the tasks started. Callers:
+    :func:`run_load` and the benchmarks that send more than one request per arrival."""
+    tasks: list[asyncio.Task[T]] = []
+    for i, offset in enumerate(offsets):
+        if loop_start + offset >= deadline:
+            break
+        delay = loop_start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(start(i)))
+    return tasks
 
 
 async def _gather_until(
