@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.binding import JIT_SPIN, BindSpec, run_bind_benchmark
-from bench.results import run_in_work_dir
+from bench.results import command_with_options, run_in_work_dir
 
 COMMAND = "flock /tmp/vllm-e2e.lock .venv/bin/disagg-bench bind --out-dir docs/benchmarks"
 
@@ -137,10 +137,7 @@ _OPTIONS = (
 def _command(spec: dict[str, Any]) -> str:
     """:data:`COMMAND` with the options of a run that were not the defaults."""
     defaults = asdict(BindSpec())
-    given = [f"--{k.replace('_', '-')} {spec[k]}" for k in _OPTIONS if spec[k] != defaults[k]]
-    given += [] if spec["pull"] else ["--no-pull"]
-    head, out_dir = COMMAND.split(" --out-dir ")
-    return " ".join([head, *given, "--out-dir", out_dir])
+    return command_with_options(COMMAND, spec, defaults, _OPTIONS, {"pull": "--no-pull"})
 
 
 def _shorts(spec: dict[str, Any]) -> str:

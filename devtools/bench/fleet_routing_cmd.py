@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.fleet_routing import FleetRoutingSpec, run_fleet_routing
-from bench.results import run_in_work_dir, write_outputs
+from bench.results import command_with_options, run_in_work_dir, write_outputs
 
 COMMAND = ".venv/bin/disagg-bench fleet-routing --out-dir docs/benchmarks"
 _OPTIONS = ("size", "replicas", "rate", "chats", "groups")
@@ -47,11 +47,8 @@ def fleet_routing_command(args: argparse.Namespace) -> int:
 
 def _command(spec: dict[str, Any]) -> str:
     """:data:`COMMAND` with the options of a run that were not the defaults."""
-    defaults = asdict(FleetRoutingSpec())
-    given = [f"--{k} {spec[k]}" for k in _OPTIONS if spec[k] != defaults[k]]
-    given += [] if spec["vllm_router"] else ["--no-vllm-router"]
-    head, out_dir = COMMAND.split(" --out-dir ")
-    return " ".join([head, *given, "--out-dir", out_dir])
+    off = {"vllm_router": "--no-vllm-router"}
+    return command_with_options(COMMAND, spec, asdict(FleetRoutingSpec()), _OPTIONS, off)
 
 
 def format_report(data: dict[str, Any]) -> str:
@@ -78,7 +75,7 @@ def format_report(data: dict[str, Any]) -> str:
         f"- `spread`: {n} replicas of ours, request i to replica i mod {n};",
         f"- `agreement`: the same {n} replicas, every request to all of them at once under one "
         "`X-Request-Id`; each replica's JSON request log names the P it chose (hit rate and "
-        "TTFT not reported: each prompt was sent three times);",
+        f"TTFT not reported: each prompt was sent {n} times);",
         "- `vllm_router`: vllm-router kv_aware over the same fleet in pull mode.",
         "",
         "| run | routers | sent | failed | P hit rate | mean TTFT ms | all replicas chose the "

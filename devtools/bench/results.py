@@ -8,7 +8,7 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -120,6 +120,22 @@ def write_outputs(
         markdown_file.parent.mkdir(parents=True, exist_ok=True)
         with markdown_file.open("a" if append else "w") as out:
             out.write(report + "\n")
+
+
+def command_with_options(
+    command: str,
+    spec: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    options: Sequence[str],
+    off_flags: Mapping[str, str] | None = None,
+) -> str:
+    """``command`` (ending in ``--out-dir DIR``) as a report names it: with ``--name value``
+    before ``--out-dir`` for each of ``options`` whose value in ``spec`` is not its default,
+    then ``off_flags[field]`` for each boolean field of ``spec`` that is off."""
+    given = [f"--{k.replace('_', '-')} {spec[k]}" for k in options if spec[k] != defaults[k]]
+    given += [flag for field, flag in (off_flags or {}).items() if not spec[field]]
+    head, out_dir = command.split(" --out-dir ")
+    return " ".join([head, *given, "--out-dir", out_dir])
 
 
 def recorded_command(argv: Sequence[str]) -> str:
