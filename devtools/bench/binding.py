@@ -295,7 +295,9 @@ def _router(stack: Stack, bind: str, spec: BindSpec, work_dir: Path) -> Iterator
     port = free_port()
     logs = work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    with our_router(config, port, logs):
+    # On the pull comparison's stacks three busy progress threads share 2 cores and the
+    # instances answer slowly: one run's router was not ready within 60 s.
+    with our_router(config, port, logs, ready_timeout_s=180.0):
         yield f"http://127.0.0.1:{port}"
 
 
@@ -397,13 +399,15 @@ def _by_label(
 def _histogram(
     before: dict[str, Samples], after: dict[str, Samples], name: str, family: str
 ) -> dict[str, float]:
-    """Observations, mean (ms) and the bucket-interpolated median (ms) between two scrapes."""
+    """Observations, mean (ms), the bucket-interpolated median (ms) and the share above 0
+    (``nonzero``) between two scrapes."""
     buckets = _by_label(before, after, name, f"{family}_bucket", "le")
     count = _delta(before, after, name, f"{family}_count")
     total = _delta(before, after, name, f"{family}_sum")
     if count <= 0:
-        return {"count": 0.0, "mean_ms": 0.0, "p50_ms": 0.0}
+        return {"count": 0.0, "mean_ms": 0.0, "p50_ms": 0.0, "nonzero": 0.0}
     edges = sorted((float(le), n) for le, n in buckets.items())
+    zero = sum(n for edge, n in edges if edge == 0.0)
     low, below, p50 = 0.0, 0.0, 0.0
     for edge, cumulative in edges:
         if cumulative >= count / 2:
@@ -412,7 +416,12 @@ def _histogram(
             p50 = low + share * ((edge if math.isfinite(edge) else low) - low)
             break
         low, below = edge, cumulative
-    return {"count": count, "mean_ms": 1000 * total / count, "p50_ms": 1000 * p50}
+    return {
+        "count": count,
+        "mean_ms": 1000 * total / count,
+        "p50_ms": 1000 * p50,
+        "nonzero": 1 - zero / count,
+    }
 
 
 async def _sample_kv(
@@ -488,7 +497,8 @@ def _figures(
     points: list[Point], slo: tuple[dict[int, float], float], spec: BindSpec
 ) -> dict[str, Any]:
     """Per repetition and their mean: the pushed requests' TTFT mean/p99, the TTFT p99 of those
-    D served alone, TPOT mean, goodput, unwritten block-s, P's wait p50, P's WRITE mean."""
+    D served alone, TPOT mean, goodput, unwritten block-s, P's wait p50, the share of P's
+    prefills that waited for D's registration at all, P's WRITE mean."""
 
     def each(p: Point) -> dict[str, float]:
         pushed = p.ttft_of(False, spec.min_prompt_tokens)
@@ -500,6 +510,7 @@ def _figures(
             "goodput_rps": p.goodput(*slo),
             "unwritten_block_s": p.unwritten_block_s,
             "p_wait_p50_ms": p.p_wait.get("p50_ms", 0.0),
+            "p_waited_pct": 100 * p.p_wait.get("nonzero", 0.0),
             "write_mean_ms": p.write.get("mean_ms", 0.0),
             "failed": float(p.failed),
         }

@@ -67,8 +67,9 @@ def format_report(data: dict[str, Any]) -> str:
     lines = ["# Binding D late (push.bind) on real vLLM CPU", "", _setup(data), ""]
     lines += [
         "| load | bind | TTFT mean ms | TTFT p99 ms | D alone: TTFT p99 ms | TPOT mean ms "
-        "| goodput req/s | D unwritten block-s | P wait for D p50 ms | P WRITE mean ms | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| goodput req/s | D unwritten block-s | P wait for D p50 ms | P waited for D % "
+        "| P WRITE mean ms | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key, cell in data["table"].items():
         load, bind = key.split("/")
@@ -88,6 +89,7 @@ _COLUMNS = (
     "goodput_rps",
     "unwritten_block_s",
     "p_wait_p50_ms",
+    "p_waited_pct",
     "write_mean_ms",
     "failed",
 )

@@ -45,7 +45,13 @@ from bench.loadgen import launch_paced, make_client
 from bench.metrics import RequestRecord, rounded_ratio
 from bench.overhead import cpu_split
 from bench.routers import our_router, vllm_router
-from bench.routing_kv import KvWorkload, best_hit_rate, kv_requests, p_cache_counters
+from bench.routing_kv import (
+    KvWorkload,
+    best_hit_rate,
+    hit_rate,
+    kv_requests,
+    p_cache_counters,
+)
 from devstack.emulator.profile import Profile, load_profile
 from devstack.ports import free_ports
 from devstack.process import ChildProcess, start_all, stop_all
@@ -197,9 +203,9 @@ def run_once(
             wait_for(live, spec.ready_timeout_s, f"the KV streams of the router on {port}")
         targets = [Target(f"http://127.0.0.1:{port}", model) for port in ports]
         p_urls = [entry["url"] for entry in instances["prefill"]]
-        hits0, queries0 = p_cache_counters(p_urls)
+        before = p_cache_counters(p_urls)
         records = asyncio.run(_offer(send_plan(run, requests, targets), spec.rate, spec.seed))
-        hits1, queries1 = p_cache_counters(p_urls)
+        p_hit_rate = hit_rate(before, p_cache_counters(p_urls))
     ok = [r for r in records if r.success]
     result: dict[str, Any] = {
         "run": run,
@@ -207,7 +213,7 @@ def run_once(
         "sent": len(records),
         "failed": len(records) - len(ok),
         "errors": [r.error for r in records if not r.success][:5],
-        "p_hit_rate": (hits1 - hits0) / max(queries1 - queries0, 1.0),
+        "p_hit_rate": p_hit_rate,
         "mean_ttft_ms": 1000 * statistics.fmean(r.ttft for r in ok) if ok else 0.0,
     }
     if run == "agreement":

@@ -6,11 +6,12 @@ Who calls it: :mod:`bench.cli`. The run itself is :mod:`bench.fleet_scale`.
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bench.fleet_scale import FleetScaleSpec, run_fleet_scale
-from bench.results import run_in_work_dir, write_outputs
+from bench.results import command_with_options, run_in_work_dir, write_outputs
 
 COMMAND = ".venv/bin/disagg-bench fleet-scale --out-dir docs/benchmarks"
 
@@ -42,13 +43,25 @@ def fleet_scale_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(spec: dict[str, Any]) -> str:
+    """:data:`COMMAND` with the options of a run that were not the defaults (``--sizes`` as
+    its flag takes them)."""
+
+    def sizes(value: Any) -> str:
+        return ",".join(map(str, value))
+
+    named = dict(spec) | {"sizes": sizes(spec["sizes"])}
+    defaults = asdict(FleetScaleSpec()) | {"sizes": sizes(FleetScaleSpec().sizes)}
+    return command_with_options(COMMAND, named, defaults, ("sizes", "rate", "requests"))
+
+
 def format_report(data: dict[str, Any]) -> str:
     """fleet-scale.md: the command, the setup, a row per size, the summary key."""
     spec = data["spec"]
     lines = [
         "# Router cost against fleet size (emulated fleets)",
         "",
-        f"Produced by `{COMMAND}`. Fleets of emulated engines (profile `{spec['profile']}`, "
+        f"Produced by `{_command(spec)}`. Fleets of emulated engines (profile `{spec['profile']}`, "
         "one process on core 0), our router in push mode on core 1 alone, KV-aware routing of "
         "both pools over every instance's KV event stream, health checks and load scrapes at "
         f"their defaults. Poisson load of {spec['rate']:g} requests/s, {spec['requests']} "

@@ -119,6 +119,12 @@ def p_cache_counters(urls: Sequence[str]) -> tuple[float, float]:
     return hits, queries
 
 
+def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """P's prefix-cache hit rate between two readings of :func:`p_cache_counters`."""
+    (hits0, queries0), (hits1, queries1) = before, after
+    return (hits1 - hits0) / max(queries1 - queries0, 1.0)
+
+
 def measured_run(
     router: ChildProcess,
     p_urls: Sequence[str],
@@ -126,12 +132,11 @@ def measured_run(
 ) -> dict[str, Any]:
     """``run()`` (one load) with P's hit rate and the router's CPU per request added."""
     pgid = router.pid or 0
-    hits0, queries0 = p_cache_counters(p_urls)
+    before = p_cache_counters(p_urls)
     cpu0 = group_cpu_seconds(pgid)
     result = run()
     cpu = group_cpu_seconds(pgid) - cpu0
-    hits1, queries1 = p_cache_counters(p_urls)
-    result["p_hit_rate"] = (hits1 - hits0) / max(queries1 - queries0, 1.0)
+    result["p_hit_rate"] = hit_rate(before, p_cache_counters(p_urls))
     result["router_cpu_ms_per_request"] = 1000 * cpu / max(result["completed"], 1)
     return result
 

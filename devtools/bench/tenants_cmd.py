@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.results import run_in_work_dir
+from bench.results import command_with_options, run_in_work_dir
 from bench.tenants import TenantsSpec, run_tenants_benchmark
 
 COMMAND = "flock /tmp/vllm-e2e.lock .venv/bin/disagg-bench tenants --out-dir docs/benchmarks"
@@ -46,16 +47,26 @@ def tenants_command(args: argparse.Namespace) -> int:
     return 0
 
 
+_OPTIONS = ("requests", "repetitions", "max_in_flight", "token_run_s")
+"""The :class:`TenantsSpec` fields :func:`add_tenants_arguments` offers as ``--`` options."""
+
+
+def _command(spec: dict[str, Any]) -> str:
+    """:data:`COMMAND` with the options of a run that were not the defaults."""
+    return command_with_options(COMMAND, spec, asdict(TenantsSpec()), _OPTIONS)
+
+
 def format_report(data: dict[str, Any]) -> str:
     """tenants.md: the command, the setup, one row per (point, tenant), the summary keys."""
     spec, limits, tokens = data["spec"], data["limits"], data["tokens"]
     lines = [
         "# Tenants on real vLLM CPU: a noisy neighbour, priority, a token limit",
         "",
-        f"Produced by `{COMMAND}`: 1P1D, tiny model, our connector; P on core 0, D on core 1; "
-        f"prompts of {spec['input_len']} token ids, {spec['output_len']} output tokens; the "
-        f"router admits {spec['max_in_flight']} legs per instance, {spec['reserved_for_high']} of "
-        "them for the high class alone (the queue forms in the router). Capacity "
+        f"Produced by `{_command(spec)}`: 1P1D, tiny model, our connector; P on core 0, D on "
+        f"core 1; prompts of {spec['input_len']} token ids, {spec['output_len']} output tokens; "
+        f"the router admits {spec['max_in_flight']} legs per instance, "
+        f"{spec['reserved_for_high']} of them for the high class alone (the queue forms in the "
+        "router). Capacity "
         f"{data['capacity_rps']:.2f} requests/s (8 clients, no tenants). "
         f"victim and noisy: requests_per_minute {limits['requests_per_minute']} each "
         f"({spec['share']:g} of capacity); the victim offers {spec['victim_fraction']:g} of "

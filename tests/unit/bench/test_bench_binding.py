@@ -42,11 +42,17 @@ def test_the_median_between_two_scrapes_is_interpolated_in_its_bucket() -> None:
     assert got["count"] == 10
     assert got["mean_ms"] == pytest.approx(100.0)
     assert got["p50_ms"] == pytest.approx(1000 * (0.01 + 0.25 * 0.09))
+    assert got["nonzero"] == pytest.approx(0.6)  # P waited for 6 of the 10
 
 
 def test_no_new_observation_gives_zeros() -> None:
     same = scrape({"0.0": 2, "+Inf": 2}, 0.0)
-    assert _histogram(same, same, "p0", FAMILY) == {"count": 0.0, "mean_ms": 0.0, "p50_ms": 0.0}
+    assert _histogram(same, same, "p0", FAMILY) == {
+        "count": 0.0,
+        "mean_ms": 0.0,
+        "p50_ms": 0.0,
+        "nonzero": 0.0,
+    }
 
 
 def point(bind: str, load: str, ttft: float, block_s: float, rep: int = 0) -> Point:

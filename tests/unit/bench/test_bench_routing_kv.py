@@ -8,7 +8,14 @@ from typing import Any
 from bench.dataset import BenchRequest
 from bench.routing import RoutingBenchSpec, kv_plan, routing_summary
 from bench.routing_cmd import render_markdown
-from bench.routing_kv import KvWorkload, best_hit_rate, kv_requests, summarize, vllm_router_args
+from bench.routing_kv import (
+    KvWorkload,
+    best_hit_rate,
+    hit_rate,
+    kv_requests,
+    summarize,
+    vllm_router_args,
+)
 
 WORKLOAD = KvWorkload(
     chats=3,
@@ -88,3 +95,8 @@ def test_vllm_router_kv_aware_gets_every_prefills_event_source() -> None:
     assert "http://127.0.0.1:8100=tcp://127.0.0.1:5507" in args
     assert args[-2:] == ["--kv-event-block-size", "128"]
     assert vllm_router_args(_Stack(), "vllm_router_cache_aware", 128)[1] == "cache_aware"
+
+
+def test_the_hit_rate_is_of_the_tokens_queried_between_two_readings() -> None:
+    assert hit_rate((10.0, 100.0), (40.0, 160.0)) == 0.5  # 30 of 60 new tokens hit
+    assert hit_rate((10.0, 100.0), (10.0, 100.0)) == 0.0  # nothing queried

@@ -65,3 +65,9 @@ def test_the_report_names_the_command_and_every_point() -> None:
     for row in ("| alone | victim |", "| noisy | noisy |", "| saturated | bulk |"):
         assert row in text
     assert "`token_limit_error`" in text
+    assert "tenants --out-dir" in text  # the defaults ran: no option named
+
+
+def test_the_report_names_the_options_a_run_changed() -> None:
+    text = format_report(run(TenantsSpec(requests=30, repetitions=3)))
+    assert "tenants --requests 30 --repetitions 3 --out-dir docs/benchmarks`" in text
