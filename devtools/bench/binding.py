@@ -44,6 +44,7 @@ from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import RequestRecord, rounded_ratio
 from bench.routers import our_router
+from bench.scrapes import by_label, delta, histogram, scrape
 from devstack.ports import free_port
 from devstack.stack import Stack, StackOptions, start_stack
 
@@ -176,22 +177,41 @@ def _started(spec: BindSpec, work_dir: Path, kind: str, spin: bool = False) -> I
 
 
 def _prompts(spec: BindSpec) -> tuple[list[BenchRequest], list[BenchRequest]]:
-    """The warm-up prompts (long: P's speed is learned from them) and the measured ones, short
-    ones spread evenly among the long (``short_share``): the same for every stack and point."""
-    shorts = round(spec.requests * spec.short_share) if spec.short_len else 0
-    longs = make_token_prompts(
-        SyntheticSpec(
-            spec.requests - shorts + spec.warmups, spec.input_len, spec.output_len, seed=spec.seed
-        )
+    """The warm-up prompts and the measured ones (:func:`prompt_mix` of ``spec``'s)."""
+    return prompt_mix(
+        spec.requests,
+        spec.warmups,
+        (spec.input_len, spec.short_len),
+        spec.short_share,
+        spec.output_len,
+        spec.seed,
     )
-    short = make_token_prompts(
-        SyntheticSpec(max(shorts, 1), spec.short_len, spec.output_len, seed=spec.seed + 1)
-    )[:shorts]
-    warm, long_iter, short_iter = longs[: spec.warmups], iter(longs[spec.warmups :]), iter(short)
+
+
+def prompt_mix(
+    requests: int,
+    warmups: int,
+    lengths: tuple[int, int],
+    short_share: float,
+    output_len: int,
+    seed: int,
+) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """``warmups`` long prompts (P's speed is learned from them) and ``requests`` measured ones
+    of token ids, ``short_share`` of them short, spread evenly among the long: ``lengths`` is
+    (long, short), the same prompts for the same arguments."""
+    long_len, short_len = lengths
+    shorts = round(requests * short_share) if short_len else 0
+    longs = make_token_prompts(
+        SyntheticSpec(requests - shorts + warmups, long_len, output_len, seed=seed)
+    )
+    short = make_token_prompts(SyntheticSpec(max(shorts, 1), short_len, output_len, seed=seed + 1))[
+        :shorts
+    ]
+    warm, long_iter, short_iter = longs[:warmups], iter(longs[warmups:]), iter(short)
     measured = [
-        next(short_iter) if (i + 1) * shorts // spec.requests > i * shorts // spec.requests
+        next(short_iter) if (i + 1) * shorts // requests > i * shorts // requests
         else next(long_iter)
-        for i in range(spec.requests)
+        for i in range(requests)
     ]  # fmt: skip
     return warm, measured
 
@@ -315,7 +335,7 @@ async def _point(
     learn = LoadSpec(max_concurrency=1, show_progress=False)
     await run_load(client, target, warm, learn)  # one at a time: P's speed learned
     urls = {"router": url, **{i.name: i.url for i in stack.instances}}
-    before = await _scrape(client, urls)
+    before = await scrape(client, urls)
     samples: list[tuple[float, float]] = []
     sampler = asyncio.create_task(_sample_kv(client, stack, samples))
     load = LoadSpec(
@@ -328,7 +348,7 @@ async def _point(
         result = await run_load(client, target, measured, load)
     finally:
         sampler.cancel()
-    after = await _scrape(client, urls)
+    after = await scrape(client, urls)
     ok = [r for r in result.records if r.success]
     decodes = [i.name for i in stack.decode]
     return Point(
@@ -343,12 +363,12 @@ async def _point(
         tpot_ms=[_tpot_ms(r) for r in ok],
         prompt_lens=[r.prompt_len for r in ok],
         unwritten_block_s=sum(
-            _delta(before, after, d, "disagg_push_unwritten_block_seconds_total") for d in decodes
+            delta(before, after, d, "disagg_push_unwritten_block_seconds_total") for d in decodes
         ),
-        p_wait=_histogram(before, after, "p0", "disagg_push_wait_for_registration_seconds"),
-        write=_histogram(before, after, "p0", "disagg_push_write_seconds"),
-        binds=_by_label(before, after, "router", "disagg_router_decode_binds_total", "reason"),
-        prediction_error=_by_label(
+        p_wait=histogram(before, after, "p0", "disagg_push_wait_for_registration_seconds"),
+        write=histogram(before, after, "p0", "disagg_push_write_seconds"),
+        binds=by_label(before, after, "router", "disagg_router_decode_binds_total", "reason"),
+        prediction_error=by_label(
             before, after, "router", "disagg_router_prefill_finish_error_seconds_sum", "direction"
         ),
         kv_usage=samples,
@@ -359,69 +379,6 @@ def _tpot_ms(record: RequestRecord) -> float:
     if record.output_tokens <= 1:
         return 0.0
     return 1000 * (record.latency - record.ttft) / (record.output_tokens - 1)
-
-
-Samples = dict[str, list[tuple[str, dict[str, str], float]]]
-
-
-async def _scrape(client: httpx.AsyncClient, urls: dict[str, str]) -> dict[str, Samples]:
-    out: dict[str, Samples] = {}
-    for name, url in urls.items():
-        text = (await client.get(f"{url}/metrics", timeout=10.0)).text
-        found: Samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                found.setdefault(s.name, []).append((s.name, dict(s.labels), s.value))
-        out[name] = found
-    return out
-
-
-def _delta(before: dict[str, Samples], after: dict[str, Samples], name: str, series: str) -> float:
-    def total(scrape: dict[str, Samples]) -> float:
-        return sum(v for _, _, v in scrape.get(name, {}).get(series, []))
-
-    return total(after) - total(before)
-
-
-def _by_label(
-    before: dict[str, Samples], after: dict[str, Samples], name: str, series: str, label: str
-) -> dict[str, float]:
-    def split(scrape: dict[str, Samples]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for _, labels, value in scrape.get(name, {}).get(series, []):
-            out[labels.get(label, "")] = out.get(labels.get(label, ""), 0.0) + value
-        return out
-
-    b, a = split(before), split(after)
-    return {k: v - b.get(k, 0.0) for k, v in a.items() if v - b.get(k, 0.0) > 0}
-
-
-def _histogram(
-    before: dict[str, Samples], after: dict[str, Samples], name: str, family: str
-) -> dict[str, float]:
-    """Observations, mean (ms), the bucket-interpolated median (ms) and the share above 0
-    (``nonzero``) between two scrapes."""
-    buckets = _by_label(before, after, name, f"{family}_bucket", "le")
-    count = _delta(before, after, name, f"{family}_count")
-    total = _delta(before, after, name, f"{family}_sum")
-    if count <= 0:
-        return {"count": 0.0, "mean_ms": 0.0, "p50_ms": 0.0, "nonzero": 0.0}
-    edges = sorted((float(le), n) for le, n in buckets.items())
-    zero = sum(n for edge, n in edges if edge == 0.0)
-    low, below, p50 = 0.0, 0.0, 0.0
-    for edge, cumulative in edges:
-        if cumulative >= count / 2:
-            inside = cumulative - below
-            share = (count / 2 - below) / inside if inside > 0 else 0.0
-            p50 = low + share * ((edge if math.isfinite(edge) else low) - low)
-            break
-        low, below = edge, cumulative
-    return {
-        "count": count,
-        "mean_ms": 1000 * total / count,
-        "p50_ms": 1000 * p50,
-        "nonzero": 1 - zero / count,
-    }
 
 
 async def _sample_kv(

@@ -17,6 +17,7 @@ from bench.emulator_accuracy_cmd import (
     add_emulator_accuracy_arguments,
     emulator_accuracy_command,
 )
+from bench.fleet_binding_cmd import add_fleet_binding_arguments, fleet_binding_command
 from bench.fleet_routing_cmd import add_fleet_routing_arguments, fleet_routing_command
 from bench.fleet_scale_cmd import add_fleet_scale_arguments, fleet_scale_command
 from bench.overhead_cmd import add_overhead_arguments, overhead_command
@@ -98,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="KV-aware routing on an emulated fleet: replicas, vllm-router kv_aware",
         )
     )
+    add_fleet_binding_arguments(
+        sub.add_parser(
+            "fleet-binding", help="push.bind eager / just_in_time / adaptive on an emulated fleet"
+        )
+    )
     add_fit_profile_arguments(
         sub.add_parser("fit-profile", help="fit the emulator's cpu-tiny profile to real vLLM CPU")
     )
@@ -142,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         return fleet_scale_command(args)
     if command == "fleet-routing":
         return fleet_routing_command(args)
+    if command == "fleet-binding":
+        return fleet_binding_command(args)
     if command == "fit-profile":
         return fit_profile_command(args)
     if command == "churn":

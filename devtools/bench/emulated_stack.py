@@ -77,14 +77,18 @@ def emulator_process(
     cpus: str | None = None,
     transfer_mode: str = "push",
     kv_events: bool = True,
+    decode_num_blocks: int | None = None,
 ) -> ChildProcess:
     """An unstarted ``python -m devstack.emulator`` fleet on ``cpus`` (``taskset`` list; None:
-    unpinned), ready once its control port answers ``/health``."""
+    unpinned), ready once its control port answers ``/health``; ``decode_num_blocks``: D's KV
+    cache when smaller than the profile's."""
     argv = [sys.executable, "-m", "devstack.emulator", "--profile", profile]
     argv += ["--prefill", str(prefill), "--decode", str(decode)]
     argv += ["--transfer-mode", transfer_mode, "--control-port", str(control_port)]
     if not kv_events:
         argv.append("--no-kv-events")
+    if decode_num_blocks is not None:
+        argv += ["--decode-num-blocks", str(decode_num_blocks)]
     ready = f"http://127.0.0.1:{control_port}/health"
     return http_process("emulator", pinned(argv, cpus), ready, log, ready_timeout_s=60.0)
 

@@ -5,6 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+WAIT_FOR_REGISTRATION_BUCKETS = (
+    0.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+"""Bucket edges (seconds) of P's ``disagg_push_wait_for_registration_seconds`` histogram: the
+first, 0, counts the prefills D had registered for before they ended."""
+
 
 @dataclass(frozen=True)
 class TransferRecord:

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from disagg_router.connector.records import TransferRecord
+from disagg_router.connector.records import WAIT_FOR_REGISTRATION_BUCKETS, TransferRecord
 
 _FIELDS = (
     "ok",
@@ -160,24 +160,7 @@ class PushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 name="disagg_push_wait_for_registration_seconds",
                 documentation="P: prefill finished to D's registration (0: D registered first).",
                 labelnames=names,
-                buckets=[
-                    0.0,
-                    0.001,
-                    0.0025,
-                    0.005,
-                    0.01,
-                    0.025,
-                    0.05,
-                    0.1,
-                    0.25,
-                    0.5,
-                    1,
-                    2.5,
-                    5,
-                    10,
-                    30,
-                    60,
-                ],
+                buckets=list(WAIT_FOR_REGISTRATION_BUCKETS),
             )
         )
         self._unwritten = per_engine(

@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--scale", type=float, default=1.0, help="wall seconds per emulated s")
     parser.add_argument("--transfer-mode", choices=("push", "pull"), default="push")
+    parser.add_argument("--decode-num-blocks", type=int, help="D's KV cache in blocks")
     parser.add_argument("--tokenizer", help="the served model's tokenizer directory")
     parser.add_argument("--no-kv-events", action="store_true")
     parser.add_argument("--control-port", type=int)
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prefill,
         args.decode,
         scale=args.scale,
+        decode_num_blocks=args.decode_num_blocks,
         transfer_mode=args.transfer_mode,
         tokenizer_dir=args.tokenizer,
         kv_events=not args.no_kv_events,

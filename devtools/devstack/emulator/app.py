@@ -3,8 +3,9 @@
 Who uses it: :class:`devstack.emulator.fleet.Fleet` serves one app per engine. Routes:
 ``/v1/completions`` and ``/v1/chat/completions`` (SSE stream and JSON, ``stream_options``
 usage, ``return_token_ids``), ``/health``, ``/v1/models``, ``/tokenize``, and ``/metrics`` with
-vLLM's metric names. A request with ``kv_transfer_params`` is a P leg (``do_remote_decode``:
-one token, its blocks held for D, P's identity and blocks in the answer) or a D leg
+vLLM's metric names and our connector's hand-over figures (``disagg_push_*``). A request with
+``kv_transfer_params`` is a P leg (``do_remote_decode``: one token, its blocks held for D, P's
+identity and blocks in the answer) or a D leg
 (``do_remote_prefill``: its KV comes from the P it names, through the engine's fabric; a P
 unknown to the fabric means a local prefill, like a connector that cannot reach its peer).
 Identity probes are answered at once with no work. A body vLLM would refuse gets its 400
@@ -20,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,6 +41,7 @@ from disagg_router.connector.contract import (
     with_engine_suffix,
 )
 from disagg_router.connector.errors import ContractError
+from disagg_router.connector.records import WAIT_FOR_REGISTRATION_BUCKETS
 from disagg_router.router.upstream.sse import DONE, encode_data
 
 DEFAULT_MAX_TOKENS = 16
@@ -349,7 +352,26 @@ def metrics_text(engine: Engine) -> str:
         ("counter", "vllm:request_success_total", c.success),
         ("counter", "vllm:num_preemptions_total", sched.preemptions),
     ]
+    h = engine.handovers
+    rows += [
+        ("counter", "disagg_push_transfers_total", h.transfers),
+        ("counter", "disagg_push_unwritten_block_seconds_total", h.unwritten_block_s),
+    ]
     lines = []
     for kind, name, value in rows:
         lines += [f"# TYPE {name} {kind}", f"{name}{label} {float(value)}"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _wait_histogram(engine)) + "\n"
+
+
+def _wait_histogram(engine: Engine) -> list[str]:
+    """Our connector's ``disagg_push_wait_for_registration_seconds`` (P: a finished prefill's
+    wait for D's registration) in Prometheus' text form: cumulative buckets, sum, count."""
+    name, model = "disagg_push_wait_for_registration_seconds", engine.profile.model
+    h = engine.handovers
+    lines = [f"# TYPE {name} histogram"]
+    edges = [repr(float(edge)) for edge in WAIT_FOR_REGISTRATION_BUCKETS] + ["+Inf"]
+    for edge, cumulative in zip(edges, accumulate(h.wait_counts), strict=True):
+        lines.append(f'{name}_bucket{{model_name="{model}",le="{edge}"}} {float(cumulative)}')
+    lines.append(f'{name}_sum{{model_name="{model}"}} {h.wait_sum_s}')
+    lines.append(f'{name}_count{{model_name="{model}"}} {float(sum(h.wait_counts))}')
+    return lines

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from devstack.emulator.blocks import BlockPool
 from devstack.emulator.profile import Profile
 from devstack.emulator.scheduler import Limits, Phase, Scheduler, Seq, Step
+from disagg_router.connector.records import WAIT_FOR_REGISTRATION_BUCKETS
 from disagg_router.router.routing.kv_wire import KvEvent
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,28 @@ class Counters:
     busy_s: float = 0.0  # emulated seconds spent in steps
 
 
+@dataclass
+class Handovers:
+    """Our connector's figures of the KV hand-overs an engine took part in, for its
+    ``disagg_push_*`` metrics (emulated seconds): finished transfers (either side); as D, its
+    blocks times the seconds from their registration to the KV's arrival; as P, how long each
+    finished prefill waited for D's registration (0 when D registered first), counted in
+    :data:`~disagg_router.connector.records.WAIT_FOR_REGISTRATION_BUCKETS`."""
+
+    transfers: int = 0
+    unwritten_block_s: float = 0.0
+    wait_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(WAIT_FOR_REGISTRATION_BUCKETS) + 1)
+    )
+    """Observations per bucket (not cumulative), the last above every edge."""
+    wait_sum_s: float = 0.0
+
+    def waited(self, seconds: float) -> None:
+        index = bisect_left(WAIT_FOR_REGISTRATION_BUCKETS, seconds)
+        self.wait_counts[index] += 1
+        self.wait_sum_s += seconds
+
+
 class Engine:
     """One engine: its block pool, scheduler and step loop; ``engine_id`` names it to the
     fabric and in P's answers."""
@@ -79,6 +103,7 @@ class Engine:
         limits = Limits(profile.max_num_batched_tokens, profile.max_num_seqs)
         self.scheduler = Scheduler(self.pool, limits)
         self.counters = Counters()
+        self.handovers = Handovers()
         self._events = events
         self._outlets: dict[Seq, Outlet] = {}
         self._wake = asyncio.Event()
@@ -142,6 +167,10 @@ class Engine:
         """Wait ``seconds`` of emulated time."""
         await asyncio.sleep(seconds * self.scale)
 
+    def now(self) -> float:
+        """The event loop's clock in this engine's emulated seconds."""
+        return asyncio.get_running_loop().time() / self.scale
+
     async def run(self) -> None:
         """The step loop; runs until cancelled."""
         while True:
@@ -184,6 +213,7 @@ class Engine:
 class _Side:
     engine: Engine
     seq: Seq
+    since: float  # when it came to the fabric (the engine's emulated seconds)
     expiry: asyncio.TimerHandle | None = None
 
 
@@ -215,10 +245,10 @@ class Fabric:
         if key is None:
             engine.release(seq)
             return
-        side = _Side(engine, seq)
+        side = _Side(engine, seq, engine.now())
         peer = self._waiting.pop(key, None)
         if peer is not None:
-            self._start(side, peer)
+            self._start(side, peer, waited=0.0)  # D registered first
             return
         self._held[key] = side
         side.expiry = self._expire_later(key, self._held, engine)
@@ -228,10 +258,10 @@ class Fabric:
         if key is None:
             engine.fail(seq, "no KV transfer key")
             return
-        side = _Side(engine, seq)
+        side = _Side(engine, seq, engine.now())
         held = self._held.pop(key, None)
         if held is not None:
-            self._start(held, side)
+            self._start(held, side, waited=held.engine.now() - held.since)
             return
         self._waiting[key] = side
         side.expiry = self._expire_later(key, self._waiting, engine)
@@ -264,7 +294,9 @@ class Fabric:
         else:
             side.engine.fail(side.seq, f"no KV from the prefill instance for {key}")
 
-    def _start(self, p: _Side, d: _Side) -> None:
+    def _start(self, p: _Side, d: _Side, waited: float) -> None:
+        """Move ``p``'s KV to ``d``; P's prefill ``waited`` that long for D's registration."""
+        p.engine.handovers.waited(waited)
         for side in (p, d):
             if side.expiry is not None:
                 side.expiry.cancel()
@@ -279,5 +311,8 @@ class Fabric:
         self._met.add(pair)
         await d.engine.sleep(d.engine.profile.transfer.seconds(p.seq.prompt_len, first))
         self.transfers += 1
+        p.engine.handovers.transfers += 1
+        d.engine.handovers.transfers += 1
+        d.engine.handovers.unwritten_block_s += len(d.seq.blocks) * (d.engine.now() - d.since)
         p.engine.release(p.seq)
         d.engine.kv_arrived(d.seq)

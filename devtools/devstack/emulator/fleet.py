@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -52,6 +52,9 @@ class FleetSpec:
     prefill: int
     decode: int
     scale: float = 1.0
+    decode_num_blocks: int | None = None
+    """D engines' KV cache in blocks when it differs from the profile's (as vLLM's
+    ``--num-gpu-blocks-override`` cuts it)."""
     transfer_mode: str = "push"
     tokenizer_dir: str | None = None
     kv_events: bool = True
@@ -251,7 +254,10 @@ class Fleet:
         )
         queue: asyncio.Queue[list[KvEvent]] = asyncio.Queue()
         sink = queue.put_nowait if publisher is not None else None
-        engine = Engine(self.spec.profile, f"emulated-{name}", self.fabric, self.spec.scale, sink)
+        profile = self.spec.profile
+        if role == "decode" and self.spec.decode_num_blocks is not None:
+            profile = replace(profile, num_blocks=self.spec.decode_num_blocks)
+        engine = Engine(profile, f"emulated-{name}", self.fabric, self.spec.scale, sink)
         identity = Identity(engine.engine_id, "127.0.0.1", port, self.spec.transfer_mode)
         app = create_app(engine, identity, tokens)
         config = uvicorn.Config(

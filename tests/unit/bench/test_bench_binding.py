@@ -1,5 +1,5 @@
-"""``disagg-bench bind``'s arithmetic: histogram medians between scrapes, goodput, the summary
-keys and the report (the runs themselves need real vLLM)."""
+"""``disagg-bench bind``'s arithmetic: goodput, the summary keys and the report (the runs
+themselves need real vLLM)."""
 
 from __future__ import annotations
 
@@ -13,46 +13,11 @@ from bench.binding import (
     PULL,
     BindSpec,
     Point,
-    Samples,
-    _histogram,
     _prompts,
     modes_in_turn,
     summarize,
 )
 from bench.binding_cmd import format_report
-
-FAMILY = "disagg_push_wait_for_registration_seconds"
-
-
-def scrape(buckets: dict[str, float], total: float) -> dict[str, Samples]:
-    count = buckets["+Inf"]
-    series: Samples = {
-        f"{FAMILY}_bucket": [(f"{FAMILY}_bucket", {"le": le}, n) for le, n in buckets.items()],
-        f"{FAMILY}_count": [(f"{FAMILY}_count", {}, count)],
-        f"{FAMILY}_sum": [(f"{FAMILY}_sum", {}, total)],
-    }
-    return {"p0": series}
-
-
-def test_the_median_between_two_scrapes_is_interpolated_in_its_bucket() -> None:
-    before = scrape({"0.0": 2, "0.01": 2, "0.1": 2, "+Inf": 2}, 0.0)
-    # 10 new observations: 4 at 0, 4 in (0.01, 0.1], 2 above; the 5th and 6th are in (0.01, 0.1]
-    after = scrape({"0.0": 6, "0.01": 6, "0.1": 10, "+Inf": 12}, 1.0)
-    got = _histogram(before, after, "p0", FAMILY)
-    assert got["count"] == 10
-    assert got["mean_ms"] == pytest.approx(100.0)
-    assert got["p50_ms"] == pytest.approx(1000 * (0.01 + 0.25 * 0.09))
-    assert got["nonzero"] == pytest.approx(0.6)  # P waited for 6 of the 10
-
-
-def test_no_new_observation_gives_zeros() -> None:
-    same = scrape({"0.0": 2, "+Inf": 2}, 0.0)
-    assert _histogram(same, same, "p0", FAMILY) == {
-        "count": 0.0,
-        "mean_ms": 0.0,
-        "p50_ms": 0.0,
-        "nonzero": 0.0,
-    }
 
 
 def point(bind: str, load: str, ttft: float, block_s: float, rep: int = 0) -> Point:

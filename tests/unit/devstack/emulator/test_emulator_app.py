@@ -1,7 +1,8 @@
 """The HTTP face of emulated engines (``devstack.emulator.app``), served by a real 1P1D
 :class:`devstack.emulator.Fleet`: vLLM's routes and refusals, identity probes, a P leg's answer
 as the router's connector contract reads it, a streamed chat with usage, a D leg sent before its
-P leg (push order) that decodes from P's KV, and vLLM's metric names."""
+P leg (push order) that decodes from P's KV (and our connector's hand-over figures saying so),
+and vLLM's metric names."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.emulator import Fleet, FleetSpec, load_profile
 from disagg_router.connector.contract import (
@@ -29,12 +31,14 @@ MAX_LEN = 512
 BLOCK = 128
 PROMPT = list(range(1, 301))  # two full blocks and a partial one
 TIMEOUT = 10.0
+D_BLOCKS = 32  # D's KV cache cut below the profile's 64 blocks
 
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     profile = replace(load_profile("cpu-tiny"), max_model_len=MAX_LEN, num_blocks=64)
-    with Fleet(FleetSpec(profile, 1, 1, kv_events=False)) as running:
+    spec = FleetSpec(profile, 1, 1, kv_events=False, decode_num_blocks=D_BLOCKS)
+    with Fleet(spec) as running:
         yield running
 
 
@@ -104,6 +108,11 @@ def _sse_payloads(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
 
 
+def test_d_engines_have_the_kv_cache_they_were_cut_to(fleet: Fleet) -> None:
+    sizes = fleet.call(lambda: {m.role: m.engine.pool.num_blocks for m in fleet.members})
+    assert sizes == {"prefill": 64, "decode": D_BLOCKS}
+
+
 def test_models_lists_the_profiles_model(p_url: str) -> None:
     response = httpx.get(f"{p_url}/v1/models", timeout=TIMEOUT)
     assert response.status_code == 200
@@ -164,6 +173,7 @@ def test_a_prefill_answer_is_read_by_the_contract_and_its_kv_goes_to_d(
     fleet: Fleet, p_url: str, d_url: str
 ) -> None:
     transfers = fleet.call(lambda: fleet.fabric.transfers)
+    p_before = _handover_figures(p_url)
     answer = _p_leg(p_url, "pull-1")
     assert answer.num_tokens == len(PROMPT)
     assert answer.block_ids is not None and len(answer.block_ids) == 3
@@ -177,6 +187,30 @@ def test_a_prefill_answer_is_read_by_the_contract_and_its_kv_goes_to_d(
     assert usage["prompt_tokens_details"]["cached_tokens"] == len(PROMPT)
     assert fleet.call(lambda: fleet.fabric.transfers) == transfers + 1
     wait_until(lambda: not any(_blocks_in_use(fleet)), what="P's and D's blocks free")
+    p_after = _handover_figures(p_url)
+    # P finished before D registered: its prefill's wait was not 0
+    assert p_after["waits"] == p_before["waits"] + 1
+    assert p_after["waited_0"] == p_before["waited_0"]
+    assert p_after["wait_sum"] > p_before["wait_sum"]
+
+
+def _handover_figures(url: str) -> dict[str, float]:
+    """Our connector's hand-over figures on an instance's ``/metrics``: transfers, D's
+    unwritten block-seconds, P's waits for D's registration (all, and those of 0 s)."""
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    values = {
+        (sample.name, sample.labels.get("le")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    wait = "disagg_push_wait_for_registration_seconds"
+    return {
+        "transfers": values[("disagg_push_transfers_total", None)],
+        "unwritten": values[("disagg_push_unwritten_block_seconds_total", None)],
+        "waits": values[(f"{wait}_count", None)],
+        "waited_0": values[(f"{wait}_bucket", "0.0")],
+        "wait_sum": values[(f"{wait}_sum", None)],
+    }
 
 
 def test_a_streamed_chat_ends_with_usage_then_done(d_url: str) -> None:
@@ -213,6 +247,7 @@ def test_a_decode_leg_sent_before_its_prefill_leg_decodes_from_ps_kv(
     identity = read_prefill_answer(_probe(p_url))
     transfers = fleet.call(lambda: fleet.fabric.transfers)
     d_engine = fleet.call(lambda: fleet.members[1].engine)
+    p_before, d_before = _handover_figures(p_url), _handover_figures(d_url)
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(_post, d_url, _d_leg(identity, "push-1", max_tokens=3))
         wait_until(
@@ -230,6 +265,14 @@ def test_a_decode_leg_sent_before_its_prefill_leg_decodes_from_ps_kv(
     assert body["usage"]["completion_tokens"] == 3
     assert fleet.call(lambda: fleet.fabric.transfers) == transfers + 1
     wait_until(lambda: not any(_blocks_in_use(fleet)), what="P's and D's blocks free")
+    p_after, d_after = _handover_figures(p_url), _handover_figures(d_url)
+    assert p_after["transfers"] == p_before["transfers"] + 1
+    assert d_after["transfers"] == d_before["transfers"] + 1
+    # D registered first: P's prefill waited 0 s, D's blocks waited through it
+    assert p_after["waits"] == p_before["waits"] + 1
+    assert p_after["waited_0"] == p_before["waited_0"] + 1
+    assert d_after["unwritten"] > d_before["unwritten"]
+    assert p_after["unwritten"] == p_before["unwritten"]  # P's blocks are not D's
 
 
 def test_metrics_use_vllms_names(p_url: str) -> None:

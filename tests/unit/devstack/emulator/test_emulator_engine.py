@@ -1,7 +1,8 @@
 """Emulated engines on a real event loop (``devstack.emulator.engine``): a P and a D engine hand a
 request's KV over through their fabric in push order (D waits first) and pull order (P is held
 first); a P whose D never comes frees its blocks when the lease passes, a D whose P never comes
-fails its request; an aborted D leaves nothing behind; steps take the profile's step time."""
+fails its request; an aborted D leaves nothing behind; steps take the profile's step time; each
+engine counts its side of a hand-over as our connector's metrics do."""
 
 from __future__ import annotations
 
@@ -100,6 +101,10 @@ async def test_push_order_hand_over_completes() -> None:
         assert d_seq.kv_loaded and d_seq.prefix_hit_tokens == 0
         assert p_seq.phase is Phase.DONE and _all_free(p) and _all_free(d)
         assert _fabric_empty(fabric)
+        # D registered first: P did not wait, D's 3 blocks did (through P's prefill)
+        assert p.handovers.transfers == d.handovers.transfers == 1
+        assert p.handovers.wait_counts[0] == sum(p.handovers.wait_counts) == 1
+        assert d.handovers.unwritten_block_s > 0 and p.handovers.unwritten_block_s == 0
 
 
 async def test_pull_order_hand_over_completes() -> None:
@@ -117,6 +122,9 @@ async def test_pull_order_hand_over_completes() -> None:
         assert _all_free(p) and _all_free(d)
         assert p.counters.success == d.counters.success == 1
         assert _fabric_empty(fabric)
+        # P finished first: its prefill waited for D's registration
+        assert p.handovers.wait_counts[0] == 0 and sum(p.handovers.wait_counts) == 1
+        assert p.handovers.wait_sum_s > 0
 
 
 async def test_a_held_prefill_is_freed_when_no_decode_comes_within_the_lease() -> None:
