@@ -159,8 +159,8 @@ def router_config(
 ) -> dict[str, Any]:
     """Our router over the fleet: push with ``push.bind`` = ``bind``; P and D by fewest legs
     in flight (a late binding chooses D with the loads of its moment; ``power_of_two`` would
-    compare two of the 16 only, and bind late onto a D whose cache is full while another's
-    is free); short prompts to D alone; loads scraped every 0.5 s."""
+    compare two of the Ds only, and may bind onto a D whose cache is full while another's
+    has room); short prompts to D alone; loads scraped every 0.5 s."""
     return {
         "models": [model],
         "mode": "push",
