@@ -43,7 +43,7 @@ from bench.client import Target
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import RequestRecord, rounded_ratio
-from bench.routers import our_router
+from bench.routers import leg_timeouts, our_router
 from bench.scrapes import by_label, delta, histogram, scrape
 from devstack.ports import free_port
 from devstack.stack import Stack, StackOptions, start_stack
@@ -306,12 +306,7 @@ def _router(stack: Stack, bind: str, spec: BindSpec, work_dir: Path) -> Iterator
         config["push"] = {"bind": bind.removesuffix("-spin")}
     config["load_signals"] = {"interval": 0.5, "stale_after": 2.0}
     config["disaggregation"] = {"min_prompt_tokens": spec.min_prompt_tokens}
-    config["timeouts"] = {
-        "prefill": 300.0,
-        "first_token": 300.0,
-        "after_prefill": 300.0,
-        "total": 600.0,
-    }
+    config["timeouts"] = leg_timeouts(300.0, total=600.0)
     port = free_port()
     logs = work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from bench.emulated_stack import emulator_process, fleet_instances
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import RequestRecord, percentile, rounded_ratio
 from bench.overhead import cpu_split
-from bench.routers import our_router
+from bench.routers import leg_timeouts, our_router
 from bench.scrapes import Scrape, by_label, delta, histogram, pooled, scrape
 from devstack.emulator.profile import Profile, load_profile
 from devstack.ports import free_ports
@@ -169,7 +169,7 @@ def router_config(
         "push": {"bind": bind},
         "load_signals": {"interval": 0.5, "stale_after": 2.0},
         "disaggregation": {"min_prompt_tokens": spec.min_prompt_tokens},
-        "timeouts": {"prefill": 300.0, "first_token": 300.0, "after_prefill": 300.0},
+        "timeouts": leg_timeouts(300.0),
     }
 
 

@@ -61,6 +61,13 @@ def router_module(source: Path | None) -> str:
     return "disagg_router.router.cli"
 
 
+def leg_timeouts(seconds: float, **more: float) -> dict[str, float]:
+    """Our router's ``timeouts`` for instances slower than its defaults allow for (vLLM CPU
+    under load): ``seconds`` for P's leg, D's first token and D after P, plus ``more``
+    (``total``, ``health``); the rest at the router's defaults."""
+    return {"prefill": seconds, "first_token": seconds, "after_prefill": seconds, **more}
+
+
 def our_router(
     config: dict[str, Any],
     port: int,

@@ -48,7 +48,7 @@ from typing import Any
 from bench.client import Target
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
-from bench.routers import our_router
+from bench.routers import leg_timeouts, our_router
 from bench.routing_kv import (
     DEFAULT_STACKS,
     STACKS,
@@ -257,12 +257,7 @@ def conversation_requests(spec: RoutingBenchSpec, seed: int) -> list[BenchReques
 @contextmanager
 def _router_for(stack: Any, logs: Path, **overrides: dict[str, Any]) -> Iterator[str]:
     config = stack.router_config()
-    config["timeouts"] = {
-        "health": 60.0,
-        "first_token": 120.0,
-        "after_prefill": 120.0,
-        "prefill": 120.0,
-    }
+    config["timeouts"] = leg_timeouts(120.0, health=60.0)
     for section, values in overrides.items():
         config[section] = {**config.get(section, {}), **values}
     port = free_port()

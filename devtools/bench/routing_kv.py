@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from bench.dataset import BenchRequest
-from bench.routers import our_router, vllm_router
+from bench.routers import leg_timeouts, our_router, vllm_router
 from devstack.ports import free_port
 from devstack.process import ChildProcess, group_cpu_seconds
 from devstack.vllm_server import read_metrics_text
@@ -151,12 +151,7 @@ def our_config(stack: Any, stack_name: str, decode_only_fraction: float) -> dict
     )
     if stack_name == "kv_aware_decode_only":
         config["kv_events"]["decode_only_fraction"] = decode_only_fraction
-    config["timeouts"] = {
-        "health": 60.0,
-        "first_token": 120.0,
-        "after_prefill": 120.0,
-        "prefill": 120.0,
-    }
+    config["timeouts"] = leg_timeouts(120.0, health=60.0)
     return config
 
 

@@ -42,7 +42,7 @@ from bench.client import Target
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.results import counted_ttft_to_dict, metrics_to_dict, write_json
-from bench.routers import our_router, vllm_router
+from bench.routers import leg_timeouts, our_router, vllm_router
 from devstack.ports import free_port
 from devstack.process import ChildProcess, ProcessStartError
 from devstack.stack import DECODE_CORE, PREFILL_CORE
@@ -364,12 +364,7 @@ def targets_for_group(
             proc = vllm_router(p_url, d_url, port, logs, ready_timeout_s=120.0, cpus=cpus)
         else:
             config = stack_obj.router_config(with_identity=False)
-            config["timeouts"] = {
-                "prefill": 300.0,
-                "first_token": 300.0,
-                "after_prefill": 300.0,
-                "total": 600.0,
-            }
+            config["timeouts"] = leg_timeouts(300.0, total=600.0)
             proc = our_router(config, port, logs, ready_timeout_s=180.0, cpus=cpus)
             metrics = (("router", f"http://127.0.0.1:{port}/metrics"), *instances)
         es.enter_context(proc)
