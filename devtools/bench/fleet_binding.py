@@ -69,6 +69,15 @@ class FleetBindingSpec:
         """The router's ``disaggregation.min_prompt_tokens``: halfway between the lengths."""
         return (self.input_len + self.short_len) // 2
 
+    def prompts(self) -> tuple[list[BenchRequest], list[BenchRequest]]:
+        """The warm-up waves' long prompts and the measured ones (:func:`prompt_mix`): the
+        same for every mode."""
+        lengths = (self.input_len, self.short_len)
+        warmups = self.waves * self.size
+        return prompt_mix(
+            self.requests, warmups, lengths, self.short_share, self.output_len, self.seed
+        )
+
     def d_blocks(self, profile: Profile) -> int:
         """Each D's KV cache in blocks: ``d_prompts`` long requests and vLLM's null block."""
         per_request = math.ceil((self.input_len + self.output_len) / profile.block_size)
@@ -97,18 +106,11 @@ def offered_rate(spec: FleetBindingSpec, profile: Profile) -> float:
 def run_fleet_binding(spec: FleetBindingSpec, work: Path) -> dict[str, Any]:
     """Every mode on its own fleet, the same prompts and arrivals; the summary keys."""
     profile = load_profile(spec.profile)
-    warm, measured = prompt_mix(
-        spec.requests,
-        spec.waves * spec.size,
-        (spec.input_len, spec.short_len),
-        spec.short_share,
-        spec.output_len,
-        spec.seed,
-    )
+    prompts = spec.prompts()
     rate = offered_rate(spec, profile)
     modes = {}
     for bind in BINDS:
-        modes[bind] = run_mode(bind, spec, (warm, measured), rate, work)
+        modes[bind] = run_mode(bind, spec, prompts, rate, work)
         print(f"{bind}: {_line(modes[bind])}", flush=True)
     return {
         "spec": asdict(spec),
@@ -193,7 +195,8 @@ async def _measure(
         load = LoadSpec(request_rate=rate, seed=spec.seed, show_progress=False)
         result = await run_load(client, target, measured, load)
         after = await scrape(client, urls)
-    return _figures(list(result.records), _pools(before, instances), _pools(after, instances))
+    records = list(result.records)
+    return _figures(records, spec, _pools(before, instances), _pools(after, instances))
 
 
 def _pools(snapshot: Scrape, instances: dict[str, Any]) -> Scrape:
@@ -202,12 +205,15 @@ def _pools(snapshot: Scrape, instances: dict[str, Any]) -> Scrape:
     return pooled(pooled(snapshot, ps, P_POOL), ds, D_POOL)
 
 
-def _figures(records: list[RequestRecord], before: Scrape, after: Scrape) -> dict[str, Any]:
-    """A mode's figures: the client's TTFTs by prompt kind and the scrapes' differences."""
+def _figures(
+    records: list[RequestRecord], spec: FleetBindingSpec, before: Scrape, after: Scrape
+) -> dict[str, Any]:
+    """A mode's figures: the client's TTFTs of the requests through P and of those D served
+    alone (below ``min_prompt_tokens``, as the router splits them) and the scrapes'
+    differences."""
     ok = [r for r in records if r.success]
-    long_len = max((r.prompt_len for r in ok), default=0)
-    pushed = [1000 * r.ttft for r in ok if r.prompt_len == long_len]
-    alone = [1000 * r.ttft for r in ok if r.prompt_len != long_len]
+    pushed = [1000 * r.ttft for r in ok if r.prompt_len >= spec.min_prompt_tokens]
+    alone = [1000 * r.ttft for r in ok if r.prompt_len < spec.min_prompt_tokens]
     wait = "disagg_push_wait_for_registration_seconds"
     return {
         "completed": len(ok),

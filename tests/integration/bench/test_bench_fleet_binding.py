@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.binding import prompt_mix
 from bench.dataset import BenchRequest
 from bench.fleet_binding import FleetBindingSpec, offered_rate, run_mode
 from devstack.emulator.profile import load_profile
@@ -22,14 +21,7 @@ SPEC = FleetBindingSpec(
 
 @pytest.fixture(scope="module")
 def prompts() -> Prompts:
-    return prompt_mix(
-        SPEC.requests,
-        SPEC.waves * SPEC.size,
-        (SPEC.input_len, SPEC.short_len),
-        SPEC.short_share,
-        SPEC.output_len,
-        SPEC.seed,
-    )
+    return SPEC.prompts()
 
 
 @pytest.mark.parametrize("bind", ["eager", "just_in_time"])

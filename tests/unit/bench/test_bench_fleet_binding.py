@@ -47,6 +47,14 @@ def test_ds_cache_holds_its_long_requests_and_the_null_block() -> None:
     assert spec.d_blocks(PROFILE) == 3 * 9 + 1  # 1030 tokens: 9 blocks of 128
 
 
+def test_the_prompts_are_warm_up_waves_then_the_measured_mix() -> None:
+    spec = FleetBindingSpec(size=3, waves=2, requests=10, input_len=1000, short_len=50)
+    warm, measured = spec.prompts()
+    assert [r.prompt_len for r in warm] == [1000] * 6  # one long prompt per P per wave
+    assert sorted(r.prompt_len for r in measured) == [50] * 5 + [1000] * 5
+    assert spec.prompts() == (warm, measured)  # the same for every mode
+
+
 def mode(ttft: float, unwritten: float, p50: float = 0.0) -> dict[str, object]:
     return {
         "completed": 10,
