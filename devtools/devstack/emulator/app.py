@@ -21,11 +21,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
 
 from devstack.emulator.engine import KILLED, Engine, Outlet
 from devstack.emulator.scheduler import GENERATED_TOKEN_ID, Role, Seq
@@ -41,7 +41,6 @@ from disagg_router.connector.contract import (
     with_engine_suffix,
 )
 from disagg_router.connector.errors import ContractError
-from disagg_router.connector.records import WAIT_FOR_REGISTRATION_BUCKETS
 from disagg_router.router.upstream.sse import DONE, encode_data
 
 DEFAULT_MAX_TOKENS = 16
@@ -360,18 +359,4 @@ def metrics_text(engine: Engine) -> str:
     lines = []
     for kind, name, value in rows:
         lines += [f"# TYPE {name} {kind}", f"{name}{label} {float(value)}"]
-    return "\n".join(lines + _wait_histogram(engine)) + "\n"
-
-
-def _wait_histogram(engine: Engine) -> list[str]:
-    """Our connector's ``disagg_push_wait_for_registration_seconds`` (P: a finished prefill's
-    wait for D's registration) in Prometheus' text form: cumulative buckets, sum, count."""
-    name, model = "disagg_push_wait_for_registration_seconds", engine.profile.model
-    h = engine.handovers
-    lines = [f"# TYPE {name} histogram"]
-    edges = [repr(float(edge)) for edge in WAIT_FOR_REGISTRATION_BUCKETS] + ["+Inf"]
-    for edge, cumulative in zip(edges, accumulate(h.wait_counts), strict=True):
-        lines.append(f'{name}_bucket{{model_name="{model}",le="{edge}"}} {float(cumulative)}')
-    lines.append(f'{name}_sum{{model_name="{model}"}} {h.wait_sum_s}')
-    lines.append(f'{name}_count{{model_name="{model}"}} {float(sum(h.wait_counts))}')
-    return lines
+    return "\n".join(lines) + "\n" + generate_latest(h.registry).decode()

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Histogram
 
 from devstack.emulator.blocks import BlockPool
 from devstack.emulator.profile import Profile
@@ -61,26 +62,31 @@ class Counters:
     busy_s: float = 0.0  # emulated seconds spent in steps
 
 
-@dataclass
+WAIT_FOR_REGISTRATION = "disagg_push_wait_for_registration_seconds"
+
+
 class Handovers:
     """Our connector's figures of the KV hand-overs an engine took part in, for its
     ``disagg_push_*`` metrics (emulated seconds): finished transfers (either side); as D, its
     blocks times the seconds from their registration to the KV's arrival; as P, how long each
-    finished prefill waited for D's registration (0 when D registered first), counted in
-    :data:`~disagg_router.connector.records.WAIT_FOR_REGISTRATION_BUCKETS`."""
+    finished prefill waited for D's registration (0 when D registered first), a histogram in
+    :data:`~disagg_router.connector.records.WAIT_FOR_REGISTRATION_BUCKETS` kept in
+    ``registry`` (the engine's own, labelled with ``model``)."""
 
-    transfers: int = 0
-    unwritten_block_s: float = 0.0
-    wait_counts: list[int] = field(
-        default_factory=lambda: [0] * (len(WAIT_FOR_REGISTRATION_BUCKETS) + 1)
-    )
-    """Observations per bucket (not cumulative), the last above every edge."""
-    wait_sum_s: float = 0.0
+    def __init__(self, model: str) -> None:
+        self.transfers = 0
+        self.unwritten_block_s = 0.0
+        self.registry = CollectorRegistry()
+        self._waits = Histogram(
+            WAIT_FOR_REGISTRATION,
+            "P: prefill finished to D's registration (0: D registered first).",
+            ["model_name"],
+            buckets=WAIT_FOR_REGISTRATION_BUCKETS,
+            registry=self.registry,
+        ).labels(model)
 
     def waited(self, seconds: float) -> None:
-        index = bisect_left(WAIT_FOR_REGISTRATION_BUCKETS, seconds)
-        self.wait_counts[index] += 1
-        self.wait_sum_s += seconds
+        self._waits.observe(seconds)
 
 
 class Engine:
@@ -103,7 +109,7 @@ class Engine:
         limits = Limits(profile.max_num_batched_tokens, profile.max_num_seqs)
         self.scheduler = Scheduler(self.pool, limits)
         self.counters = Counters()
-        self.handovers = Handovers()
+        self.handovers = Handovers(profile.model)
         self._events = events
         self._outlets: dict[Seq, Outlet] = {}
         self._wake = asyncio.Event()
