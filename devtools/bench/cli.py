@@ -21,6 +21,7 @@ from bench.fleet_binding_cmd import add_fleet_binding_arguments, fleet_binding_c
 from bench.fleet_routing_cmd import add_fleet_routing_arguments, fleet_routing_command
 from bench.fleet_scale_cmd import add_fleet_scale_arguments, fleet_scale_command
 from bench.overhead_cmd import add_overhead_arguments, overhead_command
+from bench.plan_cmd import add_plan_arguments, plan_command
 from bench.profile_fit_cmd import add_fit_profile_arguments, fit_profile_command
 from bench.routing_cmd import add_routing_arguments, routing_command
 from bench.run_cmd import add_run_arguments, run_command
@@ -110,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_churn_arguments(
         sub.add_parser("churn", help="an instance joins or leaves every second under load")
     )
+    add_plan_arguments(
+        sub.add_parser("plan", help="the cheapest xPyD fleet that meets an SLO, emulated")
+    )
     add_emulator_accuracy_arguments(
         sub.add_parser(
             "emulator-accuracy", help="the scenario sweep on real vLLM CPU and on the emulator"
@@ -156,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         return churn_command(args)
     if command == "emulator-accuracy":
         return emulator_accuracy_command(args)
+    if command == "plan":
+        return plan_command(args)
     raise ValueError(f"unknown bench command: {command}")
 
 

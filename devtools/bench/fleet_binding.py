@@ -9,7 +9,7 @@ core (push, P and D by fewest legs in flight: over two Ds, ``disagg-bench bind``
 alone, as that benchmark runs them on real vLLM).
 P's speed is learned first from waves of one long request per P; then ``requests`` Poisson
 arrivals (the same for every mode) at ``loaded_fraction`` of the fleet's prefill capacity, which
-the profile gives (:func:`prefill_seconds`). Per mode, from the instances' and the router's
+the profile gives (:meth:`Profile.prefill_seconds`). Per mode, from the instances' and the router's
 ``/metrics`` before and after: D's unwritten block-seconds (our connector's
 ``disagg_push_unwritten_block_seconds_total``, which the emulator keeps as the connector does),
 P's wait for D's registration (``disagg_push_wait_for_registration_seconds``, every P pooled),
@@ -84,22 +84,9 @@ class FleetBindingSpec:
         return self.d_prompts * per_request + 1
 
 
-def prefill_seconds(profile: Profile, tokens: int) -> float:
-    """How long one P of ``profile`` takes to prefill a ``tokens``-token prompt alone: its
-    chunks of ``max_num_batched_tokens``, each a step of the profile's step model, and the
-    API server's overheads."""
-    seconds, computed = profile.request_overhead_s + profile.answer_overhead_s, 0
-    while computed < tokens:
-        n = min(profile.max_num_batched_tokens, tokens - computed)
-        pairs = n * computed + n * (n + 1) // 2
-        seconds += profile.step.seconds(n, 1, 0, pairs)
-        computed += n
-    return seconds
-
-
 def offered_rate(spec: FleetBindingSpec, profile: Profile) -> float:
     """Requests per second, short ones included, that keep every P ``loaded_fraction`` busy."""
-    long_rate = spec.loaded_fraction * spec.size / prefill_seconds(profile, spec.input_len)
+    long_rate = spec.loaded_fraction * spec.size / profile.prefill_seconds(spec.input_len)
     return long_rate / (1.0 - spec.short_share)
 
 
@@ -114,7 +101,7 @@ def run_fleet_binding(spec: FleetBindingSpec, work: Path) -> dict[str, Any]:
         print(f"{bind}: {_line(modes[bind])}", flush=True)
     return {
         "spec": asdict(spec),
-        "prefill_s": prefill_seconds(profile, spec.input_len),
+        "prefill_s": profile.prefill_seconds(spec.input_len),
         "rate": rate,
         "d_blocks": spec.d_blocks(profile),
         "modes": modes,

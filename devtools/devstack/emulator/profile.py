@@ -86,6 +86,22 @@ class Profile:
     """P frees a finished prefill's blocks when no D took them within this time (vLLM's
     ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` plays this part)."""
 
+    def prefill_seconds(self, tokens: int) -> float:
+        """How long one engine takes to prefill a ``tokens``-token prompt alone: its chunks of
+        ``max_num_batched_tokens``, each a step of :attr:`step`, and the API server's overheads.
+        Who calls it: the fleet benchmarks, to offer a load as a share of P's capacity."""
+        seconds, computed = self.request_overhead_s + self.answer_overhead_s, 0
+        while computed < tokens:
+            n = min(self.max_num_batched_tokens, tokens - computed)
+            pairs = n * computed + n * (n + 1) // 2
+            seconds += self.step.seconds(n, 1, 0, pairs)
+            computed += n
+        return seconds
+
+    def decode_step_seconds(self, batch: int, context: int) -> float:
+        """One decode step of ``batch`` sequences of ``context`` cached tokens each."""
+        return self.step.seconds(batch, batch, batch * context, 0)
+
     def to_json(self) -> str:
         """The profile file's text."""
         return json.dumps(asdict(self), indent=2) + "\n"

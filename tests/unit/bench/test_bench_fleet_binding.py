@@ -1,6 +1,5 @@
-"""``disagg-bench fleet-binding``'s arithmetic: a prefill's time from the profile's chunks, the
-offered rate, D's cut cache, the summary keys and the report (the runs start emulated fleets:
-tests/integration/bench)."""
+"""``disagg-bench fleet-binding``'s arithmetic: the offered rate, D's cut cache, the summary
+keys and the report (the runs start emulated fleets: tests/integration/bench)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import pytest
 from bench.fleet_binding import (
     FleetBindingSpec,
     offered_rate,
-    prefill_seconds,
     summary_keys,
 )
 from bench.fleet_binding_cmd import format_report
@@ -27,17 +25,9 @@ PROFILE = replace(
 )
 
 
-def test_a_prefill_is_its_chunks_steps_and_the_api_servers_overheads() -> None:
-    # 2500 tokens in chunks of 1000, 1000, 500: pairs 1000*0 + 500500, 1000*1000 + 500500,
-    # 500*2000 + 125250
-    pairs = 500_500 + 1_500_500 + 1_125_250
-    expected = 0.005 + 3 * 0.01 + 2.5 + 1e-6 * pairs
-    assert prefill_seconds(PROFILE, 2500) == pytest.approx(expected)
-
-
 def test_the_offered_rate_keeps_every_p_at_its_fraction() -> None:
     spec = FleetBindingSpec(size=4, input_len=1000, loaded_fraction=0.5, short_share=0.5)
-    per_p = 1 / prefill_seconds(PROFILE, 1000)
+    per_p = 1 / PROFILE.prefill_seconds(1000)
     # half the requests go through P: twice P's share of them is offered
     assert offered_rate(spec, PROFILE) == pytest.approx(2 * 0.5 * 4 * per_p)
 

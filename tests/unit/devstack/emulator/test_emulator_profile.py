@@ -86,3 +86,27 @@ def test_every_committed_profile_loads_and_says_where_it_comes_from(name: str) -
     assert profile.name == name
     assert profile.source.startswith("Fitted by")
     assert profile.step.seconds(tokens=1, seqs=1, context=0, pairs=1) > 0
+
+
+CHUNKED = replace(
+    load_profile("cpu-tiny"),
+    max_num_batched_tokens=1000,
+    step=StepModel(
+        base_s=0.01, per_token_s=0.001, per_context_token_s=1e-5, per_attention_pair_s=1e-6
+    ),
+    request_overhead_s=0.002,
+    answer_overhead_s=0.003,
+)
+
+
+def test_a_prefill_is_its_chunks_steps_and_the_api_servers_overheads() -> None:
+    # 2500 tokens in chunks of 1000, 1000, 500: pairs 1000*0 + 500500, 1000*1000 + 500500,
+    # 500*2000 + 125250
+    pairs = 500_500 + 1_500_500 + 1_125_250
+    expected = 0.005 + 3 * 0.01 + 2.5 + 1e-6 * pairs
+    assert CHUNKED.prefill_seconds(2500) == pytest.approx(expected)
+
+
+def test_a_decode_step_computes_a_token_per_sequence_and_reads_every_context() -> None:
+    # 8 sequences of 100 cached tokens: 8 tokens computed, 800 context tokens read
+    assert CHUNKED.decode_step_seconds(8, 100) == pytest.approx(0.01 + 0.008 + 800e-5)
