@@ -6,8 +6,10 @@ Who runs it: :mod:`bench.plan_cmd`, with the Python of an environment where ``ai
 (package index) is installed (``--aiconfigurator-python``), since its dependencies are not the
 router's. It imports nothing of this repository and prints one JSON object:
 
-- ``disagg_tp``: its best disaggregated replica whose P and D both run at ``--tp`` (the planner's
-  instances), as many replicas as the rate needs, and their GPUs;
+- ``disagg_tp``: of its top disaggregated replicas (one per D parallelism), the one with the
+  fewest GPUs whose P and D both run at ``--tp`` (the planner's instances), as many replicas as
+  the rate needs; None when none of them does;
+- ``disagg``: the same at any parallelism;
 - ``chosen``: what it recommends with every parallelism and serving mode it knows.
 
 Its figures are its static estimates (no queueing simulation); a row whose estimate misses the
@@ -71,14 +73,13 @@ def recommend(args: argparse.Namespace) -> dict[str, Any]:
         top_n=10,
     )
     frame = result.best_configs.get("disagg")
-    within = []
-    if frame is not None:
-        keep = (frame["(p)tp"] == args.tp) & (frame["(d)tp"] == args.tp)
-        keep &= (frame["ttft"] <= args.ttft) & (frame["tpot"] <= args.tpot)
-        within = [_row(frame, i, args.rate, "disagg") for i in range(len(frame)) if keep.iloc[i]]
+    rows = [] if frame is None else [_row(frame, i, args.rate, "disagg") for i in range(len(frame))]
+    within = [r for r in rows if r["ttft_ms"] <= args.ttft and r["tpot_ms"] <= args.tpot]
+    at_tp = [r for r in within if r["prefill_tp"] == r["decode_tp"] == args.tp]
     chosen = result.best_configs[result.chosen_exp]
     return {
-        "disagg_tp": min(within, key=lambda r: r["gpus"]) if within else None,
+        "disagg_tp": min(at_tp, key=lambda r: r["gpus"]) if at_tp else None,
+        "disagg": min(within, key=lambda r: r["gpus"]) if within else None,
         "chosen": _row(chosen, 0, args.rate, result.chosen_exp),
     }
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from bench.plan import MODES, PlanSpec, Slo, Workload, aiconfigurator_answer, run_plan
 from bench.results import recorded_command, run_in_work_dir, write_outputs
+from devstack.emulator.profile import load_profile
 
 
 def _parsed(kind: type[Workload] | type[Slo]) -> Any:
@@ -27,6 +28,15 @@ def _parsed(kind: type[Workload] | type[Slo]) -> Any:
     return parse
 
 
+def _profile(text: str) -> str:
+    """A profile that loads (a shipped name or a file), refused at parse time otherwise."""
+    try:
+        load_profile(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m for m in text.split(",") if m)
     unknown = [m for m in modes if m not in MODES]
@@ -36,7 +46,9 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--profile", required=True, help="the emulator's profile (name or file)")
+    parser.add_argument(
+        "--profile", type=_profile, required=True, help="the emulator's profile (name or file)"
+    )
     parser.add_argument(
         "--workload", type=_parsed(Workload), required=True, help="isl=4096,osl=512,rate=4"
     )
@@ -131,32 +143,37 @@ def _answer(choice: dict[str, Any] | None, pct: str) -> str:
 
 def _aiconfigurator_lines(answer: dict[str, Any] | None, spec: dict[str, Any]) -> list[str]:
     """What aiconfigurator recommends for the same question (its static estimates, not a
-    percentile of a run)."""
+    percentile of a run): disaggregated at the planner's TP, at any TP, in any mode."""
     if answer is None:
         return []
-    tp, alone = spec["gpus_per_instance"], answer["disagg_tp"]
+    tp = spec["gpus_per_instance"]
+    at_tp = answer["disagg_tp"]
+    parts = [
+        f"disaggregated at TP {tp}: {_replicas(at_tp, bold=True)}"
+        if at_tp is not None
+        else f"no disaggregated replica at TP {tp} among its top ones"
+    ]
+    if answer.get("disagg") not in (None, at_tp):
+        parts.append(f"disaggregated at any TP: {_replicas(answer['disagg'])}")
+    parts.append(f"with every parallelism and mode it knows: {_replicas(answer['chosen'])}")
     head = f"{answer['estimator']} (`cli recommend`, its estimates of the mean):"
-    if alone is None:
-        found = f"no disaggregated replica at TP {tp} meets the SLO"
+    return [f"{head} {'; '.join(parts)}.", ""]
+
+
+def _replicas(row: dict[str, Any], bold: bool = False) -> str:
+    """``N x shape = G GPUs (its TTFT, TPOT, ...)`` for one of aiconfigurator's rows."""
+    if row["mode"] == "disagg":
+        shape = f"{row['prefill']}P{row['decode']}D"
+        if row["prefill_tp"] != 1 or row["decode_tp"] != 1:
+            shape += f" (P at TP {row['prefill_tp']}, D at TP {row['decode_tp']})"
+        more = f", D batch {row['decode_batch']}"
     else:
-        found = (
-            f"disaggregated at TP {tp}, {alone['replicas']} x {alone['prefill']}P"
-            f"{alone['decode']}D = **{alone['gpus']} GPUs** (TTFT {alone['ttft_ms']:.0f} ms, "
-            f"TPOT {alone['tpot_ms']:.1f} ms, D batch {alone['decode_batch']}, "
-            f"{alone['rate_per_replica']:g} requests/s per replica)"
-        )
-    chosen = answer["chosen"]
-    shape = (
-        f"{chosen['prefill']}P (TP {chosen['prefill_tp']}) {chosen['decode']}D "
-        f"(TP {chosen['decode_tp']})"
-        if chosen["mode"] == "disagg"
-        else f"aggregated at TP {chosen['tp']}"
+        shape, more = f"aggregated at TP {row['tp']}", ""
+    gpus = f"**{row['gpus']} GPUs**" if bold else f"{row['gpus']} GPUs"
+    return (
+        f"{row['replicas']} x {shape} = {gpus} (TTFT {row['ttft_ms']:.0f} ms, TPOT "
+        f"{row['tpot_ms']:.1f} ms{more}, {row['rate_per_replica']:g} requests/s per replica)"
     )
-    overall = (
-        f"with every parallelism and mode it knows: {chosen['replicas']} x {shape} = "
-        f"{chosen['gpus']} GPUs (TTFT {chosen['ttft_ms']:.0f} ms, TPOT {chosen['tpot_ms']:.1f} ms)"
-    )
-    return [f"{head} {found}; {overall}.", ""]
 
 
 def _not_run(rows: list[dict[str, Any]]) -> list[str]:

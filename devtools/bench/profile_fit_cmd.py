@@ -34,7 +34,8 @@ def add_fit_profile_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-gb",
         type=float,
         default=61.0,
-        help="with --rows: KV cache per instance (H200: 0.9 x 141 GB less 65.5 GB of BF16 weights)",
+        help="with --rows: KV cache per GPU, the share of each TP rank (H200, Qwen3-32B at TP 1: "
+        "0.9 x 141 GB less 65.5 GB of BF16 weights)",
     )
     parser.add_argument("--work-dir", type=Path, help="model, logs (default: a temp dir)")
 
@@ -82,10 +83,20 @@ def _estimate_source(estimates: dict[str, Any], command: str, today: str, kv_gb:
         f"Fitted by `{command}` on {today} to {estimates['estimator']}'s step-time estimates "
         f"for {estimates['model']} on {estimates['system']} ({estimates['backend']}, TP "
         f"{estimates['tp']}; rows by devtools/bench/aiconfigurator_rows.py). KV cache {kv_gb:g} "
-        "GB per instance, block size 128 (P/D recipes), vLLM's H200 server limits (8192 batched "
-        "tokens, 1024 sequences). Transfer: 50 GB/s, a GPU's share of an AWS P5en's 3,200 "
-        "Gbit/s EFA, and 1 ms per hand-over (assumed). No request or answer overhead (the "
-        "estimator models the GPU only)."
+        f"GB per GPU{_per_rank(int(estimates['tp']))}, block size 128 (P/D recipes), vLLM's "
+        "H200 server limits (8192 batched tokens, 1024 sequences). Transfer: 50 GB/s, a GPU's "
+        "share of an AWS P5en's 3,200 Gbit/s EFA, and 1 ms per hand-over (assumed). No request "
+        "or answer overhead (the estimator models the GPU only)."
+    )
+
+
+def _per_rank(tp: int) -> str:
+    """How a TP instance's profile counts its KV: each rank's share, moved in parallel."""
+    if tp == 1:
+        return ""
+    return (
+        f" (each of the {tp} ranks holds and sends its share of every token's KV at once, so "
+        "blocks, bytes per token and bandwidth are one rank's)"
     )
 
 

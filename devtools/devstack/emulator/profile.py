@@ -116,10 +116,19 @@ def profile_from_mapping(data: dict[str, Any]) -> Profile:
     return Profile(**fields)
 
 
+def profile_names() -> list[str]:
+    """The profiles shipped in :data:`PROFILES_DIR`."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
 def load_profile(name_or_path: str) -> Profile:
-    """The profile named ``name_or_path`` (a file in :data:`PROFILES_DIR`) or in that file."""
+    """The profile in the file ``name_or_path``, else the one of that name in
+    :data:`PROFILES_DIR`; ``ValueError`` naming the shipped ones when neither exists."""
     path = Path(name_or_path)
-    if not path.suffix:
+    if not path.is_file():
         path = PROFILES_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        names = ", ".join(profile_names())
+        raise ValueError(f"profile {name_or_path!r}: no such file, nor one of {names}")
     data: dict[str, Any] = json.loads(path.read_text())
     return profile_from_mapping(data)

@@ -60,15 +60,20 @@ def test_the_command_line_refuses_a_bad_flag_with_its_name(
 ) -> None:
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
-    good = ["--profile", "p", "--workload", "isl=1,osl=2,rate=3", "--slo", "ttft=1,tpot=2"]
+    good = ["--profile", "cpu-tiny", "--workload", "isl=1,osl=2,rate=3", "--slo", "ttft=1,tpot=2"]
     args = parser.parse_args([*good, "--modes", "pull,push"])
     assert args.workload == Workload(1, 2, 3.0) and args.modes == ("pull", "push")
     with pytest.raises(SystemExit):
         parser.parse_args([*good, "--modes", "push,eager"])
     assert "modes: expected some of push, pull" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parser.parse_args(["--profile", "p", "--workload", "isl=1", "--slo", "ttft=1,tpot=2"])
+        parser.parse_args(
+            ["--profile", "cpu-tiny", "--workload", "isl=1", "--slo", "ttft=1,tpot=2"]
+        )
     assert "missing osl, rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--profile", "h100", *good[2:]])
+    assert "profile 'h100': no such file, nor one of cpu-tiny, h200-" in capsys.readouterr().err
 
 
 def test_shapes_come_by_instance_count_smallest_first_every_split_in_every_mode() -> None:
@@ -159,27 +164,31 @@ def test_no_shape_runs_when_one_sequence_alone_is_slower_than_the_tpot(
     assert "Not run, one sequence's step is over the TPOT: 1P1D, 1P2D, 2P1D." in report
 
 
-ANSWER = {
-    "estimator": "aiconfigurator 0.12.0",
-    "disagg_tp": {
+def _aic_disagg(tp: int, replicas: int) -> dict[str, object]:
+    per_replica = {"prefill": 1, "decode": 1, "decode_batch": 28, "gpus_per_replica": 2 * tp}
+    return {
         "mode": "disagg",
-        "prefill": 1,
-        "prefill_tp": 1,
-        "decode": 1,
-        "decode_tp": 1,
-        "decode_batch": 28,
-        "gpus_per_replica": 2,
+        "prefill_tp": tp,
+        "decode_tp": tp,
+        **per_replica,
         "rate_per_replica": 1.697,
         "ttft_ms": 796.4,
         "tpot_ms": 29.7,
-        "replicas": 3,
-        "gpus": 6,
-    },
+        "replicas": replicas,
+        "gpus": replicas * 2 * tp,
+    }
+
+
+ANSWER = {
+    "estimator": "aiconfigurator 0.12.0",
+    "disagg_tp": _aic_disagg(1, 3),
+    "disagg": _aic_disagg(1, 3),
     "chosen": {
         "mode": "agg",
         "tp": 4,
         "batch": 64,
         "gpus_per_replica": 4,
+        "rate_per_replica": 4.358,
         "replicas": 1,
         "gpus": 4,
         "ttft_ms": 331.6,
@@ -195,12 +204,18 @@ def test_the_report_puts_aiconfigurators_answer_beside_ours(
     monkeypatch.setattr(plan, "load_profile", lambda _: PROFILE)
     data = {**plan.run_plan(SPEC, tmp_path), "command": "x", "aiconfigurator": ANSWER}
     report = format_report(data)
-    assert "3 x 1P1D = **6 GPUs** (TTFT 796 ms, TPOT 29.7 ms, D batch 28" in report
-    assert "every parallelism and mode it knows: 1 x aggregated at TP 4 = 4 GPUs" in report
-    none = {**ANSWER, "disagg_tp": None}
-    assert "no disaggregated replica at TP 1 meets" in format_report(
-        {**data, "aiconfigurator": none}
+    assert (
+        "disaggregated at TP 1: 3 x 1P1D = **6 GPUs** (TTFT 796 ms, TPOT 29.7 ms, D batch 28"
+        in (report)
     )
+    assert "disaggregated at any TP" not in report  # the same replica
+    assert (
+        "every parallelism and mode it knows: 1 x aggregated at TP 4 = 4 GPUs (TTFT 332" in report
+    )
+    other = {**ANSWER, "disagg_tp": None, "disagg": _aic_disagg(2, 5)}
+    report = format_report({**data, "aiconfigurator": other})
+    assert "no disaggregated replica at TP 1 among its top ones" in report
+    assert "any TP: 5 x 1P1D (P at TP 2, D at TP 2) = 20 GPUs" in report
 
 
 def test_aiconfigurator_is_asked_the_same_question_and_its_last_line_read(

@@ -32,6 +32,11 @@ def test_cpu_tiny_loads_and_round_trips() -> None:
     assert json.loads(path.read_text()) == json.loads(profile.to_json())
 
 
+def test_an_unknown_profile_is_refused_naming_the_shipped_ones() -> None:
+    with pytest.raises(ValueError, match=r"profile 'gpu\.v2': no such file, nor one of cpu-tiny"):
+        load_profile("gpu.v2")
+
+
 def test_a_changed_profile_round_trips(tmp_path: Path) -> None:
     profile = replace(load_profile("cpu-tiny"), name="other", num_blocks=7, kv_lease_s=0.5)
     path = tmp_path / "other.json"
