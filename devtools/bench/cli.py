@@ -18,6 +18,7 @@ from bench.emulator_accuracy_cmd import (
     emulator_accuracy_command,
 )
 from bench.fleet_binding_cmd import add_fleet_binding_arguments, fleet_binding_command
+from bench.fleet_failover_cmd import add_fleet_failover_arguments, fleet_failover_command
 from bench.fleet_routing_cmd import add_fleet_routing_arguments, fleet_routing_command
 from bench.fleet_scale_cmd import add_fleet_scale_arguments, fleet_scale_command
 from bench.overhead_cmd import add_overhead_arguments, overhead_command
@@ -105,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "fleet-binding", help="push.bind eager / just_in_time / adaptive on an emulated fleet"
         )
     )
+    add_fleet_failover_arguments(
+        sub.add_parser("fleet-failover", help="Ds killed under streamed load on an emulated fleet")
+    )
     add_fit_profile_arguments(
         sub.add_parser("fit-profile", help="fit the emulator's cpu-tiny profile to real vLLM CPU")
     )
@@ -154,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
         return fleet_routing_command(args)
     if command == "fleet-binding":
         return fleet_binding_command(args)
+    if command == "fleet-failover":
+        return fleet_failover_command(args)
     if command == "fit-profile":
         return fit_profile_command(args)
     if command == "churn":

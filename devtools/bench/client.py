@@ -81,13 +81,16 @@ async def send_request(
     chunks = 0
     usage_tokens: int | None = None
     prompt_len = request.prompt_len
+    rid = ""
 
     def failed(error: str) -> RequestRecord:
-        return RequestRecord(False, prompt_len, 0, start, ttft, last - start, tuple(itl), error)
+        elapsed = last - start
+        return RequestRecord(False, prompt_len, 0, start, ttft, elapsed, tuple(itl), error, rid)
 
     try:
         url, headers = target.base_url + target.path, dict(target.headers)
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
+            rid = resp.headers.get("x-request-id", "")
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")[:500]
                 return failed(f"HTTP {resp.status_code}: {body}")
@@ -114,4 +117,5 @@ async def send_request(
     if chunks == 0:
         return failed("stream ended without a token")
     output_tokens = usage_tokens if usage_tokens is not None else chunks
-    return RequestRecord(True, prompt_len, output_tokens, start, ttft, last - start, tuple(itl))
+    elapsed = last - start
+    return RequestRecord(True, prompt_len, output_tokens, start, ttft, elapsed, tuple(itl), "", rid)

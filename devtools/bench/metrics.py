@@ -31,6 +31,8 @@ class RequestRecord:
     latency: float
     itl: tuple[float, ...] = ()
     error: str = ""
+    request_id: str = ""
+    """The router's ``x-request-id`` for the request, where it answered one."""
 
 
 @dataclass(frozen=True)
