@@ -19,19 +19,16 @@ import os
 import random
 import signal
 import time
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
-from bench.emulated_stack import emulator_process, fleet_instances
-from bench.overhead import cpu_split
-from bench.routers import our_router
+from bench.emulated_stack import FleetSetup, RunningFleet, fleet_behind_router
 from devstack.emulator.profile import load_profile
-from devstack.ports import free_ports
 from devstack.process import ChildProcess
 
 
@@ -145,33 +142,15 @@ async def _churn(
 def run_churn(spec: ChurnSpec, work: Path) -> dict[str, Any]:
     """Start, load and churn, stop; the outcome and the summary."""
     model = load_profile(spec.profile).model
-    control_port, router_port = free_ports(2)
-    control = f"http://127.0.0.1:{control_port}"
-    fleet_cpus, router_cpus = cpu_split(pin=True)
-    with ExitStack() as stack:
-        fleet = emulator_process(
-            prefill=spec.size,
-            decode=spec.size,
-            control_port=control_port,
-            log=work / "fleet.log",
-            profile=spec.profile,
-            cpus=fleet_cpus,
-            kv_events=False,
-        )
-        stack.enter_context(fleet)
-        config = _config(fleet_instances(control_port), model)
-        router = stack.enter_context(our_router(config, router_port, work, cpus=router_cpus))
-        config_path = work / f"router-{router_port}.yaml"
-        url = f"http://127.0.0.1:{router_port}"
-        outcomes, churn = asyncio.run(_both(url, control, config_path, router, model, spec))
+    setup = FleetSetup(spec.size, spec.size, spec.profile)
+    with fleet_behind_router(setup, partial(_config, model=model), work) as fleet:
+        outcomes, churn = asyncio.run(_both(fleet, model, spec))
     return churn_result(spec, outcomes, churn)
 
 
-async def _both(
-    url: str, control: str, path: Path, router: ChildProcess, model: str, spec: ChurnSpec
-) -> tuple[list[Outcome], Churn]:
-    load = asyncio.create_task(_load(url, model, spec))
-    churn = await _churn(control, path, router, model, spec)
+async def _both(fleet: RunningFleet, model: str, spec: ChurnSpec) -> tuple[list[Outcome], Churn]:
+    load = asyncio.create_task(_load(fleet.router_url, model, spec))
+    churn = await _churn(fleet.control_url, fleet.config_path, fleet.router, model, spec)
     return await load, churn
 
 

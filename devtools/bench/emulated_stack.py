@@ -3,8 +3,10 @@ vLLM group, served by one emulator process (``python -m devstack.emulator``).
 
 Who calls it: :mod:`bench.emulator_accuracy`, which passes :func:`start_emulated` to the
 scenario sweep in place of the real stack's starter, so the sweep, its routers and its load are
-exactly those of the real run; :mod:`bench.fleet_scale` and :mod:`bench.churn` start their fleets
-with :func:`emulator_process` and read them with :func:`fleet_instances`.
+exactly those of the real run; the fleet benchmarks (:mod:`bench.fleet_scale`,
+:mod:`bench.churn`, :mod:`bench.fleet_binding`, :mod:`bench.fleet_failover`, :mod:`bench.plan`)
+start a fleet and our router over it with :func:`fleet_behind_router`; :mod:`bench.fleet_routing`,
+with several routers, with :func:`emulator_process` and :func:`fleet_instances`.
 :class:`EmulatedStack` offers what the sweep uses of :class:`devstack.stack.Stack`: the model
 name, the instances of each role, the router config, ``stop()``.
 """
@@ -12,17 +14,20 @@ name, the instances of each role, the router config, ``stop()``.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.routers import pinned
+from bench.overhead import cpu_split
+from bench.routers import our_router, pinned, router_config_path
 from bench.scenarios import InstanceGroup
 from devstack.connectors import router_mode
 from devstack.emulator.profile import load_profile
-from devstack.ports import free_port
+from devstack.ports import free_port, free_ports
 from devstack.process import ChildProcess, http_process
 from devstack.stack import PREFILL_CORE
 
@@ -91,6 +96,76 @@ def emulator_process(
         argv += ["--decode-num-blocks", str(decode_num_blocks)]
     ready = f"http://127.0.0.1:{control_port}/health"
     return http_process("emulator", pinned(argv, cpus), ready, log, ready_timeout_s=60.0)
+
+
+@dataclass(frozen=True)
+class FleetSetup:
+    """An emulated fleet's shape and options (those of :func:`emulator_process`)."""
+
+    prefill: int
+    decode: int
+    profile: str
+    transfer_mode: str = "push"
+    kv_events: bool = False
+    decode_num_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class RunningFleet:
+    """What :func:`fleet_behind_router` started: the fleet's instances by role and control URL,
+    the router's URL, process and config file."""
+
+    instances: dict[str, list[dict[str, Any]]]
+    control_url: str
+    router_url: str
+    router: ChildProcess
+    config_path: Path
+
+
+RouterConfig = Callable[[dict[str, list[dict[str, Any]]]], dict[str, Any]]
+"""The router's config for a fleet's instances by role."""
+
+
+@contextmanager
+def fleet_behind_router(
+    setup: FleetSetup,
+    config: RouterConfig,
+    logs: Path,
+    ready_timeout_s: float = 60.0,
+    log_level: str = "warning",
+) -> Iterator[RunningFleet]:
+    """An emulated fleet (one process on the first core) and our router over it (the last core,
+    ``config`` of the fleet's instances), both stopped when the block ends, also on an error.
+    Who calls it: the fleet benchmarks (binding, failover, scale, churn, the planner); each
+    call starts a fresh pair, so no run sees another's caches or counters."""
+    fleet_cpus, router_cpus = cpu_split(pin=True)
+    control, port = free_ports(2)
+    logs.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        fleet = emulator_process(
+            prefill=setup.prefill,
+            decode=setup.decode,
+            control_port=control,
+            log=logs / "fleet.log",
+            profile=setup.profile,
+            cpus=fleet_cpus,
+            transfer_mode=setup.transfer_mode,
+            kv_events=setup.kv_events,
+            decode_num_blocks=setup.decode_num_blocks,
+        )
+        stack.enter_context(fleet)
+        instances = fleet_instances(control)
+        process = our_router(
+            config(instances), port, logs, ready_timeout_s, router_cpus, log_level=log_level
+        )
+        router = stack.enter_context(process)
+        yield RunningFleet(
+            instances,
+            f"http://127.0.0.1:{control}",
+            f"http://127.0.0.1:{port}",
+            router,
+            router_config_path(logs, port),
+        )
 
 
 def fleet_instances(control_port: int) -> dict[str, list[dict[str, Any]]]:

@@ -23,22 +23,20 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bench.binding import BINDS, prompt_mix
 from bench.client import Target
 from bench.dataset import BenchRequest
-from bench.emulated_stack import emulator_process, fleet_instances
+from bench.emulated_stack import FleetSetup, fleet_behind_router
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import RequestRecord, percentile, rounded_ratio
-from bench.overhead import cpu_split
-from bench.routers import leg_timeouts, our_router
+from bench.routers import leg_timeouts
 from bench.scrapes import Scrape, by_label, delta, histogram, pooled, scrape
 from devstack.emulator.profile import Profile, load_profile
-from devstack.ports import free_ports
 
 D_POOL, P_POOL = "decodes", "prefills"
 """The names the scrapes pool every D and every P under."""
@@ -117,30 +115,14 @@ def run_mode(
     work: Path,
 ) -> dict[str, Any]:
     """One mode on a fresh fleet and router: warm-up waves, then the measured load."""
-    fleet_cpus, router_cpus = cpu_split(pin=True)
-    control, port = free_ports(2)
-    logs = work / bind
-    logs.mkdir(parents=True, exist_ok=True)
     profile = load_profile(spec.profile)
-    with ExitStack() as stack:
-        fleet = emulator_process(
-            prefill=spec.size,
-            decode=spec.size,
-            control_port=control,
-            log=logs / "fleet.log",
-            profile=spec.profile,
-            cpus=fleet_cpus,
-            kv_events=False,
-            decode_num_blocks=spec.d_blocks(profile),
+    setup = FleetSetup(spec.size, spec.size, spec.profile, decode_num_blocks=spec.d_blocks(profile))
+    config = partial(router_config, model=profile.model, bind=bind, spec=spec)
+    timeout = spec.ready_timeout_s
+    with fleet_behind_router(setup, config, work / bind, timeout, log_level="info") as fleet:
+        return asyncio.run(
+            _measure(fleet.router_url, fleet.instances, profile.model, prompts, rate, spec)
         )
-        stack.enter_context(fleet)
-        instances = fleet_instances(control)
-        config = router_config(instances, profile.model, bind, spec)
-        stack.enter_context(
-            our_router(config, port, logs, spec.ready_timeout_s, router_cpus, log_level="info")
-        )
-        url = f"http://127.0.0.1:{port}"
-        return asyncio.run(_measure(url, instances, profile.model, prompts, rate, spec))
 
 
 def router_config(

@@ -22,8 +22,8 @@ import asyncio
 import math
 import random
 import statistics
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,12 @@ import httpx
 
 from bench.client import Target
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
-from bench.emulated_stack import emulator_process, fleet_instances
+from bench.emulated_stack import FleetSetup, RunningFleet, fleet_behind_router
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import RequestRecord, percentile, rounded_ratio
-from bench.overhead import cpu_split
-from bench.routers import leg_timeouts, our_router
+from bench.routers import leg_timeouts
 from bench.scrapes import Samples, by_label, scrape
 from devstack.emulator.profile import load_profile
-from devstack.ports import free_ports
 
 COMPUTED = "disagg_router_failover_prefill_computed_tokens"
 
@@ -85,29 +83,14 @@ def run_fleet_failover(spec: FleetFailoverSpec, work: Path) -> dict[str, Any]:
     prompts = make_token_prompts(
         SyntheticSpec(spec.requests, spec.input_len, spec.output_len, seed=spec.seed)
     )
-    fleet_cpus, router_cpus = cpu_split(pin=True)
-    control, port = free_ports(2)
-    with ExitStack() as stack:
-        fleet = emulator_process(
-            prefill=spec.size,
-            decode=spec.size,
-            control_port=control,
-            log=work / "fleet.log",
-            profile=spec.profile,
-            cpus=fleet_cpus,
-            kv_events=False,
-        )
-        stack.enter_context(fleet)
-        instances = fleet_instances(control)
-        config = router_config(instances, profile.model)
-        stack.enter_context(
-            our_router(config, port, work, spec.ready_timeout_s, router_cpus, log_level="info")
-        )
-        url, control_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{control}"
-        victims = [d["name"] for d in instances["decode"]]
+    setup = FleetSetup(spec.size, spec.size, spec.profile)
+    config = partial(router_config, model=profile.model)
+    timeout = spec.ready_timeout_s
+    with fleet_behind_router(setup, config, work, timeout, log_level="info") as fleet:
+        victims = [d["name"] for d in fleet.instances["decode"]]
         random.Random(spec.seed).shuffle(victims)
         records, kills, after = asyncio.run(
-            _measure(url, control_url, profile.model, prompts, spec, victims[: spec.kills])
+            _measure(fleet, profile.model, prompts, spec, victims[: spec.kills])
         )
     return {"spec": asdict(spec), "rate": spec.rate(), **figures(records, kills, after, spec)}
 
@@ -126,19 +109,19 @@ def router_config(instances: dict[str, Any], model: str) -> dict[str, Any]:
 
 
 async def _measure(
-    url: str,
-    control: str,
+    fleet: RunningFleet,
     model: str,
     prompts: list[BenchRequest],
     spec: FleetFailoverSpec,
     victims: list[str],
 ) -> tuple[list[RequestRecord], list[Kill], Samples]:
     load = LoadSpec(request_rate=spec.rate(), seed=spec.seed, show_progress=False)
+    target = Target(fleet.router_url, model)
     async with make_client() as client:
-        loading = asyncio.create_task(run_load(client, Target(url, model), prompts, load))
-        kills = await _kill(client, control, victims, spec.kill_times())
+        loading = asyncio.create_task(run_load(client, target, prompts, load))
+        kills = await _kill(client, fleet.control_url, victims, spec.kill_times())
         result = await loading
-        after = (await scrape(client, {"router": url}))["router"]
+        after = (await scrape(client, {"router": fleet.router_url}))["router"]
     return list(result.records), kills, after
 
 

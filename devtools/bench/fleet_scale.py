@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -27,14 +26,11 @@ import psutil
 
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
-from bench.emulated_stack import emulator_process, fleet_instances
+from bench.emulated_stack import FleetSetup, fleet_behind_router
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import rounded_ratio
-from bench.overhead import cpu_split
 from bench.results import metrics_to_dict
-from bench.routers import our_router
 from devstack.emulator.profile import load_profile
-from devstack.ports import free_ports
 from devstack.process import group_cpu_seconds
 from devstack.tiny_model import make_tiny_model
 
@@ -98,28 +94,17 @@ def run_point(size: int, spec: FleetScaleSpec, work: Path) -> dict[str, Any]:
     """One size: start the fleet and the router, load them, stop them; the point's figures."""
     model = load_profile(spec.profile).model
     tokenizer = make_tiny_model(work / "tiny")
-    fleet_cpus, router_cpus = cpu_split(pin=True)
-    control, router_port = free_ports(2)
-    with ExitStack() as stack:
-        fleet = emulator_process(
-            prefill=size,
-            decode=size,
-            control_port=control,
-            log=work / f"fleet-{size}.log",
-            profile=spec.profile,
-            cpus=fleet_cpus,
-        )
-        stack.enter_context(fleet)
-        config = kv_aware_config(fleet_instances(control), model, tokenizer)
-        router = stack.enter_context(
-            our_router(config, router_port, work, spec.ready_timeout_s, cpus=router_cpus)
-        )
-        url = f"http://127.0.0.1:{router_port}"
+    setup = FleetSetup(size, size, spec.profile, kv_events=True)
+    config = partial(kv_aware_config, model=model, tokenizer=tokenizer)
+    with fleet_behind_router(
+        setup, config, work / f"{size}p{size}d", spec.ready_timeout_s
+    ) as fleet:
+        url, router = fleet.router_url, fleet.router
         live = partial(kv_streams_live, url, model, 2 * size)
         wait_for(live, spec.ready_timeout_s, "KV streams")
         assert router.pid is not None  # started: its pid leads its process group
         result = asyncio.run(_load(url, model, spec, router.pid))
-        stats = httpx.get(f"http://127.0.0.1:{control}/stats", timeout=10).json()
+        stats = httpx.get(f"{fleet.control_url}/stats", timeout=10).json()
         return {
             "size": size,
             **result,

@@ -18,20 +18,18 @@ import json
 import math
 import subprocess
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
-from bench.emulated_stack import emulator_process, fleet_instances
+from bench.emulated_stack import FleetSetup, fleet_behind_router
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import RequestRecord, percentile
-from bench.overhead import cpu_split
-from bench.routers import leg_timeouts, our_router
+from bench.routers import leg_timeouts
 from devstack.emulator.profile import Profile, load_profile
-from devstack.ports import free_ports
 
 MODES = ("push", "pull")
 
@@ -205,25 +203,10 @@ def run_shape(
     shape: Shape, spec: PlanSpec, profile: Profile, prompts: list[Any], logs: Path
 ) -> dict[str, Any]:
     """One shape on a fresh emulated fleet and router; its measured figures."""
-    fleet_cpus, router_cpus = cpu_split(pin=True)
-    control, port = free_ports(2)
-    logs.mkdir(parents=True, exist_ok=True)
-    with ExitStack() as stack:
-        stack.enter_context(
-            emulator_process(
-                prefill=shape.prefill,
-                decode=shape.decode,
-                control_port=control,
-                log=logs / "fleet.log",
-                profile=spec.profile,
-                cpus=fleet_cpus,
-                transfer_mode=shape.mode,
-                kv_events=False,
-            )
-        )
-        config = router_config(fleet_instances(control), profile.model, shape.mode)
-        stack.enter_context(our_router(config, port, logs, spec.ready_timeout_s, router_cpus))
-        target = Target(f"http://127.0.0.1:{port}", profile.model)
+    setup = FleetSetup(shape.prefill, shape.decode, spec.profile, transfer_mode=shape.mode)
+    config = partial(router_config, model=profile.model, mode=shape.mode)
+    with fleet_behind_router(setup, config, logs, spec.ready_timeout_s) as fleet:
+        target = Target(fleet.router_url, profile.model)
         records = asyncio.run(_load(target, prompts, spec))
     return figures(records[math.floor(spec.ramp * len(records)) :], spec.slo.percentile)
 

@@ -68,6 +68,12 @@ def leg_timeouts(seconds: float, **more: float) -> dict[str, float]:
     return {"prefill": seconds, "first_token": seconds, "after_prefill": seconds, **more}
 
 
+def router_config_path(logs: Path, port: int) -> Path:
+    """Where :func:`our_router` writes the config of the router on ``port`` (a benchmark that
+    changes it rewrites this file and sends SIGHUP)."""
+    return logs / f"router-{port}.yaml"
+
+
 def our_router(
     config: dict[str, Any],
     port: int,
@@ -83,7 +89,7 @@ def our_router(
     checkout whose ``router`` package runs instead of the installed one (put first on
     ``PYTHONPATH``; its dependencies are this environment's). ``log_level``: ``info`` logs a
     summary line per request."""
-    path = logs / f"router-{port}.yaml"
+    path = router_config_path(logs, port)
     path.write_text(yaml.safe_dump(config))
     # -P: the working directory is not put first on sys.path, so a checkout it holds cannot
     # stand in for the router meant (the installed one, or ``source``).
