@@ -359,4 +359,7 @@ def metrics_text(engine: Engine) -> str:
     lines = []
     for kind, name, value in rows:
         lines += [f"# TYPE {name} {kind}", f"{name}{label} {float(value)}"]
+    # vLLM's info gauge of the cache config: the KV cache's size as a router reads it
+    config = f'block_size="{pool.block_size}",num_gpu_blocks="{pool.num_blocks}"'
+    lines += ["# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{config}}} 1.0"]
     return "\n".join(lines) + "\n" + generate_latest(h.registry).decode()

@@ -25,6 +25,7 @@ from disagg_router.connector.contract import (
     prefill_leg_params,
     read_prefill_answer,
 )
+from disagg_router.router.instances.load import parse_signals
 from tests.support.wait import wait_until
 
 MAX_LEN = 512
@@ -284,3 +285,8 @@ def test_metrics_use_vllms_names(p_url: str) -> None:
         "vllm:kv_cache_usage_perc",
     ):
         assert f'{name}{{model_name="tiny"}} ' in response.text
+    # the router reads the KV cache's size from vLLM's cache config gauge: 64 blocks of the
+    # profile's size
+    signals = parse_signals(response.text, "tiny", 0.0)
+    assert signals is not None
+    assert signals.kv_tokens == 64 * load_profile("cpu-tiny").block_size
