@@ -27,7 +27,12 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.emulated_stack import FleetSetup, RunningFleet, fleet_behind_router
+from bench.emulated_stack import (
+    FleetSetup,
+    RunningFleet,
+    fewest_in_flight_config,
+    fleet_behind_router,
+)
 from devstack.emulator.profile import load_profile
 from devstack.process import ChildProcess
 
@@ -62,13 +67,7 @@ class Churn:
 
 
 def _config(instances: dict[str, list[dict[str, Any]]], model: str) -> dict[str, Any]:
-    return {
-        "models": [model],
-        "mode": "push",
-        "prefill": {"policy": "least_in_flight", "instances": instances["prefill"]},
-        "decode": {"policy": "least_in_flight", "instances": instances["decode"]},
-        "health": {"interval": 1.0},
-    }
+    return fewest_in_flight_config(instances, model, health={"interval": 1.0})
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, spec: ChurnSpec, n: int) -> Outcome:

@@ -126,6 +126,21 @@ RouterConfig = Callable[[dict[str, list[dict[str, Any]]]], dict[str, Any]]
 """The router's config for a fleet's instances by role."""
 
 
+def fewest_in_flight_config(
+    instances: dict[str, list[dict[str, Any]]], model: str, mode: str = "push", **more: Any
+) -> dict[str, Any]:
+    """Our router's config over an emulated fleet's ``instances``: ``mode``, P and D each by
+    fewest legs in flight, and the sections in ``more`` (``push``, ``health``, ``timeouts``...).
+    The config the fleet benchmarks share; each names what it adds."""
+    return {
+        "models": [model],
+        "mode": mode,
+        "prefill": {"policy": "least_in_flight", "instances": instances["prefill"]},
+        "decode": {"policy": "least_in_flight", "instances": instances["decode"]},
+        **more,
+    }
+
+
 @contextmanager
 def fleet_behind_router(
     setup: FleetSetup,

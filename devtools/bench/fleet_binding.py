@@ -31,7 +31,7 @@ from typing import Any
 from bench.binding import BINDS, prompt_mix
 from bench.client import Target
 from bench.dataset import BenchRequest
-from bench.emulated_stack import FleetSetup, fleet_behind_router
+from bench.emulated_stack import FleetSetup, fewest_in_flight_config, fleet_behind_router
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import RequestRecord, percentile, rounded_ratio
 from bench.routers import leg_timeouts
@@ -132,16 +132,14 @@ def router_config(
     in flight (a late binding chooses D with the loads of its moment; ``power_of_two`` would
     compare two of the Ds only, and may bind onto a D whose cache is full while another's
     has room); short prompts to D alone; loads scraped every 0.5 s."""
-    return {
-        "models": [model],
-        "mode": "push",
-        "prefill": {"policy": "least_in_flight", "instances": instances["prefill"]},
-        "decode": {"policy": "least_in_flight", "instances": instances["decode"]},
-        "push": {"bind": bind},
-        "load_signals": {"interval": 0.5, "stale_after": 2.0},
-        "disaggregation": {"min_prompt_tokens": spec.min_prompt_tokens},
-        "timeouts": leg_timeouts(300.0),
-    }
+    return fewest_in_flight_config(
+        instances,
+        model,
+        push={"bind": bind},
+        load_signals={"interval": 0.5, "stale_after": 2.0},
+        disaggregation={"min_prompt_tokens": spec.min_prompt_tokens},
+        timeouts=leg_timeouts(300.0),
+    )
 
 
 async def _measure(

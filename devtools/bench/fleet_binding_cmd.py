@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from bench.fleet_binding import FleetBindingSpec, run_fleet_binding
+from bench.fleet_options import add_fleet_arguments
 from bench.results import command_with_options, run_in_work_dir, write_outputs
 
 COMMAND = ".venv/bin/disagg-bench fleet-binding --out-dir docs/benchmarks"
@@ -19,20 +19,10 @@ _OPTIONS = ("size", "profile", "requests", "loaded_fraction", "d_prompts")
 
 def add_fleet_binding_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = FleetBindingSpec()
-    parser.add_argument("--size", type=int, default=defaults.size, help="P (and D) in the fleet")
-    parser.add_argument("--profile", default=defaults.profile, help="the emulator's profile")
-    parser.add_argument("--requests", type=int, default=defaults.requests)
-    parser.add_argument(
-        "--loaded-fraction",
-        type=float,
-        default=defaults.loaded_fraction,
-        help="of the fleet's prefill capacity",
-    )
+    add_fleet_arguments(parser, defaults, "fleet-binding.json/.md")
     parser.add_argument(
         "--d-prompts", type=int, default=defaults.d_prompts, help="D's KV in long requests"
     )
-    parser.add_argument("--out-dir", type=Path, default=Path("."), help="fleet-binding.json/.md")
-    parser.add_argument("--work-dir", type=Path, help="logs (default: a temp dir)")
 
 
 def fleet_binding_command(args: argparse.Namespace) -> int:

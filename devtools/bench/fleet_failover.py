@@ -31,7 +31,12 @@ import httpx
 
 from bench.client import Target
 from bench.dataset import BenchRequest, SyntheticSpec, make_token_prompts
-from bench.emulated_stack import FleetSetup, RunningFleet, fleet_behind_router
+from bench.emulated_stack import (
+    FleetSetup,
+    RunningFleet,
+    fewest_in_flight_config,
+    fleet_behind_router,
+)
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import RequestRecord, percentile, rounded_ratio
 from bench.routers import leg_timeouts
@@ -84,7 +89,14 @@ def run_fleet_failover(spec: FleetFailoverSpec, work: Path) -> dict[str, Any]:
         SyntheticSpec(spec.requests, spec.input_len, spec.output_len, seed=spec.seed)
     )
     setup = FleetSetup(spec.size, spec.size, spec.profile)
-    config = partial(router_config, model=profile.model)
+    # health checked every second; stream migration and the retry on a fresh pair are on by
+    # default
+    config = partial(
+        fewest_in_flight_config,
+        model=profile.model,
+        health={"interval": 1.0},
+        timeouts=leg_timeouts(300.0),
+    )
     timeout = spec.ready_timeout_s
     with fleet_behind_router(setup, config, work, timeout, log_level="info") as fleet:
         victims = [d["name"] for d in fleet.instances["decode"]]
@@ -93,19 +105,6 @@ def run_fleet_failover(spec: FleetFailoverSpec, work: Path) -> dict[str, Any]:
             _measure(fleet, profile.model, prompts, spec, victims[: spec.kills])
         )
     return {"spec": asdict(spec), "rate": spec.rate(), **figures(records, kills, after, spec)}
-
-
-def router_config(instances: dict[str, Any], model: str) -> dict[str, Any]:
-    """Our router over the fleet: push, P and D by fewest legs in flight, health every second
-    (stream migration and the retry on a fresh pair are on by default)."""
-    return {
-        "models": [model],
-        "mode": "push",
-        "prefill": {"policy": "least_in_flight", "instances": instances["prefill"]},
-        "decode": {"policy": "least_in_flight", "instances": instances["decode"]},
-        "health": {"interval": 1.0},
-        "timeouts": leg_timeouts(300.0),
-    }
 
 
 async def _measure(

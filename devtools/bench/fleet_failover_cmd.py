@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from bench.fleet_failover import FleetFailoverSpec, run_fleet_failover
+from bench.fleet_options import add_fleet_arguments
 from bench.results import command_with_options, run_in_work_dir, write_outputs
 
 COMMAND = ".venv/bin/disagg-bench fleet-failover --out-dir docs/benchmarks"
@@ -19,19 +19,9 @@ _OPTIONS = ("size", "profile", "requests", "loaded_fraction", "kills", "output_l
 
 def add_fleet_failover_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = FleetFailoverSpec()
-    parser.add_argument("--size", type=int, default=defaults.size, help="P (and D) in the fleet")
-    parser.add_argument("--profile", default=defaults.profile, help="the emulator's profile")
-    parser.add_argument("--requests", type=int, default=defaults.requests)
-    parser.add_argument(
-        "--loaded-fraction",
-        type=float,
-        default=defaults.loaded_fraction,
-        help="of the fleet's prefill capacity",
-    )
+    add_fleet_arguments(parser, defaults, "fleet-failover.json/.md")
     parser.add_argument("--kills", type=int, default=defaults.kills, help="Ds killed, in turn")
     parser.add_argument("--output-len", type=int, default=defaults.output_len)
-    parser.add_argument("--out-dir", type=Path, default=Path("."), help="fleet-failover.json/.md")
-    parser.add_argument("--work-dir", type=Path, help="logs (default: a temp dir)")
 
 
 def fleet_failover_command(args: argparse.Namespace) -> int:

@@ -1,14 +1,15 @@
 """The cheapest xPyD fleet that meets a latency SLO for a workload, found on emulated engines.
 
 Who calls it: ``disagg-bench plan`` (:mod:`bench.plan_cmd`). Fleets are tried by instance count,
-smallest first; at each count every split into P and D, in each transfer mode asked for. A
-shape whose offered load is above what the profile says its P or its D can do is not run (its
-queue only grows: :func:`screen`). Every other one runs on a fresh emulated fleet (one process
-on the first core) behind a fresh router of ours (the last core), P and D by fewest legs in
-flight, with ``requests`` Poisson arrivals of the workload; the first ``ramp`` of them fill the
-fleet and are not measured. A shape meets the SLO when no request failed and the percentile
-asked for of both TTFT and TPOT is within the bound. The search stops after the first count
-where a shape met it; of those, the choice has the lowest TTFT at that percentile.
+smallest first; at each count every split into P and D, in each transfer mode asked for. A shape
+whose offered load is above what the profile says its P or its D can do is not run (its queue only
+grows: :func:`screen`). Every other one runs on a fresh emulated fleet (one process on the first
+core) behind a fresh router of ours (the last core), P and D by fewest legs in flight
+(:func:`bench.emulated_stack.fewest_in_flight_config`), with ``requests`` Poisson arrivals of the
+workload; the first ``ramp`` of them fill the fleet and are not measured. A shape meets the SLO when
+no request failed and the percentile asked for of both TTFT and TPOT is within the bound. The search
+stops after the first count where a shape met it; of those, the choice has the lowest TTFT at that
+percentile.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
-from bench.emulated_stack import FleetSetup, fleet_behind_router
+from bench.emulated_stack import FleetSetup, fewest_in_flight_config, fleet_behind_router
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.metrics import RequestRecord, percentile
 from bench.routers import leg_timeouts
@@ -204,22 +205,13 @@ def run_shape(
 ) -> dict[str, Any]:
     """One shape on a fresh emulated fleet and router; its measured figures."""
     setup = FleetSetup(shape.prefill, shape.decode, spec.profile, transfer_mode=shape.mode)
-    config = partial(router_config, model=profile.model, mode=shape.mode)
+    config = partial(
+        fewest_in_flight_config, model=profile.model, mode=shape.mode, timeouts=leg_timeouts(300.0)
+    )
     with fleet_behind_router(setup, config, logs, spec.ready_timeout_s) as fleet:
         target = Target(fleet.router_url, profile.model)
         records = asyncio.run(_load(target, prompts, spec))
     return figures(records[math.floor(spec.ramp * len(records)) :], spec.slo.percentile)
-
-
-def router_config(instances: dict[str, Any], model: str, mode: str) -> dict[str, Any]:
-    """Our router over the fleet in ``mode``: P and D by fewest legs in flight."""
-    return {
-        "models": [model],
-        "mode": mode,
-        "prefill": {"policy": "least_in_flight", "instances": instances["prefill"]},
-        "decode": {"policy": "least_in_flight", "instances": instances["decode"]},
-        "timeouts": leg_timeouts(300.0),
-    }
 
 
 async def _load(target: Target, prompts: list[Any], spec: PlanSpec) -> list[RequestRecord]:
