@@ -129,8 +129,9 @@ def screen(shape: Shape, workload: Workload, profile: Profile) -> dict[str, floa
     """What the profile says of ``shape`` under ``workload``, before running it:
     ``p_load``, the offered prefill work over P's capacity (one prompt at a time per P, which
     chunked prefill of one long prompt is); ``d_load``, the offered decode tokens over what the
-    Ds emit at most, every D's cache full of sequences at half their output; ``tpot_floor_ms``,
-    one sequence's decode step alone."""
+    Ds emit at most, every D's cache full of sequences at half their output; ``ttft_floor_ms``,
+    one request alone (its prefill, its KV's transfer, D's first step); ``tpot_floor_ms``, one
+    sequence's decode step alone."""
     context = workload.isl + workload.osl // 2
     per_sequence = math.ceil((workload.isl + workload.osl) / profile.block_size)
     fits = max(1, min(profile.max_num_seqs, (profile.num_blocks - 1) // per_sequence))
@@ -138,6 +139,12 @@ def screen(shape: Shape, workload: Workload, profile: Profile) -> dict[str, floa
     return {
         "p_load": workload.rate * profile.prefill_seconds(workload.isl) / shape.prefill,
         "d_load": workload.rate * workload.osl / (shape.decode * d_tokens_per_s),
+        "ttft_floor_ms": 1000
+        * (
+            profile.prefill_seconds(workload.isl)
+            + profile.transfer.seconds(workload.isl, first_meeting=False)
+            + profile.decode_step_seconds(1, workload.isl)
+        ),
         "tpot_floor_ms": 1000 * profile.decode_step_seconds(1, context),
     }
 
@@ -184,6 +191,8 @@ def _try(
         "gpus": (shape.prefill + shape.decode) * spec.gpus_per_instance,
         **estimate,
     }
+    if estimate["ttft_floor_ms"] > spec.slo.ttft_ms:
+        return {**row, "ran": False, "met": False, "why": "one request alone is over the TTFT"}
     if estimate["tpot_floor_ms"] > spec.slo.tpot_ms:
         return {**row, "ran": False, "met": False, "why": "one sequence's step is over the TPOT"}
     if max(estimate["p_load"], estimate["d_load"]) >= 1.0:

@@ -92,6 +92,10 @@ def test_the_screen_divides_the_offered_work_by_what_the_profile_can_do() -> Non
     per_d = 10 / (0.01 + 0.01 + 1300e-5)
     assert estimate["d_load"] == pytest.approx(2.0 * 60 / (3 * per_d))
     assert estimate["tpot_floor_ms"] == pytest.approx(1000 * (0.01 + 0.001 + 130e-5))
+    # one request alone: its prefill, its 100 tokens' KV moved, D's first step at 100 tokens
+    moved = PROFILE.transfer.seconds(100, first_meeting=False)
+    floor = 1000 * (0.01 + 0.1 + moved + 0.01 + 0.001 + 100e-5)
+    assert estimate["ttft_floor_ms"] == pytest.approx(floor)
 
 
 def _record(ttft: float, latency: float, tokens: int = 11, ok: bool = True) -> RequestRecord:
@@ -149,6 +153,16 @@ def test_the_search_stops_at_the_first_count_that_meets_and_runs_no_hopeless_sha
     assert "**Cheapest: 3P1D, push, 4 GPUs**" in report
     assert "| 2P1D | push | 3 | 0.66 | 0.70 | 600 | 600 | 20.0 | 20.0 | 0 | misses |" in report
     assert "their queues only grow: 1P1D, 1P2D, 1P3D." in report
+
+
+def test_no_shape_runs_when_one_request_alone_is_slower_than_the_ttft(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(plan, "run_shape", lambda *_: pytest.fail("ran"))
+    monkeypatch.setattr(plan, "load_profile", lambda _: PROFILE)
+    data = plan.run_plan(replace(SPEC, slo=Slo(100.0, 500.0), max_instances=2), tmp_path)
+    assert data["choice"] is None
+    assert [r["why"] for r in data["rows"]] == ["one request alone is over the TTFT"]
 
 
 def test_no_shape_runs_when_one_sequence_alone_is_slower_than_the_tpot(
