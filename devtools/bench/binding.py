@@ -371,9 +371,8 @@ async def _point(
 
 
 def _tpot_ms(record: RequestRecord) -> float:
-    if record.output_tokens <= 1:
-        return 0.0
-    return 1000 * (record.latency - record.ttft) / (record.output_tokens - 1)
+    """:meth:`RequestRecord.tpot` in ms; 0 for an answer of one token."""
+    return 1000 * (record.tpot() or 0.0)
 
 
 async def _sample_kv(

@@ -34,6 +34,12 @@ class RequestRecord:
     request_id: str = ""
     """The router's ``x-request-id`` for the request, where it answered one."""
 
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first (vLLM's TPOT); None with fewer than two."""
+        if self.output_tokens <= 1:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
 
 @dataclass(frozen=True)
 class Distribution:
@@ -117,7 +123,7 @@ def compute_metrics(
     ok = [r for r in records if r.success]
     ttfts = [r.ttft for r in ok]
     e2els = [r.latency for r in ok]
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpots = [t for r in ok if (t := r.tpot()) is not None]
     itls = [gap for r in ok for gap in r.itl]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)

@@ -234,7 +234,7 @@ def figures(records: list[RequestRecord], pct: float) -> dict[str, Any]:
     """The measured requests' TTFT and TPOT at ``pct`` and their medians, in ms."""
     ok = [r for r in records if r.success]
     ttft = [1000 * r.ttft for r in ok]
-    tpot = [1000 * (r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpot = [1000 * t for r in ok if (t := r.tpot()) is not None]
     return {
         "measured": len(records),
         "failed": len(records) - len(ok),
