@@ -44,22 +44,30 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     """Return ``count`` distinct ports, all bound at once so they cannot repeat within the call."""
     choices = fixed_port_range()
     sockets: list[socket.socket] = []
+    taken: set[int] = set()
     try:
         for _ in range(count):
-            sockets.append(_bind_one(host, choices))
+            sock = _bind_one(host, choices, taken)
+            sockets.append(sock)
+            taken.add(int(sock.getsockname()[1]))
         return [int(sock.getsockname()[1]) for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
 
 
-def _bind_one(host: str, choices: range | None) -> socket.socket:
-    """A socket bound to a random free port of ``choices`` (port 0 when none is free)."""
+def _bind_one(host: str, choices: range | None, taken: set[int]) -> socket.socket:
+    """A socket bound to a random free port of ``choices`` not in ``taken`` (port 0 when none
+    is free). ``taken`` is checked here, not left to the bind: with ``SO_REUSEADDR`` Linux lets
+    two sockets that do not listen bind the same port, so a port drawn twice would bind twice."""
     if choices is not None:
         for _ in range(_TRIES):
+            port = _random.choice(choices)
+            if port in taken:
+                continue
             sock = _socket()
             try:
-                sock.bind((host, _random.choice(choices)))
+                sock.bind((host, port))
             except OSError:
                 sock.close()
                 continue
@@ -82,15 +90,18 @@ def free_port_runs(count: int, length: int, host: str = LOOPBACK) -> list[int]:
         return free_ports(count, host)
     choices = fixed_port_range()
     held: list[socket.socket] = []
+    taken: set[int] = set()  # held here (see _bind_one: a second bind would not fail)
     firsts: list[int] = []
     try:
         for _ in range(_TRIES):
             if len(firsts) == count:
                 break
-            first = _bind_one(host, choices)
+            first = _bind_one(host, choices, taken)
             run = [first]
             start = int(first.getsockname()[1])
             for port in range(start + 1, start + length):
+                if port in taken:
+                    break
                 sock = _socket()
                 try:
                     sock.bind((host, port))
@@ -99,6 +110,7 @@ def free_port_runs(count: int, length: int, host: str = LOOPBACK) -> list[int]:
                     break
                 run.append(sock)
             held += run
+            taken.update(range(start, start + len(run)))
             if len(run) == length:
                 firsts.append(start)
         if len(firsts) < count:
