@@ -34,7 +34,9 @@ class UvicornThread:
         lifespan: Literal["on", "off"] = "on",
         port: int = 0,
         host: str = "127.0.0.1",
+        http: Any = "auto",
     ) -> None:
+        """``http``: uvicorn's HTTP protocol (a class, such as the router's own, or a name)."""
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"{host} is not a loopback address")
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -49,6 +51,7 @@ class UvicornThread:
             access_log=False,
             timeout_graceful_shutdown=1,
             lifespan=lifespan,
+            http=http,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

@@ -28,7 +28,7 @@ from typing import Any
 from disagg_router.router.dispatch.commit import until_first_token
 from disagg_router.router.dispatch.holds import Holds
 from disagg_router.router.dispatch.relay import Relay, SseEvents
-from disagg_router.router.dispatch.state import Attempt
+from disagg_router.router.dispatch.state import Attempt, Outlet
 from disagg_router.router.errors import (
     NoBackendAvailable,
     RouterError,
@@ -156,9 +156,9 @@ class Dispatch:
         ``sse_events()``) or the stream ends with its error event."""
         self._a.hand_over = may_continue
 
-    def sse_events(self) -> SseEvents:
+    def sse_events(self, outlet: Outlet | None = None) -> SseEvents:
         """The client's SSE bytes after ``open()`` (:meth:`Relay.sse_events`)."""
-        return self._relay.sse_events()
+        return self._relay.sse_events(outlet)
 
     async def json_response(self) -> dict[str, Any]:
         """The non-streamed answer for the client after ``open()``, usage merged."""

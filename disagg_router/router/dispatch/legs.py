@@ -247,12 +247,16 @@ async def _relay_stream(attempt: Attempt, body: dict[str, Any], span: Span) -> N
     args = (runtime.client, decode, "decode", attempt.request.path, body)
     async with open_sse(*args, attempt.request_id, span.headers()) as reads:
         decode.pace.decode.observe(time.monotonic() - start)  # D accepted it: its lead
-        async for events in reads:
-            attempt.last_token = time.monotonic()
-            if start:
-                first.observe(attempt.last_token - start)
-                start = 0.0
-            attempt.queue.put_nowait(events)
+        attempt.reader = reads  # the relay may splice it to the client while it waits
+        try:
+            async for events in reads:
+                attempt.last_token = time.monotonic()
+                if start:
+                    first.observe(attempt.last_token - start)
+                    start = 0.0
+                attempt.queue.put_nowait(events)
+        finally:
+            attempt.reader = None
 
 
 async def _one_answer(attempt: Attempt, body: dict[str, Any], span: Span) -> None:

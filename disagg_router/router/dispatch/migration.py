@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -30,6 +30,7 @@ from disagg_router.router.dispatch.attempt import Dispatch
 from disagg_router.router.dispatch.joining import JoinRules, StreamJoin, asking_ids, ineligible
 from disagg_router.router.dispatch.orchestrator import Resume, open_dispatch
 from disagg_router.router.dispatch.relay import StreamBroken, sse_error_event
+from disagg_router.router.dispatch.state import Outlet
 from disagg_router.router.errors import RouterError, UpstreamError
 from disagg_router.router.ids import new_request_id
 from disagg_router.router.instances.state import BackendState
@@ -127,11 +128,14 @@ class Migrating:
             m.child(m.migrations, "refused").inc()
         return why is None
 
-    async def sse_events(self) -> AsyncGenerator[bytes, None]:
-        """The client's SSE bytes, across migrations; ends like a dispatch's stream."""
+    async def sse_events(self, outlet: Outlet | None = None) -> AsyncGenerator[bytes, None]:
+        """The client's SSE bytes, across migrations; ends like a dispatch's stream. Events
+        spliced to ``outlet`` (:meth:`disagg_router.router.dispatch.relay.Relay.sse_events`)
+        are rewritten on their way as the others are."""
+        joined = None if outlet is None else _Rewriting(outlet, self._rewrite)
         while True:
             try:
-                async with aclosing(self._current.sse_events()) as events:
+                async with aclosing(self._current.sse_events(joined)) as events:
                     async for chunk in events:
                         out = self._rewrite(chunk)
                         if out:
@@ -200,6 +204,25 @@ class Migrating:
     async def close(self) -> None:
         """Close the current dispatch (failed ones were closed when the stream left them)."""
         await self._current.close()
+
+
+class _Rewriting:
+    """An outlet that writes each batch of D's events as the client gets it
+    (:meth:`Migrating._rewrite`) to the outlet under it."""
+
+    __slots__ = ("_outlet", "_rewrite")
+
+    def __init__(self, outlet: Outlet, rewrite: Callable[[bytes], bytes]) -> None:
+        self._outlet = outlet
+        self._rewrite = rewrite
+
+    def ready(self) -> bool:
+        return self._outlet.ready()
+
+    def write(self, data: bytes) -> None:
+        out = self._rewrite(data)
+        if out:
+            self._outlet.write(out)
 
 
 def _json(data: bytes) -> Any:

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from disagg_router.router.dispatch.legs import leg_failed
-from disagg_router.router.dispatch.state import Attempt, DecodeItem, End
+from disagg_router.router.dispatch.state import Attempt, DecodeItem, End, Outlet
 from disagg_router.router.errors import (
     RouterError,
     UpstreamError,
@@ -62,7 +62,7 @@ class Relay:
     def attempt(self) -> Attempt:
         return self._a
 
-    def sse_events(self) -> SseEvents:
+    def sse_events(self, outlet: Outlet | None = None) -> SseEvents:
         """Client SSE bytes from the first token on; a later failure ends it with one error event.
 
         What D has already sent goes out in one write (the events of one upstream read arrive
@@ -70,8 +70,13 @@ class Relay:
         alone. Sets the attempt's ``outcome`` before it gives the stream's last chunk, and only
         then (the response ends the body with that chunk). Never raises :class:`RouterError`
         (headers are already sent). The caller must ``aclose()`` it (its timers).
+
+        ``outlet``: while the caller waits for the next chunk, D's events that need nothing
+        from the relay (no usage to merge) are written to it straight from the socket read
+        that brought them, with no task woken per read; anything else, and everything once
+        the outlet is not ready, comes back as chunks, in order.
         """
-        return SseEvents(self)
+        return SseEvents(self, outlet)
 
     def _start_timers(self) -> asyncio.TimerHandle | None:
         """Arm the deadline and the stall timer; returns the deadline's. None when D's leg has
@@ -226,8 +231,10 @@ class SseEvents:
     Timers start at the first ``__anext__`` (none if D's leg has ended by then) and stop when
     it ends, fails or ``aclose()``s."""
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: Relay, outlet: Outlet | None) -> None:
         self._relay = relay
+        self._outlet = outlet
+        self._spliced = 0  # reads written to the outlet
         self._item: DecodeItem | None = relay.attempt.first
         self._started = False
         self._expiry: asyncio.TimerHandle | None = None
@@ -253,6 +260,8 @@ class SseEvents:
             self._closed = True
             if self._expiry is not None:
                 self._relay._stop_timers(self._expiry)
+            if self._spliced:
+                self._relay.attempt.runtime.metrics.relay_spliced_reads.inc(self._spliced)
 
     async def _next(self) -> bytes:
         relay, a = self._relay, self._relay.attempt
@@ -269,7 +278,7 @@ class SseEvents:
             if self._broken is not None:
                 raise StreamBroken(self._broken)
             if not isinstance(self._item, bytes):
-                self._item = await a.queue.get()
+                self._item = await self._wait()
         while True:
             events, self._item = await relay._ready_events(self._item)
             if (broken := relay.handed_over(self._item)) is not None:
@@ -282,4 +291,32 @@ class SseEvents:
                 self._sent = (bool(events), end is not None)
                 return b"".join(events if end is None else [*events, end])
             if not isinstance(self._item, bytes):
-                self._item = await a.queue.get()
+                self._item = await self._wait()
+
+    async def _wait(self) -> DecodeItem:
+        """The attempt's next item; meanwhile D's stream is spliced to the outlet when it can
+        be (nothing queued, an outlet, D's reader still reading)."""
+        a = self._relay.attempt
+        reader = a.reader
+        if len(a.queue) or self._outlet is None or reader is None:
+            return await a.queue.get()
+        if not reader.splice(self._forward):
+            return await a.queue.get()
+        try:
+            return await a.queue.get()
+        finally:
+            reader.splice(None)
+
+    def _forward(self, events: bytes) -> None:
+        """D's events from the socket's callback (spliced): to the outlet when nothing in them
+        needs the relay and the outlet is ready, else queued (and the splice ends, so what
+        follows is queued behind them). Never raises."""
+        a, outlet = self._relay.attempt, self._outlet
+        a.last_token = time.monotonic()
+        if outlet is not None and outlet.ready() and b'"usage"' not in events:
+            outlet.write(events)
+            self._spliced += 1
+            return
+        if a.reader is not None:
+            a.reader.splice(None)
+        a.queue.put_nowait(events)

@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from disagg_router.router.config import PushIdentity
 from disagg_router.router.errors import RouterError, UpstreamError
@@ -57,6 +57,9 @@ class Mailbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def get_nowait(self) -> DecodeItem:
         if not self._items:
             raise asyncio.QueueEmpty
@@ -70,6 +73,28 @@ class Mailbox:
             finally:
                 self._waiter = None
         return self._items.popleft()
+
+
+class Outlet(Protocol):
+    """Where the relay may write the client's stream bytes itself, from the event loop's
+    callback that read them from D (:meth:`disagg_router.router.dispatch.relay.SseEvents`'s
+    splice): the HTTP server's writer for the streamed answer, or one that rewrites first."""
+
+    def ready(self) -> bool:
+        """Whether :meth:`write` would write now (the answer under way, the client there and
+        keeping up); when not, the bytes go the usual way, through the request's task."""
+        ...
+
+    def write(self, data: bytes) -> None:
+        """Write ``data`` as the answer's next bytes (only after :meth:`ready` said so)."""
+        ...
+
+
+class Splicer(Protocol):
+    """The D leg's reader, as the relay sees it
+    (:meth:`disagg_router.router.upstream.sse.EventReader.splice`)."""
+
+    def splice(self, deliver: Callable[[bytes], None] | None) -> bool: ...
 
 
 class Attempt:
@@ -106,6 +131,7 @@ class Attempt:
         self.sent_identity: PushIdentity | None = None  # push mode: the P identity D was given
         self.first: DecodeItem = END  # D's first events (the commit point)
         self.last_token = 0.0  # time.monotonic() of D's last streamed events
+        self.reader: Splicer | None = None  # D's stream, while the D leg reads it
         self.timings: dict[str, float] = {}  # stage -> seconds since ``started``
         self.stamps: dict[str, float] = {}  # more moments for the TTFT stages, same clock
         self.usage: Any = None  # the usage the client got (merged), once the relay sent it

@@ -31,7 +31,11 @@ and uvicorn closes the connection once they are sent.
 Each connection also has one :class:`~disagg_router.router.http.disconnect.DisconnectNotice`, put
 into the scope of every request it carries (``extensions``) and told from ``connection_lost``, so a
 request's :class:`~disagg_router.router.http.disconnect.ClientWatch` hears of a leaving client
-without a task of its own.
+without a task of its own. And each request's scope carries a :class:`BodyWriter` for its answer
+(:func:`body_writer_of`), with which a streamed answer's chunks can be written from any callback,
+not only through the ASGI ``send``: it reads the request's ``cycle`` (``response_started``,
+``response_complete``, ``chunked_encoding``, ``disconnected``, ``flow.write_paused``,
+``transport``), public attributes of uvicorn's ``RequestResponseCycle`` at the pinned version.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ import asyncio
 import json
 from typing import Any, cast
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from starlette.types import Scope
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from disagg_router.router.config import LimitsConfig
 from disagg_router.router.errors import (
@@ -59,6 +64,50 @@ _REASONS = {
     431: b"Request Header Fields Too Large",
     503: b"Service Unavailable",
 }
+
+
+BODY_WRITER = "disagg_router.body_writer"
+"""The key of a request's :class:`BodyWriter` in its scope's ``extensions``."""
+
+
+class BodyWriter:
+    """Writes chunks of one request's answer body straight to its connection, framed as
+    uvicorn's ``send`` frames them (chunked transfer encoding), so the two can take turns.
+
+    Who calls it: the relay of a streamed answer
+    (:class:`disagg_router.router.dispatch.state.Outlet`), from the event loop's callbacks,
+    between the ASGI ``send`` that starts the answer and the one that ends it; ``write`` only
+    after ``ready()`` said so, and never while a ``send`` of the same answer waits."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+
+    def ready(self) -> bool:
+        """The answer has begun, chunked and not ended; the client is there and keeping up
+        (uvicorn's flow control has not paused writing)."""
+        cycle = self._cycle
+        return (
+            cycle.response_started
+            and not cycle.response_complete
+            and cycle.chunked_encoding is True
+            and not cycle.disconnected
+            and not cycle.flow.write_paused
+            and not cycle.transport.is_closing()
+        )
+
+    def write(self, data: bytes) -> None:
+        """One chunk of the body (``data`` non-empty; an empty one writes nothing)."""
+        if data:
+            self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+
+def body_writer_of(scope: Scope) -> BodyWriter | None:
+    """The request's :class:`BodyWriter` (None under another server)."""
+    extensions = scope.get("extensions")
+    writer = extensions.get(BODY_WRITER) if extensions else None
+    return writer if isinstance(writer, BodyWriter) else None
 
 
 def error_answer(exc: RouterError) -> bytes:
@@ -143,7 +192,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if self._bound_header is not None:
             self._bound_header.cancel()
             self._bound_header = None
-        super().on_headers_complete()
+        super().on_headers_complete()  # the request's cycle is made here, its app not started
+        cycle = self.cycle
+        if cycle is not None:
+            extensions = cast(dict[str, Any], cycle.scope).setdefault("extensions", {})
+            extensions[BODY_WRITER] = BodyWriter(cycle)
 
     def on_response_complete(self) -> None:
         """An answer is sent: unless the connection is closing or another request is already

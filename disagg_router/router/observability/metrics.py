@@ -218,6 +218,11 @@ class RouterMetrics:
             "Streams ended because D sent nothing for timeouts.inter_token after the first token",
             registry=self.registry,
         )
+        self.relay_spliced_reads = Counter(
+            "disagg_router_relay_spliced_reads",
+            "Reads of D's stream written to the client from the socket's callback, no task woken",
+            registry=self.registry,
+        )
 
     def _backend_metrics(self) -> None:
         """Per instance (``backend`` label; :meth:`per_backend` lists them): legs, health,

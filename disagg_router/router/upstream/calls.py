@@ -17,7 +17,7 @@ is closed).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Protocol
@@ -200,7 +200,7 @@ def open_sse(
     body: dict[str, Any],
     request_id: str,
     headers: Mapping[str, str] | None = None,
-) -> AbstractAsyncContextManager[AsyncIterator[bytes]]:
+) -> AbstractAsyncContextManager[SseStream]:
     """POST a streamed request; yields an iterator over its events as the client gets them
     (closed on exit): batches of ``data: ...\n\n`` events, each batch what one read completed
     (:class:`disagg_router.router.upstream.sse.EventReader`).
@@ -208,11 +208,12 @@ def open_sse(
     The iterator stops after ``[DONE]`` (not yielded); a stream that ends without it, or breaks,
     raises an :class:`UpstreamError`.
     """
-    return _SseCall(_call(client, backend, path, body, request_id, headers), leg, backend)
+    return SseStream(_call(client, backend, path, body, request_id, headers), leg, backend)
 
 
-class _SseCall:
-    """:func:`open_sse`'s context manager and its events: classes, not an async generator and
+class SseStream:
+    """:func:`open_sse`'s context manager and its events (an async iterator, which the relay
+    may also splice: :meth:`splice`): classes, not an async generator and
     a generator context manager, as the decode leg makes one per streamed request. Every
     transport error, entering, reading or leaving, becomes our :class:`UpstreamError`."""
 
@@ -222,7 +223,7 @@ class _SseCall:
         self._backend = backend
         self._events: EventReader | None = None
 
-    async def __aenter__(self) -> _SseCall:
+    async def __aenter__(self) -> SseStream:
         answer = await _enter(self._call, self._leg, self._backend)
         try:
             if answer.status >= 400:
@@ -234,15 +235,22 @@ class _SseCall:
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, exc.__traceback__)
             raise
-        self._events = EventReader(answer.read_chunk, answer.content_type)
+        self._events = EventReader(answer.read_chunk, answer.content_type, answer.splice)
         return self
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._events = None  # the connection is no longer this call's to splice
         await self._call.__aexit__(kind, exc, tb)  # gives the connection back; never raises
 
-    def __aiter__(self) -> _SseCall:
+    def splice(self, deliver: Callable[[bytes], None] | None) -> bool:
+        """:meth:`disagg_router.router.upstream.sse.EventReader.splice` while the block runs;
+        outside it, nothing (False, and ``None`` touches no connection)."""
+        events = self._events
+        return events is not None and events.splice(deliver)
+
+    def __aiter__(self) -> SseStream:
         return self
 
     async def __anext__(self) -> bytes:

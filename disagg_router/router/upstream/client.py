@@ -44,6 +44,11 @@ class Answer(Protocol):
         """The body's next bytes as they arrive (never empty), ``b""`` once it has ended."""
         ...
 
+    def splice(self, sink: Callable[[bytes], None] | None) -> bool:
+        """Hand the body's next bytes to ``sink`` as they arrive instead of to ``read_chunk``
+        (see :meth:`disagg_router.router.upstream.h1._Connection.splice`); False: not taken."""
+        ...
+
 
 @dataclass(frozen=True)
 class ClientLimits:

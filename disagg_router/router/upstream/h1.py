@@ -135,6 +135,7 @@ class _Connection(asyncio.Protocol):
         call per chunk (httptools looks its callbacks up once, when the parser is made)."""
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._wait_started = 0.0
         self._buffered = 0
@@ -172,7 +173,13 @@ class _Connection(asyncio.Protocol):
             error = AnswerHeadersTooLarge() if too_large else None
             self._fail(error or RemoteProtocolError(f"invalid HTTP answer: {exc}"))
             return
-        if self._chunks:  # body bytes came: the reader is woken once per read, not per chunk
+        chunks = self._chunks
+        if chunks and self._sink is not None:  # spliced: the bytes go on in this callback
+            body = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._wait_started = self._loop.time()  # bytes came: the reader's wait starts again
+            self._sink(body)
+        elif chunks:  # body bytes came: the reader is woken once per read, not per chunk
             self._buffered += len(data)
             if self._buffered >= _PAUSE_AT and not self._paused and self._transport is not None:
                 self._paused = True
@@ -267,6 +274,25 @@ class _Connection(asyncio.Protocol):
             self._transport.resume_reading()
         return data
 
+    def splice(self, sink: Callable[[bytes], None] | None) -> bool:
+        """Hand the body's bytes to ``sink`` as they are received, from the event loop's
+        callback, instead of waking the reader (``None``: back to the reader). Taken only while
+        the body is under way and nothing waits in the buffer for the reader, so no byte is
+        handed on out of order; returns whether it was. The reader still learns of the body's
+        end and of a failure; while spliced, each read restarts its read timeout.
+
+        Who calls it: the relay of a streamed answer (through
+        :meth:`disagg_router.router.upstream.sse.EventReader.splice`), while the reader waits.
+        ``sink`` must not raise or block; it may call ``splice(None)``. The request's end
+        (:meth:`finish`, :meth:`close`) drops it."""
+        if sink is None:
+            self._sink = None
+            return True
+        if not (self._active and self._headed) or self._chunks or self._complete or self._error:
+            return False
+        self._sink = sink
+        return True
+
     @property
     def stale(self) -> bool:
         """Whether the request under way may be sent again on a new connection after this one
@@ -280,10 +306,12 @@ class _Connection(asyncio.Protocol):
     def finish(self) -> None:
         """The request is over (read or not): ready for the next, or closed by :meth:`close`."""
         self._active = False
+        self._sink = None
         self._stop_timer()
 
     def close(self) -> None:
         self.closed = True
+        self._sink = None
         self._stop_timer()
         if self._transport is not None:
             self._transport.close()

@@ -21,6 +21,7 @@ DONE = "[DONE]"
 
 _DATA = b"data: "
 _DONE_EVENT = b"data: [DONE]"
+_DONE_READ = _DONE_EVENT + b"\n\n"
 
 
 class StreamEndedEarly(Exception):
@@ -64,6 +65,17 @@ class EventSplitter:
 
     def feed(self, chunk: bytes) -> bytes:
         """The events completed by ``chunk`` (``b""`` if none), up to ``[DONE]``."""
+        if (  # one whole plain event, the usual read of a decoding stream: as read
+            not self._rest
+            and chunk.endswith(b"\n\n")
+            and chunk.startswith(_DATA)
+            and chunk.count(b"\n") == 2
+            and chunk.isascii()
+            and b"\r" not in chunk
+            and chunk != _DONE_READ
+            and not self.done
+        ):
+            return chunk
         buf = self._rest + chunk if self._rest else chunk
         if b"\r" in buf:  # a lone CR or CRLF ends lines too; a final CR may start a CRLF
             tail = b"\r" if buf.endswith(b"\r") else b""
@@ -140,10 +152,40 @@ class EventReader:
     without ``[DONE]``; other errors propagate.
     """
 
-    def __init__(self, read: Callable[[], Awaitable[bytes]], content_type: str) -> None:
+    def __init__(
+        self,
+        read: Callable[[], Awaitable[bytes]],
+        content_type: str,
+        splice: Callable[[Callable[[bytes], None] | None], bool] | None = None,
+    ) -> None:
+        """``splice``: the body's own ``splice`` (:meth:`EventReader.splice` uses it)."""
         self._read = read
         self._content_type: str | None = content_type
         self._splitter = EventSplitter()
+        self._splice = splice
+
+    def splice(self, deliver: Callable[[bytes], None] | None) -> bool:
+        """Give each batch of events to ``deliver`` as the bytes arrive, in the event loop's
+        callback, rather than from ``__anext__`` (``None``: back to ``__anext__``). Taken only
+        once the stream has begun (its first batch was read), before ``[DONE]``, and when the
+        body allows it; returns whether it was. ``__anext__`` still ends the stream (after the
+        events delivered) or raises its error. ``deliver`` must not raise or block.
+
+        Who calls it: the relay, through the decode leg's reader, while it waits for D."""
+        if self._splice is None:
+            return False
+        if deliver is None:
+            return self._splice(None)
+        splitter = self._splitter
+        if self._content_type is not None or splitter.done:
+            return False
+
+        def sink(chunk: bytes) -> None:
+            events = splitter.feed(chunk)
+            if events:
+                deliver(events)
+
+        return self._splice(sink)
 
     def __aiter__(self) -> EventReader:
         return self

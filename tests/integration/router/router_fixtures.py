@@ -14,6 +14,7 @@ from httpx_sse import EventSource
 from devstack.fake_vllm import UvicornThread
 from disagg_router.router.config import RouterSettings, settings_from_mapping
 from disagg_router.router.http.app import create_app
+from disagg_router.router.http.protocol import protocol_class
 from tests.support.wait import wait_until
 
 MODEL = "fake-model"
@@ -63,7 +64,8 @@ def running_router(
     """A router app for ``settings`` served on a free loopback port (``config_path``: the file
     it reloads), once it has checked every backend (the checks run in the background after start;
     ``/ready`` lists the backends not checked yet)."""
-    server = UvicornThread(create_app(settings, config_path=config_path))
+    app = create_app(settings, config_path=config_path)
+    server = UvicornThread(app, http=protocol_class(settings.limits))  # as `serve` runs it
     server.start()
     try:
         checked_wait(server.url)

@@ -6,6 +6,7 @@ import json
 import re
 
 import httpx
+import pytest
 
 from devstack.fake_vllm import (
     FakeBehavior,
@@ -345,3 +346,41 @@ def test_late_prefill_answer_is_drained_not_cancelled(fake: dict[str, FakeVllmSe
         assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
     p_legs = p.state.generation_requests()
     assert [r.outcome for r in p_legs] == ["ok", "ok"]
+
+
+def _spliced_reads(router_url: str) -> float:
+    text = httpx.get(f"{router_url}/metrics", timeout=5).text
+    found = re.search(r"^disagg_router_relay_spliced_reads_total (\S+)$", text, re.M)
+    assert found is not None
+    return float(found.group(1))
+
+
+@pytest.mark.parametrize("migration", [True, False])
+def test_a_paced_stream_is_spliced_to_the_client_whole_and_in_order(
+    fake: dict[str, FakeVllmServer], migration: bool
+) -> None:
+    """Tokens 20 ms apart: while the relay waits, D's reads go to the client from the socket's
+    callback (counted), rewritten as the relay would (no token ids the client did not ask
+    for); the usage event still comes back to the relay and is merged."""
+    p, d = fake["p0"], fake["d0"]
+    d.state.behavior = FakeBehavior(token_delay_s=0.02)
+    extra = {"migration": {"enabled": migration}}
+    settings = make_settings([p.url], [d.url], identities=_static(p), **extra)
+    body = {
+        "model": MODEL,
+        "prompt": "a b c",
+        "max_tokens": 20,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with running_router(settings) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+        spliced = _spliced_reads(router.url)
+    assert resp.status_code == 200
+    assert sse_text(resp.text, chat=False) == "".join(f" tok{i}" for i in range(20))
+    payloads = sse_payloads(resp.text)
+    assert payloads[-1] == "[DONE]"
+    usage = [json.loads(x)["usage"] for x in payloads[:-1] if json.loads(x).get("usage")]
+    assert [(u["prompt_tokens"], u["completion_tokens"]) for u in usage] == [(3, 20)]
+    assert "token_ids" not in resp.text
+    assert spliced >= 1

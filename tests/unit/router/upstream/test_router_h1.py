@@ -378,3 +378,34 @@ async def test_answer_headers_over_the_bound_fail_the_call_naming_it(answer: byt
         with pytest.raises(AnswerHeadersTooLarge, match=str(MAX_ANSWER_HEAD_BYTES)):
             await _read_all(pool, origin)
         await pool.close()
+
+
+async def test_a_spliced_body_goes_to_the_sink_as_read_and_the_reader_still_sees_its_end() -> None:
+    """Each piece the server sends after the splice reaches the sink, in order, from the
+    protocol's callback; the reader, which waited meanwhile, then reads the body's end."""
+    go: asyncio.Queue[bytes] = asyncio.Queue()
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def paced(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nhead\r\n")
+        while piece := await go.get():
+            writer.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async with _server(paced) as (origin, _):
+        pool = _pool()
+        async with pool.request(origin, _head(origin), BODY) as answer:
+            assert await answer.read_chunk() == b"head"
+            assert answer.splice(got.put_nowait)
+            ending = asyncio.ensure_future(answer.read_chunk())  # the reader waits meanwhile
+            for piece in (b"one", b"two"):
+                go.put_nowait(piece)
+                assert await got.get() == piece
+            assert not ending.done()
+            go.put_nowait(b"")
+            assert await ending == b""
+            assert not answer.splice(got.put_nowait)  # the body has ended: nothing to splice
+        await pool.close()

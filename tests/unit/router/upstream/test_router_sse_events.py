@@ -69,6 +69,9 @@ async def test_the_splitter_reads_what_httpx_sse_reads_however_the_bytes_arrive(
     for _ in range(50):
         cuts = sorted(rng.sample(range(1, len(raw)), min(4, len(raw) - 1)))
         assert _split(raw, cuts) == expected, cuts
+    # One event per read, as a decoding vLLM sends them (the splitter's shortcut for them).
+    ends = [i + 2 for i in range(len(raw)) if raw.startswith(b"\n\n", i)]
+    assert _split(raw, [i for i in ends if i < len(raw)]) == expected
 
 
 def test_an_openai_stream_comes_out_as_the_bytes_read() -> None:
