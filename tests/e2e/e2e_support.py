@@ -24,6 +24,7 @@ from devstack.stack import Stack, StackInstance, StackOptions, start_stack
 from devstack.vllm_server import read_metrics_text
 from disagg_router.router.config import RouterSettings, settings_from_mapping
 from disagg_router.router.http.app import create_app
+from disagg_router.router.http.protocol import protocol_class
 from tests.support.wait import wait_until
 
 MAX_TOKENS = 24
@@ -171,7 +172,8 @@ def running_router(
     # first tokens on a slow day, which can pass 75 s.
     timeouts.setdefault("first_token", 150.0)
     settings = settings_from_mapping(config)
-    server = UvicornThread(create_app(settings))
+    # The router's own server protocol, as `serve` runs it (D's streams spliced to clients).
+    server = UvicornThread(create_app(settings), http=protocol_class(settings.limits))
     server.start()
     try:
         wait_until(
