@@ -63,17 +63,22 @@ def _bind_one(host: str, choices: range | None, taken: set[int]) -> socket.socke
     if choices is not None:
         for _ in range(_TRIES):
             port = _random.choice(choices)
-            if port in taken:
-                continue
-            sock = _socket()
-            try:
-                sock.bind((host, port))
-            except OSError:
-                sock.close()
-                continue
-            return sock
+            sock = None if port in taken else _bound(host, port)
+            if sock is not None:
+                return sock
     sock = _socket()
     sock.bind((host, 0))
+    return sock
+
+
+def _bound(host: str, port: int) -> socket.socket | None:
+    """A socket bound to ``port``; None when the bind fails (the port is taken)."""
+    sock = _socket()
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        return None
     return sock
 
 
@@ -100,13 +105,8 @@ def free_port_runs(count: int, length: int, host: str = LOOPBACK) -> list[int]:
             run = [first]
             start = int(first.getsockname()[1])
             for port in range(start + 1, start + length):
-                if port in taken:
-                    break
-                sock = _socket()
-                try:
-                    sock.bind((host, port))
-                except OSError:
-                    sock.close()
+                sock = None if port in taken else _bound(host, port)
+                if sock is None:
                     break
                 run.append(sock)
             held += run

@@ -35,6 +35,9 @@ from disagg_router.router.upstream.sse import DONE_EVENT, encode_event
 
 log = logging.getLogger(__name__)
 
+_USAGE = b'"usage"'
+"""The mark of an event whose usage the relay merges (P's prompt tokens into D's)."""
+
 
 def sse_error_event(exc: RouterError) -> bytes:
     """The one SSE event sent when a stream fails after its first byte went out."""
@@ -104,7 +107,7 @@ class Relay:
         before it are not held back (P done, the usual case: one batch, one write)."""
         batch: list[bytes] = []
         while isinstance(item, bytes):
-            found = item.find(b'"usage"')
+            found = item.find(_USAGE)
             if found >= 0:
                 start = item.rfind(b"\n\n", 0, found) + 2  # where its event starts (-1 + 2: 1st)
                 start = 0 if start == 1 else start
@@ -298,9 +301,12 @@ class SseEvents:
         be (nothing queued, an outlet, D's reader still reading)."""
         a = self._relay.attempt
         reader = a.reader
-        if len(a.queue) or self._outlet is None or reader is None:
-            return await a.queue.get()
-        if not reader.splice(self._forward):
+        if (
+            len(a.queue)
+            or self._outlet is None
+            or reader is None
+            or not reader.splice(self._forward)
+        ):
             return await a.queue.get()
         try:
             return await a.queue.get()
@@ -313,7 +319,7 @@ class SseEvents:
         follows is queued behind them). Never raises."""
         a, outlet = self._relay.attempt, self._outlet
         a.last_token = time.monotonic()
-        if outlet is not None and outlet.ready() and b'"usage"' not in events:
+        if outlet is not None and outlet.ready() and _USAGE not in events:
             outlet.write(events)
             self._spliced += 1
             return
