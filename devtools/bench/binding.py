@@ -12,16 +12,18 @@ that wait on P anyway; the requests that need D's KV at once are those that do n
 that P, here the short ones (elsewhere those of another P). The stack's capacity
 is measured first (a burst through a just-in-time router: with D's cache that small, D's KV and
 P's prefills limit it about equally); the light point offers ``light_fraction`` of it, the loaded
-(D-KV-bound) point ``loaded_fraction``. For each repetition and load the modes run in turn (a
-fresh router each, P's speed learned from ``warmups`` requests first). Per point: the client's
-TTFT and TPOT, the goodput (completed requests per second within both SLOs, which are set from
-this run's light eager medians), D's unwritten block-seconds (our connector's
+(D-KV-bound) point ``loaded_fraction``; each point records the share of its time both Ds' caches
+were full, which shows whether eager binding ran them full. For each repetition and load the
+modes run in turn (a fresh router each, P's speed learned from ``warmups`` requests first). Per
+point: the client's TTFT and TPOT, the goodput (completed requests per second within both SLOs,
+which are set from this run's light eager medians), D's unwritten block-seconds (our connector's
 ``disagg_push_unwritten_block_seconds_total`` on both Ds), P's wait for D's registration
 (``disagg_push_wait_for_registration_seconds``), how the router bound D, its prediction error,
-and D's KV usage sampled over time (for the plot). The pull comparison (:func:`_compare_with_pull`)
-runs on two more 1P2D stacks, both with NIXL's busy progress thread (vLLM's NIXL connector
-always runs one, nixl 1.5.1's, per instance): pull over vLLM's ``NixlConnector``, and just in
-time on our connector with the thread turned on.
+and D's KV usage sampled over time (for the plot). The pull comparison (:func:`_pull_and_spin`)
+runs first, on two more 1P2D stacks, both with NIXL's busy progress thread (vLLM's NIXL
+connector always runs one, nixl 1.5.1's, per instance): pull over vLLM's ``NixlConnector``, and
+just in time on our connector with the thread turned on; then, on our stack as shipped (no
+such thread), eager and just in time at the same rate: :data:`PULL_LOADED` points.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import asyncio
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +54,11 @@ BINDS = ("eager", "just_in_time", "adaptive")
 PULL = "pull"
 JIT_SPIN = "just_in_time-spin"
 """Just in time on our connector with NIXL's busy progress thread on (the pull comparison)."""
+PULL_LOADED = "pull_loaded"
+"""The load of the pull comparison's points: ``loaded_fraction`` of the pull stack's capacity."""
+FULL_USAGE = 0.9
+"""D's KV cache counts as full at this usage (both Ds' mean): a D holding one long request is
+at 97 %."""
 BLOCK_SIZE = 128
 """vLLM CPU's default KV block size, in tokens."""
 _SAMPLE_S = 0.25
@@ -75,7 +82,9 @@ class BindSpec:
     capacity_requests: int = 16
     """Requests sent at once through a just-in-time router to measure the stack's capacity."""
     light_fraction: float = 0.3
-    loaded_fraction: float = 0.8
+    loaded_fraction: float = 1.0
+    """The D-KV-bound point: the stack's measured capacity, where P's queue rarely empties and
+    eager binding holds both Ds' caches full most of the time (each point's ``kv_full_pct``)."""
     repetitions: int = 2
     warmups: int = 3
     ttft_slo_factor: float = 3.0
@@ -85,7 +94,7 @@ class BindSpec:
     point_time_limit_s: float = 300.0
     seed: int = 0
     pull: bool = True
-    """Also compare with pull at the loaded point (two more stacks: :func:`_compare_with_pull`)."""
+    """Also compare with pull at the loaded point (two more stacks: :func:`_pull_and_spin`)."""
 
     @property
     def min_prompt_tokens(self) -> int:
@@ -133,6 +142,12 @@ class Point:
         )
         return good / self.duration_s if self.duration_s > 0 else 0.0
 
+    def kv_full_pct(self) -> float:
+        """The share of the point's KV samples (in %) at which both Ds' caches were full (their
+        mean usage at least :data:`FULL_USAGE`)."""
+        full = sum(1 for _, usage in self.kv_usage if usage >= FULL_USAGE)
+        return 100 * full / len(self.kv_usage) if self.kv_usage else 0.0
+
     def ttft_of(self, short: bool, min_prompt_tokens: int) -> list[float]:
         """TTFTs of the requests D served alone (``short``) or of the pushed ones."""
         return [
@@ -143,15 +158,12 @@ class Point:
 
 
 def run_bind_benchmark(spec: BindSpec, work_dir: Path) -> dict[str, Any]:
-    """Run every point on our 1P2D stack, then (``spec.pull``) the pull comparison on two more
-    stacks; the result (see :func:`summarize`)."""
+    """(``spec.pull``) the pull comparison's two stacks, then every point on our 1P2D stack; the
+    result (see :func:`summarize`)."""
+    pull_capacity, points = _pull_and_spin(spec, work_dir) if spec.pull else (None, [])
     with _started(spec, work_dir, "ours") as stack:
-        capacity, points = asyncio.run(_run(spec, stack, work_dir))
-    pull_capacity = None
-    if spec.pull:
-        pull_capacity, more = _compare_with_pull(spec, work_dir)
-        points += more
-    return summarize(spec, capacity, points, pull_capacity)
+        capacity, mine = asyncio.run(_run(spec, stack, work_dir, pull_capacity))
+    return summarize(spec, capacity, points + mine, pull_capacity)
 
 
 @contextmanager
@@ -216,21 +228,19 @@ def prompt_mix(
     return warm, measured
 
 
-async def _run(spec: BindSpec, stack: Stack, work_dir: Path) -> tuple[float, list[Point]]:
-    warm, measured = _prompts(spec)
+async def _run(
+    spec: BindSpec, stack: Stack, work_dir: Path, pull_capacity: float | None
+) -> tuple[float, list[Point]]:
+    """On our stack as shipped: eager and just in time at the pull comparison's rate (when
+    ``pull_capacity`` is known), then the stack's capacity and the light and loaded points."""
     points: list[Point] = []
     async with make_client() as client:
+        run = _Points(client, stack, spec, work_dir, points)
+        if pull_capacity is not None:
+            await run.at(PULL_LOADED, pull_capacity * spec.loaded_fraction, as_shipped_in_turn)
         capacity = await _capacity(client, stack, "just_in_time", spec, work_dir)
-        for load, fraction in (("light", spec.light_fraction), ("loaded", spec.loaded_fraction)):
-            for rep in range(spec.repetitions):
-                for bind in modes_in_turn(rep):
-                    with _router(stack, bind, spec, work_dir) as url:
-                        point = await _point(
-                            client, stack, url, spec, (bind, load, rep), warm, measured,
-                            capacity * fraction,
-                        )  # fmt: skip
-                    points.append(point)
-                    print(_line(point), flush=True)
+        await run.at("light", capacity * spec.light_fraction, modes_in_turn)
+        await run.at("loaded", capacity * spec.loaded_fraction, modes_in_turn)
     return capacity, points
 
 
@@ -241,35 +251,60 @@ def modes_in_turn(rep: int) -> tuple[str, ...]:
     return BINDS if rep % 2 == 0 else BINDS[::-1]
 
 
-def _compare_with_pull(spec: BindSpec, work_dir: Path) -> tuple[float, list[Point]]:
+def as_shipped_in_turn(rep: int) -> tuple[str, ...]:
+    """Eager and just in time on our stack at the pull comparison's rate, in turn."""
+    modes = ("eager", "just_in_time")
+    return modes if rep % 2 == 0 else modes[::-1]
+
+
+@dataclass(frozen=True)
+class _Points:
+    """Runs points on one stack and collects them (and prints a line for each)."""
+
+    client: httpx.AsyncClient
+    stack: Stack
+    spec: BindSpec
+    work_dir: Path
+    out: list[Point]
+
+    async def at(self, load: str, rate: float, modes: Callable[[int], tuple[str, ...]]) -> None:
+        """Every repetition of ``load`` at ``rate`` requests/s, ``modes(rep)`` in turn, a fresh
+        router each."""
+        warm, measured = _prompts(self.spec)
+        for rep in range(self.spec.repetitions):
+            for bind in modes(rep):
+                with _router(self.stack, bind, self.spec, self.work_dir) as url:
+                    point = await _point(
+                        self.client, self.stack, url, self.spec, (bind, load, rep), warm,
+                        measured, rate,
+                    )  # fmt: skip
+                self.out.append(point)
+                print(_line(point), flush=True)
+
+
+def _pull_and_spin(spec: BindSpec, work_dir: Path) -> tuple[float, list[Point]]:
     """Pull (our router, vLLM's ``NixlConnector``) against just in time on our connector with
     the same busy progress thread (vLLM's connectors cannot run without it; on 2 cores, three
     such threads take most of a core, so both stacks pay it): the pull stack's capacity, then
-    both at ``loaded_fraction`` of it, the same prompts and arrivals."""
+    both at ``loaded_fraction`` of it, the same prompts and arrivals (:data:`PULL_LOADED`)."""
     with _started(spec, work_dir, "vllm-pull") as stack:
-        capacity, pull = asyncio.run(_loaded_points(spec, stack, work_dir, PULL, None))
+        capacity, pull = asyncio.run(_pull_loaded(spec, stack, work_dir, PULL, None))
     with _started(spec, work_dir, "ours", spin=True) as stack:
-        _, jit = asyncio.run(_loaded_points(spec, stack, work_dir, JIT_SPIN, capacity))
+        _, jit = asyncio.run(_pull_loaded(spec, stack, work_dir, JIT_SPIN, capacity))
     return capacity, pull + jit
 
 
-async def _loaded_points(
+async def _pull_loaded(
     spec: BindSpec, stack: Stack, work_dir: Path, bind: str, capacity: float | None
 ) -> tuple[float, list[Point]]:
     """``bind`` (``pull`` or ``just_in_time`` on a spinning stack) at the loaded fraction of
     ``capacity`` (None: this stack's, measured first), each repetition."""
-    warm, measured = _prompts(spec)
     points: list[Point] = []
     async with make_client() as client:
         if capacity is None:
             capacity = await _capacity(client, stack, bind, spec, work_dir)
-        for rep in range(spec.repetitions):
-            with _router(stack, bind, spec, work_dir) as url:
-                what = (bind, "loaded", rep)
-                rate = capacity * spec.loaded_fraction
-                point = await _point(client, stack, url, spec, what, warm, measured, rate)
-            points.append(point)
-            print(_line(point), flush=True)
+        run = _Points(client, stack, spec, work_dir, points)
+        await run.at(PULL_LOADED, capacity * spec.loaded_fraction, lambda _rep: (bind,))
     return capacity, points
 
 
@@ -409,10 +444,10 @@ def summarize(
     ttft_slo = _ttft_slo(light_eager, spec.ttft_slo_factor)
     tpot_slo = spec.tpot_slo_factor * _median(light_eager, "tpot_ms")
     table: dict[str, dict[str, Any]] = {}
-    for load in ("light", "loaded"):
+    for load in ("light", "loaded", PULL_LOADED):
         for bind in (*BINDS, PULL, JIT_SPIN):
             mine = [p for p in points if p.load == load and p.bind == bind]
-            if mine or bind in BINDS:
+            if mine or (bind in BINDS and load != PULL_LOADED):
                 table[f"{load}/{bind}"] = _figures(mine, (ttft_slo, tpot_slo), spec)
     return {
         "spec": asdict(spec) | {"d_blocks": spec.d_blocks},
@@ -463,6 +498,7 @@ def _figures(
             "p_wait_p50_ms": p.p_wait.get("p50_ms", 0.0),
             "p_waited_pct": 100 * p.p_wait.get("nonzero", 0.0),
             "write_mean_ms": p.write.get("mean_ms", 0.0),
+            "kv_full_pct": p.kv_full_pct(),
             "failed": float(p.failed),
         }
 
@@ -495,9 +531,17 @@ def _keys(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         "goodput_adaptive_over_better_d_kv_bound": rounded_ratio(
             m("loaded/adaptive", "goodput_rps"), better
         ),
-        "ttft_jit_over_pull_loaded": (
-            rounded_ratio(m(f"loaded/{JIT_SPIN}", "ttft_mean_ms"), m("loaded/pull", "ttft_mean_ms"))
-            if "loaded/pull" in table and f"loaded/{JIT_SPIN}" in table
-            else None
-        ),
+        "ttft_jit_over_pull_loaded": _pull_ratio(table, "just_in_time", m),
+        "ttft_jit_spin_over_pull_loaded": _pull_ratio(table, JIT_SPIN, m),
     }
+
+
+def _pull_ratio(
+    table: dict[str, dict[str, Any]], bind: str, m: Callable[[str, str], float]
+) -> float | None:
+    """``bind``'s mean TTFT of the pushed requests over pull's at :data:`PULL_LOADED`; None
+    without a pull comparison."""
+    ours, pull = f"{PULL_LOADED}/{bind}", f"{PULL_LOADED}/{PULL}"
+    if ours not in table or pull not in table:
+        return None
+    return rounded_ratio(m(ours, "ttft_mean_ms"), m(pull, "ttft_mean_ms"))

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.binding import JIT_SPIN, BindSpec, run_bind_benchmark
+from bench.binding import JIT_SPIN, PULL_LOADED, BindSpec, run_bind_benchmark
 from bench.results import command_with_options, run_in_work_dir
 
 COMMAND = "flock /tmp/vllm-e2e.lock .venv/bin/disagg-bench bind --out-dir docs/benchmarks"
@@ -67,9 +67,9 @@ def format_report(data: dict[str, Any]) -> str:
     lines = ["# Binding D late (push.bind) on real vLLM CPU", "", _setup(data), ""]
     lines += [
         "| load | bind | TTFT mean ms | TTFT p99 ms | D alone: TTFT p99 ms | TPOT mean ms "
-        "| goodput req/s | D unwritten block-s | P wait for D p50 ms | P waited for D % "
-        "| P WRITE mean ms | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| goodput req/s | D unwritten block-s | both Ds' KV full % | P wait for D p50 ms "
+        "| P waited for D % | P WRITE mean ms | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key, cell in data["table"].items():
         load, bind = key.split("/")
@@ -88,6 +88,7 @@ _COLUMNS = (
     "tpot_mean_ms",
     "goodput_rps",
     "unwritten_block_s",
+    "kv_full_pct",
     "p_wait_p50_ms",
     "p_waited_pct",
     "write_mean_ms",
@@ -114,11 +115,13 @@ def _setup(data: dict[str, Any]) -> str:
     if data.get("pull_capacity_rps") is None:
         return text + " Pull was not compared (`--no-pull`)."
     return text + (
-        " Pull: our router in pull mode over vLLM's `NixlConnector` on the same 1P2D, against "
-        f"`{JIT_SPIN}`, just in time on our connector with NIXL's busy progress thread on "
-        "(vLLM's connectors always run it; three such threads on 2 cores slow both stacks "
-        "alike), both at the loaded fraction of the pull stack's measured capacity "
-        f"({data['pull_capacity_rps']:.2f} requests/s), the same prompts and arrivals."
+        f" `{PULL_LOADED}`: the pull comparison, every stack at the loaded fraction of the pull "
+        f"stack's measured capacity ({data['pull_capacity_rps']:.2f} requests/s), the same "
+        "prompts and arrivals: pull, our router in pull mode over vLLM's `NixlConnector` on "
+        "another 1P2D (vLLM's NIXL connectors always run nixl's busy progress thread, one per "
+        f"instance); `{JIT_SPIN}`, just in time on our connector with that thread turned on (three "
+        "such threads on 2 cores slow both stacks alike); eager and just in time on our stack as "
+        "shipped (no such thread)."
     )
 
 

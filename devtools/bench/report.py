@@ -208,6 +208,7 @@ BIND_KEYS = (
     "p_wait_for_d_p50_ms",
     "goodput_adaptive_over_better_d_kv_bound",
     "ttft_jit_over_pull_loaded",
+    "ttft_jit_spin_over_pull_loaded",
 )
 """summary.json keys of ``disagg-bench bind`` (real vLLM 1P2D; docs/benchmarks/binding.md)."""
 
@@ -251,6 +252,7 @@ def _take_summary(
 
 BIND_NOT_RUN = {
     "ttft_jit_over_pull_loaded": "disagg-bench bind ran with --no-pull (no pull stack)",
+    "ttft_jit_spin_over_pull_loaded": "disagg-bench bind ran with --no-pull (no pull stack)",
 }
 
 RESULT_SOURCES = (

@@ -11,9 +11,11 @@ from bench.binding import (
     BINDS,
     JIT_SPIN,
     PULL,
+    PULL_LOADED,
     BindSpec,
     Point,
     _prompts,
+    as_shipped_in_turn,
     modes_in_turn,
     summarize,
 )
@@ -61,6 +63,7 @@ def test_summary_keys_compare_the_modes_over_repetitions() -> None:
     assert report.count("\n| loaded |") == 3 and report.count("\n| light |") == 3
     assert "`d_idle_block_seconds_jit_over_eager`: 0.3" in report
     assert keys["ttft_jit_over_pull_loaded"] is None and "`--no-pull`" in report
+    assert keys["ttft_jit_spin_over_pull_loaded"] is None
 
 
 def test_the_report_names_the_options_a_run_was_given() -> None:
@@ -72,15 +75,29 @@ def test_the_report_names_the_options_a_run_was_given() -> None:
     assert "disagg-bench bind --out-dir docs" in format_report(data)
 
 
-def test_the_pull_comparison_puts_just_in_time_on_a_spinning_stack_beside_pull() -> None:
+def test_the_pull_comparison_puts_our_stack_as_shipped_and_spinning_beside_pull() -> None:
     points = [point(b, load, 100.0, 1.0) for b in BINDS for load in ("light", "loaded")]
-    points += [point(PULL, "loaded", 800.0, 0.0, r) for r in (0, 1)]
-    points += [point(JIT_SPIN, "loaded", 300.0, 1.0, r) for r in (0, 1)]
+    points += [point(PULL, PULL_LOADED, 800.0, 0.0, r) for r in (0, 1)]
+    points += [point(JIT_SPIN, PULL_LOADED, 300.0, 1.0, r) for r in (0, 1)]
+    points += [point(b, PULL_LOADED, t, 1.0, r) for b, t in (("eager", 150.0),
+               ("just_in_time", 100.0)) for r in (0, 1)]  # fmt: skip
     data = summarize(BindSpec(input_len=4000), 5.0, points, pull_capacity=2.0)
-    assert data["summary"]["ttft_jit_over_pull_loaded"] == pytest.approx(0.375)
+    assert data["summary"]["ttft_jit_over_pull_loaded"] == pytest.approx(0.125)
+    assert data["summary"]["ttft_jit_spin_over_pull_loaded"] == pytest.approx(0.375)
+    assert "adaptive" not in {k.split("/")[1] for k in data["table"] if PULL_LOADED in k}
     report = format_report(data)
-    assert report.count("\n| loaded |") == 5 and report.count("\n| light |") == 3
-    assert f"| loaded | {JIT_SPIN} | 300.00 |" in report and "(2.00 requests/s)" in report
+    assert report.count(f"\n| {PULL_LOADED} |") == 4 and report.count("\n| loaded |") == 3
+    assert f"| {PULL_LOADED} | {JIT_SPIN} | 300.00 |" in report and "(2.00 requests/s)" in report
+
+
+def test_a_point_counts_the_share_of_its_samples_at_which_both_ds_were_full() -> None:
+    p = point("eager", "loaded", 100.0, 1.0)
+    p.kv_usage = [(0.0, 0.95), (0.25, 0.5), (0.5, 0.9), (0.75, 0.2)]
+    assert p.kv_full_pct() == 50.0
+    p.kv_usage = []
+    assert p.kv_full_pct() == 0.0
+    data = summarize(BindSpec(input_len=4000), 5.0, [point(b, "light", 1.0, 1.0) for b in BINDS])
+    assert data["table"]["light/eager"]["mean"]["kv_full_pct"] == 0.0  # 0.5 used: not full
 
 
 def test_short_prompts_are_spread_evenly_among_the_long_and_the_warm_ups_are_long() -> None:
@@ -121,3 +138,4 @@ def test_two_repetitions_run_every_pair_of_modes_in_both_orders() -> None:
     assert sorted(first) == sorted(second) == sorted(BINDS)
     for a, b in itertools.combinations(BINDS, 2):
         assert (first.index(a) < first.index(b)) != (second.index(a) < second.index(b))
+    assert as_shipped_in_turn(0) == as_shipped_in_turn(1)[::-1] == ("eager", "just_in_time")
