@@ -4,11 +4,11 @@ For each fault: what the client gets within its bound, P's and D's KV blocks bac
 baseline (read from vLLM's ``/metrics``) within the connector's documented bound for the fault
 plus a margin, and the router (or a fresh one, after the router itself was stopped) serving the
 next request. The cases run in file order on one shared stack (P runs the connector's
-test-only fault injection, dormant until a case creates its file); the two that kill an instance
-come last (D is restarted after its kill; P's kill is the final case, whose next request D
-serves alone); D's stall (SIGSTOP, then SIGCONT of its processes) comes before them. The table
-goes to ``$FAULT_MATRIX_OUT`` (default: the session's work dir);
-docs/benchmarks/fault-matrix.md is produced by
+test-only fault injection, dormant until a case creates its file); the three that kill an
+instance come last (D is restarted after its kill, and P after its kill before D is bound; P's
+kill mid-prefill is the final case, whose next request D serves alone); D's stall (SIGSTOP,
+then SIGCONT of its processes) comes before them. The table goes to ``$FAULT_MATRIX_OUT``
+(default: the session's work dir); docs/benchmarks/fault-matrix.md is produced by
 
     FAULT_MATRIX_OUT=docs/benchmarks/fault-matrix.md flock /tmp/vllm-e2e.lock \\
         .venv/bin/python -m pytest -m vllm tests/e2e/test_fault_matrix.py
@@ -281,33 +281,64 @@ def test_client_disconnect_mid_stream(stack: Stack) -> None:
          blocks, next_status)  # fmt: skip
 
 
-def test_client_disconnect_before_d_is_bound(stack: Stack) -> None:
-    """push.bind just_in_time: the client hangs up once P's leg of a ~15k-token prompt is out
-    and no D is bound yet (P's speed learned from three such prompts first, so D is due near
-    the end of the prefill, seconds after P's leg went out). No D leg is ever sent (D's prompt
-    tokens do not move); P's blocks go back to 0 like any cancelled prefill's. The moment is the
-    router's own count of P's legs in flight, not vLLM's running gauge: vLLM publishes that only
-    after an engine step, and on a slow machine D's due time can come first."""
-    d = stack.decode[0]
-    timeouts = {"prefill": 60.0, "first_token": 75.0, "total": 120.0}
+@contextlib.contextmanager
+def _just_in_time(
+    stack: Stack, health_interval_s: float = 30.0, **timeouts: float
+) -> Iterator[tuple[RunningRouter, float]]:
+    """A ``push.bind: just_in_time`` router that has learned P's speed from three prompts as
+    long as the case's (so D is due near the end of its prefill, seconds after P's leg went
+    out); with its count of D bindings so far."""
+    all_timeouts = {"prefill": 60.0, "first_token": 75.0, "total": 120.0, **timeouts}
     overrides = {"push": {"bind": "just_in_time"}}
     with running_router(
-        stack, overrides, with_identity=True, timeouts=timeouts, health_interval_s=30.0
+        stack,
+        overrides,
+        with_identity=True,
+        timeouts=all_timeouts,
+        health_interval_s=health_interval_s,
     ) as router:
         for _ in range(3):
             body = _long(False, max_tokens=1, words=LONGEST_PROMPT_WORDS)
             assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=120).is_success
-        binds = _router_metric(router.url, "disagg_router_decode_binds_total")
+        yield router, _router_metric(router.url, "disagg_router_decode_binds_total")
+
+
+def _p_out_nothing_bound(url: str, binds: float) -> bool:
+    """Whether P's leg is out while no D has been bound since ``binds``; fails the case when D
+    was bound first (the window was missed). The router's own count of P's legs in flight, not
+    vLLM's running gauge: vLLM publishes that only after an engine step, and on a slow machine
+    D's due time can come first."""
+    out = _router_metric(url, "disagg_router_backend_in_flight", 'role="prefill"')
+    unbound = _router_metric(url, "disagg_router_decode_binds_total") == binds
+    assert unbound, "D was bound before P's leg was seen out; the case did not happen"
+    return out >= 1
+
+
+def _answer(sock: socket.socket) -> tuple[str, dict[str, Any]]:
+    """Read a JSON answer from ``sock`` (then close it): its status and body."""
+    sock.settimeout(180)
+    answer = b""
+    while b"}" not in answer.split(b"\r\n\r\n", 1)[-1]:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    sock.close()
+    return answer.split(b" ", 2)[1].decode(), json.loads(answer.split(b"\r\n\r\n", 1)[1])
+
+
+def test_client_disconnect_before_d_is_bound(stack: Stack) -> None:
+    """push.bind just_in_time: the client hangs up once P's leg of a ~15k-token prompt is out
+    and no D is bound yet. No D leg is ever sent (D's prompt tokens do not move); P's blocks go
+    back to 0 like any cancelled prefill's."""
+    d = stack.decode[0]
+    with _just_in_time(stack) as (router, binds):
         d_tokens = _prompt_tokens(d)
-
-        def p_out_nothing_bound(_: bytes) -> bool:
-            out = _router_metric(router.url, "disagg_router_backend_in_flight", 'role="prefill"')
-            unbound = _router_metric(router.url, "disagg_router_decode_binds_total") == binds
-            assert unbound, "D was bound before P's leg was seen out; the case did not happen"
-            return out >= 1
-
         took, got = _hang_up_when(
-            router, p_out_nothing_bound, "P's leg out, D not bound", LONGEST_PROMPT_WORDS
+            router,
+            lambda _: _p_out_nothing_bound(router.url, binds),
+            "P's leg out, D not bound",
+            LONGEST_PROMPT_WORDS,
         )
         blocks = _back_to_baseline(stack.prefill + stack.decode)
         assert _router_metric(router.url, "disagg_router_decode_binds_total") == binds
@@ -406,6 +437,37 @@ def test_decode_stalls_mid_stream(stack: Stack) -> None:
          blocks, next_status)  # fmt: skip
 
 
+def test_d_stopped_before_it_is_bound_never_registers(stack: Stack) -> None:
+    """push.bind just_in_time: D's processes are stopped (SIGSTOP) once P's leg of a ~15k-token
+    prompt is out and no D is bound yet. The router binds D when it is due; D's leg gets no
+    answer, so the client gets a 504 after 45 s (``first_token`` and ``total``: a ~15k-token
+    prefill takes seconds here). P's finished prefill is never registered: P frees
+    it after the connector's ``lease_s``. Once D runs again (SIGCONT) it frees whatever it took
+    for the abandoned leg."""
+    d = stack.decode[0]
+    with _just_in_time(stack, prefill=30.0, first_token=45.0, total=45.0) as (router, binds):
+        sock = _post_raw(router.url, _long(False, words=LONGEST_PROMPT_WORDS))
+        wait_until(
+            lambda: _p_out_nothing_bound(router.url, binds), 60, "P's leg out, D not bound",
+            interval=0.005,
+        )  # fmt: skip
+        _signal_group(d, signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            status, body = _answer(sock)
+            took = time.monotonic() - start
+            bound = _router_metric(router.url, "disagg_router_decode_binds_total") - binds
+        finally:
+            _signal_group(d, signal.SIGCONT)
+        blocks = _back_to_baseline(stack.prefill + stack.decode, CONNECTOR.lease_s + MARGIN_S)
+        next_status = _next_ok(router.url, stack.model_name)
+    error = body["error"]
+    assert (status, error["type"], bound) == ("504", "timeout", 1), (status, body, bound)
+    _row("D stopped before it is bound, never registers (push.bind just_in_time; SIGSTOP, "
+         "then SIGCONT)", f"{status} {error['type']} ({error['message'][:70]})", took, blocks,
+         next_status)  # fmt: skip
+
+
 def test_nixl_error_in_ps_writer_mid_transfer(stack: Stack, e2e_dir: Path) -> None:
     p = stack.prefill[0]
     trigger = e2e_dir / WRITE_FAULT_FILE
@@ -492,6 +554,38 @@ def test_kill_decode_mid_stream(stack: Stack) -> None:
     _row("kill D mid-stream", got, took, blocks + "; D killed", next_status)
 
 
+def test_kill_prefill_before_d_is_bound(stack: Stack) -> None:
+    """push.bind just_in_time: P is killed once its leg of a ~15k-token prompt is out and no D
+    is bound yet. The client gets a 5xx naming the prefill instance, no D leg is ever sent (D's
+    prompt tokens do not move) and D holds nothing. P is restarted for the case after."""
+    p, d = stack.prefill[0], stack.decode[0]
+    with _just_in_time(stack, health_interval_s=2.0) as (router, binds):
+        d_tokens = _prompt_tokens(d)
+        sock = _post_raw(router.url, _long(False, words=LONGEST_PROMPT_WORDS))
+        wait_until(
+            lambda: _p_out_nothing_bound(router.url, binds), 60, "P's leg out, D not bound",
+            interval=0.005,
+        )  # fmt: skip
+        start = time.monotonic()
+        _kill(p)
+        status, body = _answer(sock)
+        took = time.monotonic() - start
+        blocks = _back_to_baseline(stack.decode, P_DEAD_BOUND_S)
+        assert _router_metric(router.url, "disagg_router_decode_binds_total") == binds
+        assert _prompt_tokens(d) == d_tokens  # D never saw the request
+        restart(stack, p)
+        wait_until(
+            lambda: httpx.get(f"{router.url}/ready", timeout=5).json()["prefill"] != [],
+            60,
+            "the restarted P back in the router's rotation",
+        )
+        next_status = _next_ok(router.url, stack.model_name) + " (after P's restart)"
+    assert status.startswith("5") and "prefill" in body["error"]["message"], (status, body)
+    _row("kill P before D is bound (push.bind just_in_time)",
+         f"{status} {body['error']['type']}; no D leg sent", took, blocks + "; P killed",
+         next_status)  # fmt: skip
+
+
 def test_kill_prefill_mid_prefill(stack: Stack) -> None:
     p = stack.prefill[0]
     with _router(stack, health_interval_s=2.0) as router:
@@ -499,15 +593,8 @@ def test_kill_prefill_mid_prefill(stack: Stack) -> None:
         wait_until(lambda: _running(p) >= 1, 60, "P running the prefill")
         start = time.monotonic()
         _kill(p)
-        sock.settimeout(120)
-        answer = b""
-        while b"}" not in answer.split(b"\r\n\r\n", 1)[-1]:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            answer += chunk
+        status, body = _answer(sock)
         took = time.monotonic() - start
-        sock.close()
         blocks = _back_to_baseline(stack.decode, P_DEAD_BOUND_S)
         wait_until(
             lambda: httpx.get(f"{router.url}/ready", timeout=5).json()["prefill"] == [],
@@ -515,8 +602,6 @@ def test_kill_prefill_mid_prefill(stack: Stack) -> None:
             "the router's health check to take the dead P out",
         )
         next_status = _next_ok(router.url, stack.model_name) + " (D alone: no usable P)"
-    status = answer.split(b" ", 2)[1].decode()
-    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
     assert status.startswith("5") and "prefill" in body["error"]["message"]
     _row("kill P mid-prefill", f"{status} {body['error']['type']}", took, blocks + "; P killed",
          next_status)  # fmt: skip
