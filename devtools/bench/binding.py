@@ -54,6 +54,8 @@ BINDS = ("eager", "just_in_time", "adaptive")
 PULL = "pull"
 JIT_SPIN = "just_in_time-spin"
 """Just in time on our connector with NIXL's busy progress thread on (the pull comparison)."""
+AS_SHIPPED = ("eager", "just_in_time")
+"""The modes run on our stack as shipped at the pull comparison's rate."""
 PULL_LOADED = "pull_loaded"
 """The load of the pull comparison's points: ``loaded_fraction`` of the pull stack's capacity."""
 FULL_USAGE = 0.9
@@ -237,23 +239,18 @@ async def _run(
     async with make_client() as client:
         run = _Points(client, stack, spec, work_dir, points)
         if pull_capacity is not None:
-            await run.at(PULL_LOADED, pull_capacity * spec.loaded_fraction, as_shipped_in_turn)
+            rate = pull_capacity * spec.loaded_fraction
+            await run.at(PULL_LOADED, rate, lambda rep: modes_in_turn(rep, AS_SHIPPED))
         capacity = await _capacity(client, stack, "just_in_time", spec, work_dir)
         await run.at("light", capacity * spec.light_fraction, modes_in_turn)
         await run.at("loaded", capacity * spec.loaded_fraction, modes_in_turn)
     return capacity, points
 
 
-def modes_in_turn(rep: int) -> tuple[str, ...]:
-    """The order the modes run in at repetition ``rep``: :data:`BINDS`, reversed every other
-    repetition, so that a drift in the machine's speed during a repetition (up to 2x within
-    minutes here) favours no mode over two repetitions."""
-    return BINDS if rep % 2 == 0 else BINDS[::-1]
-
-
-def as_shipped_in_turn(rep: int) -> tuple[str, ...]:
-    """Eager and just in time on our stack at the pull comparison's rate, in turn."""
-    modes = ("eager", "just_in_time")
+def modes_in_turn(rep: int, modes: tuple[str, ...] = BINDS) -> tuple[str, ...]:
+    """The order ``modes`` run in at repetition ``rep``: reversed every other repetition, so
+    that a drift in the machine's speed during a repetition (up to 2x within minutes here)
+    favours no mode over two repetitions."""
     return modes if rep % 2 == 0 else modes[::-1]
 
 

@@ -95,10 +95,19 @@ def stack(e2e_dir: Path) -> Iterator[Stack]:
     _write_table(e2e_dir)
 
 
-def _router(stack: Stack, health_interval_s: float = 30.0, **timeouts: float) -> Any:
+def _router(
+    stack: Stack,
+    health_interval_s: float = 30.0,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    **timeouts: float,
+) -> Any:
     all_timeouts = {"prefill": 60.0, "first_token": 75.0, "total": 120.0, **timeouts}
     return running_router(
-        stack, with_identity=True, timeouts=all_timeouts, health_interval_s=health_interval_s
+        stack,
+        overrides,
+        with_identity=True,
+        timeouts=all_timeouts,
+        health_interval_s=health_interval_s,
     )
 
 
@@ -288,15 +297,8 @@ def _just_in_time(
     """A ``push.bind: just_in_time`` router that has learned P's speed from three prompts as
     long as the case's (so D is due near the end of its prefill, seconds after P's leg went
     out); with its count of D bindings so far."""
-    all_timeouts = {"prefill": 60.0, "first_token": 75.0, "total": 120.0, **timeouts}
     overrides = {"push": {"bind": "just_in_time"}}
-    with running_router(
-        stack,
-        overrides,
-        with_identity=True,
-        timeouts=all_timeouts,
-        health_interval_s=health_interval_s,
-    ) as router:
+    with _router(stack, health_interval_s, overrides, **timeouts) as router:
         for _ in range(3):
             body = _long(False, max_tokens=1, words=LONGEST_PROMPT_WORDS)
             assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=120).is_success
@@ -314,9 +316,20 @@ def _p_out_nothing_bound(url: str, binds: float) -> bool:
     return out >= 1
 
 
+def _sent_while_unbound(router: RunningRouter, binds: float) -> socket.socket:
+    """A long unstreamed request sent through ``router``, once its P leg is out and no D is
+    bound yet (:func:`_p_out_nothing_bound`); the socket to read the answer from."""
+    sock = _post_raw(router.url, _long(False, words=LONGEST_PROMPT_WORDS))
+    wait_until(
+        lambda: _p_out_nothing_bound(router.url, binds), 60, "P's leg out, D not bound",
+        interval=0.005,
+    )  # fmt: skip
+    return sock
+
+
 def _answer(sock: socket.socket) -> tuple[str, dict[str, Any]]:
     """Read a JSON answer from ``sock`` (then close it): its status and body."""
-    sock.settimeout(180)
+    sock.settimeout(120)
     answer = b""
     while b"}" not in answer.split(b"\r\n\r\n", 1)[-1]:
         chunk = sock.recv(65536)
@@ -446,11 +459,7 @@ def test_d_stopped_before_it_is_bound_never_registers(stack: Stack) -> None:
     for the abandoned leg."""
     d = stack.decode[0]
     with _just_in_time(stack, prefill=30.0, first_token=45.0, total=45.0) as (router, binds):
-        sock = _post_raw(router.url, _long(False, words=LONGEST_PROMPT_WORDS))
-        wait_until(
-            lambda: _p_out_nothing_bound(router.url, binds), 60, "P's leg out, D not bound",
-            interval=0.005,
-        )  # fmt: skip
+        sock = _sent_while_unbound(router, binds)
         _signal_group(d, signal.SIGSTOP)
         start = time.monotonic()
         try:
@@ -561,11 +570,7 @@ def test_kill_prefill_before_d_is_bound(stack: Stack) -> None:
     p, d = stack.prefill[0], stack.decode[0]
     with _just_in_time(stack, health_interval_s=2.0) as (router, binds):
         d_tokens = _prompt_tokens(d)
-        sock = _post_raw(router.url, _long(False, words=LONGEST_PROMPT_WORDS))
-        wait_until(
-            lambda: _p_out_nothing_bound(router.url, binds), 60, "P's leg out, D not bound",
-            interval=0.005,
-        )  # fmt: skip
+        sock = _sent_while_unbound(router, binds)
         start = time.monotonic()
         _kill(p)
         status, body = _answer(sock)

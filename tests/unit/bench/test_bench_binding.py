@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from bench.binding import (
+    AS_SHIPPED,
     BINDS,
     JIT_SPIN,
     PULL,
@@ -15,7 +16,6 @@ from bench.binding import (
     BindSpec,
     Point,
     _prompts,
-    as_shipped_in_turn,
     modes_in_turn,
     summarize,
 )
@@ -138,4 +138,5 @@ def test_two_repetitions_run_every_pair_of_modes_in_both_orders() -> None:
     assert sorted(first) == sorted(second) == sorted(BINDS)
     for a, b in itertools.combinations(BINDS, 2):
         assert (first.index(a) < first.index(b)) != (second.index(a) < second.index(b))
-    assert as_shipped_in_turn(0) == as_shipped_in_turn(1)[::-1] == ("eager", "just_in_time")
+    as_shipped = modes_in_turn(0, AS_SHIPPED)
+    assert as_shipped == modes_in_turn(1, AS_SHIPPED)[::-1] == ("eager", "just_in_time")
