@@ -116,9 +116,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     from disagg_router.router.workers import run_workers
 
-    return run_workers(
-        settings, Path(args.config), args.host, args.port, args.log_level, args.workers
-    )
+    return run_workers(Path(args.config), args.host, args.port, args.log_level, args.workers)
 
 
 def _cmd_hash_key(args: argparse.Namespace) -> int:

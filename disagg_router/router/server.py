@@ -92,11 +92,10 @@ scrape)."""
 
 
 def uvicorn_config(
-    app: FastAPI | str, settings: RouterSettings, host: str, port: int, log_level: str
+    app: FastAPI, settings: RouterSettings, host: str, port: int, log_level: str
 ) -> uvicorn.Config:
     """The one uvicorn configuration of every serving process (``serve`` and each worker of
-    ``serve --workers N``); ``app`` may be an import string where it is never loaded (the
-    supervisor binds its socket with it)."""
+    ``serve --workers N``)."""
     return uvicorn.Config(
         app,
         host=host,
@@ -113,6 +112,28 @@ def uvicorn_config(
         timeout_keep_alive=math.ceil(settings.limits.keep_alive),
         http=protocol_class(settings.limits),
     )
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (inheritable, not yet listening) for a server that is
+    handed its socket; every connection it accepts under asyncio gets ``TCP_NODELAY``.
+
+    Who calls it: the supervisor of ``serve --workers N`` (its workers accept on it), and the
+    development servers that bind before they serve. asyncio turns Nagle's algorithm off only on
+    sockets whose protocol reads ``IPPROTO_TCP``, and an accepted socket takes the listener's;
+    uvicorn's ``Config.bind_socket`` leaves it 0 (uvicorn issue #3149), so a stream's small
+    writes would wait for the client's delayed ACK (about 40 ms on Linux). ``OSError`` when the
+    address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def raise_fd_limit(settings: RouterSettings) -> None:

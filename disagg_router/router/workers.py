@@ -38,7 +38,6 @@ from pathlib import Path
 from prometheus_client.multiprocess import mark_process_dead
 from uvicorn.config import STARTUP_FAILURE
 
-from disagg_router.router.config import RouterSettings
 from disagg_router.router.errors import ConfigError
 from disagg_router.router.observability.metrics import MULTIPROC_ENV
 
@@ -162,15 +161,15 @@ class Supervisor:
         return False
 
 
-def run_workers(
-    settings: RouterSettings, config_path: Path, host: str, port: int, level: str, workers: int
-) -> int:
+def run_workers(config_path: Path, host: str, port: int, level: str, workers: int) -> int:
     """Bind ``host:port`` and serve it with ``workers`` worker processes until stopped."""
-    from disagg_router.router.server import uvicorn_config
+    from disagg_router.router.server import listening_socket
 
-    sock = uvicorn_config(
-        "disagg_router.router.cli:main", settings, host, port, level
-    ).bind_socket()
+    try:
+        sock = listening_socket(host, port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        return STARTUP_FAILURE
     metrics_dir = tempfile.mkdtemp(prefix="disagg-router-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir  # before any worker (and its metrics) exists
     try:

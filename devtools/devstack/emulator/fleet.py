@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -36,6 +35,7 @@ from devstack.emulator.profile import Profile
 from devstack.emulator.tokens import Tokens
 from devstack.fakes.kv_publisher import FakeKvPublisher
 from disagg_router.router.routing.kv_wire import KvEvent
+from disagg_router.router.server import listening_socket
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,6 +150,7 @@ class Fleet:
             m.name: {
                 "steps": m.engine.counters.steps,
                 "busy_s": m.engine.counters.busy_s,
+                "lost_s": m.engine.counters.lost_s,
                 "requests": m.engine.counters.success,
                 "prefix_queries": m.engine.pool.queries,
                 "prefix_hits": m.engine.pool.hits,
@@ -243,9 +244,7 @@ class Fleet:
             await asyncio.sleep(0.01)
 
     async def _member(self, role: Role, name: str, tokens: Tokens) -> Member:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        sock = listening_socket("127.0.0.1", 0)
         port = sock.getsockname()[1]
         publisher = (
             FakeKvPublisher(context=self._ctx, buffer_limit=_EVENT_BUFFER)

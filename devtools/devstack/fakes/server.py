@@ -6,7 +6,6 @@ Who uses it: tests, the e2e support code and the bench. ``stop()`` leaves no thr
 from __future__ import annotations
 
 import ipaddress
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import uvicorn
 
 from devstack.fakes.state import FakeVllmState
 from devstack.fakes.vllm_app import create_fake_app
+from disagg_router.router.server import listening_socket
 
 
 class UvicornThread:
@@ -39,9 +39,7 @@ class UvicornThread:
         """``http``: uvicorn's HTTP protocol (a class, such as the router's own, or a name)."""
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"{host} is not a loopback address")
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        self._sock = listening_socket(host, port)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
