@@ -96,11 +96,14 @@ def capacity_errors(
     return out
 
 
-def run_accuracy(spec: SweepSpec, stacks: tuple[str, ...], out: Path, work: Path) -> dict[str, Any]:
-    """Both sweeps (real first), then the comparison."""
+def run_accuracy(
+    spec: SweepSpec, stacks: tuple[str, ...], out: Path, work: Path, profile: str = "cpu-tiny"
+) -> dict[str, Any]:
+    """Both sweeps (real first), then the comparison; the twins run ``profile`` (a profile's
+    name or file)."""
     real = run_scenarios(spec, stacks, out / "real", work / "real")
     same_load = replace(spec, given_capacity_rps=_capacities(real["capacities"]))
-    starter = partial(start_emulated, pin_processes=spec.pin_processes)
+    starter = partial(start_emulated, profile=profile, pin_processes=spec.pin_processes)
     emulated = run_scenarios(same_load, stacks, out / "emulated", work / "emulated", starter)
     points = point_errors(real["rows"], emulated["rows"])
     ratios = ratio_errors(points, spec)

@@ -7,18 +7,31 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 from bench.emulator_accuracy import run_accuracy
+from bench.profile_fit import FitSpec, run_fit
 from bench.results import recorded_command, run_in_work_dir, write_outputs
 from bench.scenarios_cmd import add_scenarios_arguments, sweep_spec
 
 ACCURACY_STACKS = "ours,aggregated"
 
 
+FITTED_PROFILE = "emulator-accuracy-profile.json"
+"""With ``--fit-first``: the profile fitted in the run, beside its report in ``--out-dir``."""
+
+
 def add_emulator_accuracy_arguments(parser: argparse.ArgumentParser) -> None:
     add_scenarios_arguments(parser)
     parser.set_defaults(stacks=ACCURACY_STACKS, repetitions=1, fractions="0.3,0.9")
+    parser.add_argument(
+        "--fit-first",
+        action="store_true",
+        help="fit the twins' profile to vLLM CPU in this run first (as fit-profile does), so "
+        f"both sweeps meet the machine in one state; written to --out-dir/{FITTED_PROFILE}",
+    )
 
 
 def emulator_accuracy_command(args: argparse.Namespace) -> int:
@@ -29,9 +42,14 @@ def emulator_accuracy_command(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     runs = args.out_dir / "emulator-accuracy"
-    data = run_in_work_dir(
-        lambda work: run_accuracy(spec, stacks, runs, work), args.work_dir, "bench-accuracy-"
-    )
+    fitted = args.out_dir / FITTED_PROFILE if args.fit_first else None
+
+    def run(work: Path) -> dict[str, Any]:
+        fit = _fit(work, fitted, spec.pin_processes) if fitted is not None else None
+        profile = str(fitted) if fitted is not None else "cpu-tiny"
+        return {**run_accuracy(spec, stacks, runs, work, profile), "fit": fit}
+
+    data = run_in_work_dir(run, args.work_dir, "bench-accuracy-")
     if data is None:
         return 1
     data["command"] = recorded_command(sys.argv[1:])
@@ -40,6 +58,30 @@ def emulator_accuracy_command(args: argparse.Namespace) -> int:
         data, format_report(data), out / "emulator-accuracy.json", out / "emulator-accuracy.md"
     )
     return 0 if not any(data["errors"].values()) else 1
+
+
+def _fit(work: Path, path: Path, pin_processes: bool) -> dict[str, Any]:
+    """Fit ``cpu-tiny``'s step model to vLLM CPU now and write the profile to ``path``; the
+    fit's rows and coefficients, for the report."""
+    found = run_fit(FitSpec(), work / "fit", pin_processes=pin_processes)
+    source = (
+        "Fitted by `disagg-bench emulator-accuracy --fit-first` just before its sweeps, as "
+        "`disagg-bench fit-profile` fits cpu-tiny (the report lists the rows)."
+    )
+    profile = replace(found["profile"], name="cpu-tiny-same-run", source=source)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    return {"profile": asdict(profile), "rows": found["rows"]}
+
+
+def _fit_line(fit: dict[str, Any] | None) -> str:
+    if fit is None:
+        return "Twins' profile: `cpu-tiny` (devtools/devstack/emulator/profiles/cpu-tiny.json)."
+    worst = max(abs(r["error"]) for r in fit["rows"])
+    return (
+        f"Twins' profile: fitted in this run before the sweeps ({FITTED_PROFILE}), "
+        f"{len(fit['rows'])} rows within {100 * worst:.0f} %."
+    )
 
 
 def _pct(value: float | None) -> str:
@@ -52,9 +94,11 @@ def format_report(data: dict[str, Any]) -> str:
         "# The emulator against real vLLM CPU",
         "",
         f"Produced by `{data['command']}`: the scenario sweep on real vLLM CPU instances (tiny "
-        "model, P on core 0, D on core 1), then on emulated twins (profile `cpu-tiny`, one "
-        "process), the same routers, prompts, arrivals and offered loads (fractions of the real "
-        "stack's capacity in both runs).",
+        "model, P on core 0, D on core 1), then on emulated twins (one process), the same "
+        "routers, prompts, arrivals and offered loads (fractions of the real stack's capacity "
+        "in both runs).",
+        "",
+        _fit_line(data.get("fit")),
         "",
         "| stack | input | x capacity | TTFT ms real / emulated (error) "
         "| TPOT ms real / emulated (error) |",

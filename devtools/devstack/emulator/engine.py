@@ -7,7 +7,9 @@ and reads their outlets) and :class:`devstack.emulator.fleet.Fleet`, which runs 
 
 Time: every duration the engine waits (a step, a transfer, a lease) is the profile's figure
 times ``scale``, so a fleet too large for real time runs slower as a whole and every ratio
-between its times holds.
+between its times holds. Steps follow :class:`StepClock`: a step that follows another starts
+where that one ended, not when the loop woke the engine (the loop's timers wake up to a
+millisecond late, which would otherwise add to every step).
 
 KV hand-over (:class:`Fabric`, shared by the engines of one process): a finished P leg is held
 under its key (the router's ``transfer_id``, else the request id); a D leg registers under the
@@ -60,6 +62,38 @@ class Counters:
     success: int = 0
     steps: int = 0
     busy_s: float = 0.0  # emulated seconds spent in steps
+    lost_s: float = 0.0  # loop seconds the engine woke later than its step clock could make up
+
+
+MAX_LAG_S = 0.005
+"""How late (loop seconds) the loop may wake an engine after a step's end and the next step still
+starts at that end: more than the loop's timer lateness (up to a millisecond), less than what a
+busy loop loses; beyond it the time is lost (:attr:`Counters.lost_s`)."""
+
+
+@dataclass
+class StepClock:
+    """When each step of one engine ends, on the loop's clock (loop seconds).
+
+    Who uses it: :meth:`Engine.run`, once per step; pure arithmetic, no waiting. A step right
+    after another starts where that one ended, so a wake-up up to ``max_lag_s`` late is made up by
+    the next step and the steps keep the profile's pace; later than that, the step starts
+    ``max_lag_s`` before ``now`` and the rest is counted as lost. A step after the engine was
+    idle starts ``now``."""
+
+    max_lag_s: float = MAX_LAG_S
+    _end: float | None = None
+
+    def step_end(self, now: float, seconds: float, after_idle: bool) -> tuple[float, float]:
+        """The end of a step of ``seconds`` that the engine starts at ``now``, and the loop
+        seconds lost before it (0 unless the loop woke the engine more than ``max_lag_s``
+        late)."""
+        start, lost = now, 0.0
+        if not after_idle and self._end is not None:
+            start = max(self._end, now - self.max_lag_s)
+            lost = max(0.0, now - self.max_lag_s - self._end)
+        self._end = start + seconds
+        return self._end, lost
 
 
 WAIT_FOR_REGISTRATION = "disagg_push_wait_for_registration_seconds"
@@ -113,6 +147,7 @@ class Engine:
         self._events = events
         self._outlets: dict[Seq, Outlet] = {}
         self._wake = asyncio.Event()
+        self._clock = StepClock()
         self.dead = False
         fabric.join(self)
 
@@ -179,6 +214,8 @@ class Engine:
 
     async def run(self) -> None:
         """The step loop; runs until cancelled."""
+        loop = asyncio.get_running_loop()
+        idle = True
         while True:
             step = self.scheduler.schedule()
             for seq in self.scheduler.drain_registered():
@@ -186,9 +223,13 @@ class Engine:
             if not step.items:
                 self._wake.clear()
                 await self._wake.wait()
+                idle = True
                 continue
             seconds = self.step_seconds(step)
-            await self.sleep(seconds)
+            end, lost = self._clock.step_end(loop.time(), seconds * self.scale, idle)
+            idle = False
+            await asyncio.sleep(max(0.0, end - loop.time()))
+            self.counters.lost_s += lost
             self.counters.steps += 1
             self.counters.busy_s += seconds
             self._deliver(self.scheduler.finish(step))

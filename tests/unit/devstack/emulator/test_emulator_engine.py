@@ -2,7 +2,8 @@
 request's KV over through their fabric in push order (D waits first) and pull order (P is held
 first); a P whose D never comes frees its blocks when the lease passes, a D whose P never comes
 fails its request; an aborted D leaves nothing behind; steps take the profile's step time; each
-engine counts its side of a hand-over as our connector's metrics do."""
+engine counts its side of a hand-over as our connector's metrics do; the step clock keeps the
+profile's pace when the loop wakes an engine late."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from devstack.emulator.engine import WAIT_FOR_REGISTRATION, Engine, Fabric, Outlet
+from devstack.emulator.engine import WAIT_FOR_REGISTRATION, Engine, Fabric, Outlet, StepClock
 from devstack.emulator.profile import Profile, StepModel, Transfer
 from devstack.emulator.scheduler import Phase, Role, Seq
 
@@ -215,3 +216,27 @@ async def test_busy_time_adds_up_the_steps_run() -> None:
     expected = (0.001 + 10 * 0.0001 + 0.0002) + 2 * (0.001 + 0.0001 + 0.0002)
     assert engine.counters.busy_s == pytest.approx(expected)
     assert (engine.counters.prompt_tokens, engine.counters.generation_tokens) == (10, 3)
+
+
+def test_a_step_after_idle_starts_when_the_engine_starts_it() -> None:
+    clock = StepClock(max_lag_s=0.005)
+    assert clock.step_end(now=10.0, seconds=0.002, after_idle=True) == (10.002, 0.0)
+    # idle again: a late start is no debt
+    assert clock.step_end(now=20.0, seconds=0.002, after_idle=True) == (20.002, 0.0)
+
+
+def test_steps_woken_late_keep_the_profiles_pace() -> None:
+    clock = StepClock(max_lag_s=0.005)
+    end, _ = clock.step_end(now=0.0, seconds=0.002, after_idle=True)
+    for _ in range(99):  # every wake-up a millisecond late: each step starts at the last end
+        end, lost = clock.step_end(now=end + 0.001, seconds=0.002, after_idle=False)
+        assert lost == 0.0
+    assert end == pytest.approx(100 * 0.002)
+
+
+def test_a_wake_up_later_than_the_lag_bound_loses_the_rest() -> None:
+    clock = StepClock(max_lag_s=0.005)
+    end, _ = clock.step_end(now=0.0, seconds=0.002, after_idle=True)
+    end, lost = clock.step_end(now=end + 0.050, seconds=0.002, after_idle=False)
+    assert lost == pytest.approx(0.045)  # 50 ms late, 5 ms made up
+    assert end == pytest.approx(0.002 + 0.045 + 0.002)
