@@ -82,7 +82,7 @@ class StepClock:
     idle starts ``now``."""
 
     max_lag_s: float = MAX_LAG_S
-    _end: float | None = None
+    _end: float | None = field(default=None, init=False, repr=False)
 
     def step_end(self, now: float, seconds: float, after_idle: bool) -> tuple[float, float]:
         """The end of a step of ``seconds`` that the engine starts at ``now``, and the loop
