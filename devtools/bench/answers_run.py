@@ -221,7 +221,6 @@ def _kv_blocks_back_to_zero(stack: Stack, timeout_s: float = 60.0) -> dict[str, 
 def run_answers(spec: AnswersSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start the stack and the router, run the reference and the push run, stop everything;
     the report's data."""
-    logs = log_folder(log_dir, "bench-answers-")
     prompts = make_prompts(spec.requests, spec.seed, BLOCK)
     options = StackOptions(
         kind="ours",
@@ -231,6 +230,7 @@ def run_answers(spec: AnswersSpec, log_dir: Path | None = None) -> dict[str, Any
         extra_args=("--dtype", "float32"),
     )
     with ExitStack() as exits:
+        logs = exits.enter_context(log_folder(log_dir, "bench-answers-"))
         stack = exits.enter_context(start_stack(options, logs))
         stack.warm_up()
         a0 = (stack.aggregated[0].url, stack.model_name)

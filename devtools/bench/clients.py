@@ -136,7 +136,6 @@ async def _h1_round(url: str, body: bytes, spec: ClientsSpec) -> dict[str, float
 
 def run_clients(spec: ClientsSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start the fake, run every client for every round; per client the median round."""
-    logs = log_folder(log_dir, "bench-clients-")
     fake_cpus, own_cpus = cpu_split(True)
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1/completions"
@@ -144,7 +143,10 @@ def run_clients(spec: ClientsSpec, log_dir: Path | None = None) -> dict[str, Any
         {"model": MODEL, "prompt": [1] * 128, "max_tokens": spec.output_len, "stream": True}
     ).encode()
     rounds: dict[str, list[dict[str, float]]] = {k: [] for k in spec.kinds}
-    with fake_process("fake-vllm", port, logs, cpus=fake_cpus):
+    with (
+        log_folder(log_dir, "bench-clients-") as logs,
+        fake_process("fake-vllm", port, logs, cpus=fake_cpus),
+    ):
         if own_cpus is not None:
             os.sched_setaffinity(0, {int(own_cpus)})
         for _ in range(spec.rounds):

@@ -390,7 +390,6 @@ def _ms(value: float | None) -> str:
 
 def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start the processes, measure, stop them; returns raw and derived numbers."""
-    logs = log_folder(log_dir, "bench-overhead-")
     p_port, d_port, r_port, v_port, f_port, b_port = free_ports(6)
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     fake_cpus, router_cpus = cpu_split(spec.pin)
@@ -402,6 +401,7 @@ def run_overhead(spec: OverheadSpec, log_dir: Path | None = None) -> dict[str, A
             pgids[name] = process.pid
 
     with ExitStack() as stack:
+        logs = stack.enter_context(log_folder(log_dir, "bench-overhead-"))
         delay = spec.token_delay
         p_fake = fake_process("fake-prefill", p_port, logs, PREFILL_ENGINE_ID, fake_cpus, delay)
         started("prefill", p_fake)

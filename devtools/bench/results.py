@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -74,13 +76,25 @@ def result_to_dict(
     return out
 
 
-def log_folder(given: Path | None, prefix: str) -> Path:
-    """Where a benchmark's child processes log: ``given``, else a new temporary folder named
-    ``prefix...``; created, and named on stderr. Results never record it (a local path)."""
+@contextmanager
+def log_folder(given: Path | None, prefix: str) -> Iterator[Path]:
+    """Where a benchmark's child processes log, for the ``with`` block that runs them: ``given``
+    (created, kept), else a new temporary folder named ``prefix...``, removed when the block
+    ends normally and kept when it raises, so a failed run's logs stay to be read. Named on
+    stderr either way. Results never record it (a local path).
+
+    Who calls it: each benchmark command that starts child processes, around all of them."""
     folder = given or Path(tempfile.mkdtemp(prefix=prefix))
     folder.mkdir(parents=True, exist_ok=True)
     print(f"child process logs: {folder}", file=sys.stderr)
-    return folder
+    try:
+        yield folder
+    except BaseException:
+        if given is None:
+            print(f"child process logs kept: {folder}", file=sys.stderr)
+        raise
+    if given is None:
+        shutil.rmtree(folder)
 
 
 def run_in_work_dir(

@@ -134,11 +134,11 @@ def routing_command(args: argparse.Namespace) -> int:
         print(f"--parts: unknown {sorted(unknown)}; choose from {PARTS}", file=sys.stderr)
         return 2
     spec = RoutingBenchSpec(parts=parts, **values)
-    work = log_folder(args.work_dir, "bench-routing-")
     command = recorded_command(sys.argv[1:])
     out: Path = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    fresh = run_routing(spec, work)
+    with log_folder(args.work_dir, "bench-routing-") as work:
+        fresh = run_routing(spec, work)
     for part in set(parts) & set(fresh):
         fresh[part]["command"] = command
     result = {"command": command, **merge_parts(out / "routing.json", fresh, parts)}

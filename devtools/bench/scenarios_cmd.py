@@ -126,7 +126,6 @@ def scenarios_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    work = log_folder(args.work_dir, "bench-scenarios-")
     command = recorded_command(sys.argv[1:])
     previous_path = args.out_dir / "scenarios.json"
     previous = json.loads(previous_path.read_text()) if previous_path.exists() else None
@@ -139,7 +138,8 @@ def scenarios_command(args: argparse.Namespace) -> int:
         render(args.out_dir, command)
         return partial
 
-    data = save(run_scenarios(spec, stacks, args.out_dir, work, on_progress=save))
+    with log_folder(args.work_dir, "bench-scenarios-") as work:
+        data = save(run_scenarios(spec, stacks, args.out_dir, work, on_progress=save))
     summary = render(args.out_dir, command)
     print(json.dumps(summary, indent=2))
     for stack, error in data["errors"].items():

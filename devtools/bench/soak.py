@@ -119,8 +119,8 @@ def _backends(spec: SoakSpec, logs: Path, stack: ExitStack) -> tuple[dict[str, A
 
 def run_soak(spec: SoakSpec, log_dir: Path | None = None) -> dict[str, Any]:
     """Start backends and the router process, soak, stop everything; the raw results."""
-    logs = log_folder(log_dir, "bench-soak-")
     with ExitStack() as stack:
+        logs = stack.enter_context(log_folder(log_dir, "bench-soak-"))
         config, model = _backends(spec, logs, stack)
         (port,) = free_ports(1)
         router = stack.enter_context(our_router(config, port, logs))

@@ -122,8 +122,8 @@ def vllm_serve_command(args: argparse.Namespace) -> int:
     if unknown or not stacks:
         print(f"error: --stacks: unknown {unknown}, choose from {SERVE_STACKS}", file=sys.stderr)
         return 2
-    work = log_folder(args.work_dir, "bench-vllm-serve-")
-    result = run_serve_benchmark(recipe, stacks, args.out_dir, work)
+    with log_folder(args.work_dir, "bench-vllm-serve-") as work:
+        result = run_serve_benchmark(recipe, stacks, args.out_dir, work)
     run = {
         "command": recorded_command(sys.argv[1:]),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

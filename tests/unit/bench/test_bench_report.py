@@ -261,22 +261,40 @@ def test_cpu_ratio_spread_is_each_saturation_rounds_own_ratio(tmp_path: Path) ->
     assert "floor_cpu_over_vllm_router" not in summary["spread"]  # no floor in this run
 
 
-def test_log_folder_is_the_given_one_or_a_new_temporary_one_and_is_named(
+def test_log_folder_is_the_given_one_kept_or_a_temporary_one_removed_after_and_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     given = tmp_path / "a" / "logs"
-    assert log_folder(given, "bench-x-") == given
-    assert given.is_dir()
-    made = log_folder(None, "bench-x-")
-    try:
+    with log_folder(given, "bench-x-") as folder:
+        assert folder == given
+        (folder / "child.log").write_text("x")
+    assert (given / "child.log").is_file()
+    with log_folder(None, "bench-x-") as made:
         assert made.is_dir()
         assert made.name.startswith("bench-x-")
-    finally:
-        made.rmdir()
+        (made / "child.log").write_text("x")
+    assert not made.exists()
     assert capsys.readouterr().err.splitlines() == [
         f"child process logs: {given}",
         f"child process logs: {made}",
     ]
+
+
+def test_log_folder_of_a_run_that_raised_is_kept_and_named(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(RuntimeError, match="stack failed"), log_folder(None, "bench-x-") as made:
+        (made / "child.log").write_text("x")
+        raise RuntimeError("stack failed")
+    try:
+        assert (made / "child.log").read_text() == "x"
+        assert capsys.readouterr().err.splitlines() == [
+            f"child process logs: {made}",
+            f"child process logs kept: {made}",
+        ]
+    finally:
+        (made / "child.log").unlink()
+        made.rmdir()
 
 
 def test_recorded_command_leaves_out_the_work_dir() -> None:
