@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
+import anyio
 import msgspec
 import uvicorn
 import zmq.asyncio
@@ -224,6 +225,9 @@ class Fleet:
         return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout=timeout)
 
     async def _start(self) -> None:
+        # Starlette's StreamingResponse loads anyio's asyncio backend on its first use: done
+        # here, not in the first streamed answer of the process (about 0.1 s).
+        await anyio.sleep(0)
         tokens = self._tokens = Tokens(self.spec.tokenizer_dir)
         self._ctx = zmq.asyncio.Context() if self.spec.kv_events else None
         roles: list[tuple[Role, int]] = [
