@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.arrivals import arrival_offsets
+from bench.breakdown import ROUTER_STAGES, histogram_means, scrape
 from bench.client import Target, send_request
 from bench.dataset import BenchRequest
 from bench.emulated_stack import emulator_process, fleet_instances
@@ -158,17 +159,25 @@ def send_plan(
 
 
 async def _offer(
-    plan: Sequence[Sequence[tuple[Target, BenchRequest]]], rate: float, seed: int
-) -> list[RequestRecord]:
-    """Each arrival's sends at its Poisson offset; every record once all have ended."""
+    plan: Sequence[Sequence[tuple[Target, BenchRequest]]],
+    rate: float,
+    seed: int,
+    metrics: dict[str, str],
+) -> tuple[list[RequestRecord], dict[str, float]]:
+    """Each arrival's sends at its Poisson offset; every record once all have ended, and the
+    mean milliseconds of each router TTFT stage over them (scraped from ``metrics``, named
+    ``/metrics`` URLs, before and after; empty when none)."""
     offsets = arrival_offsets(len(plan), rate, seed=seed)
     async with make_client() as client:
+        before = await scrape(client, metrics)
 
         async def arrival(i: int) -> list[RequestRecord]:
             return await asyncio.gather(*(send_request(client, t, r) for t, r in plan[i]))
 
         tasks = await launch_paced(arrival, offsets, time.perf_counter())
-        return [record for sends in await asyncio.gather(*tasks) for record in sends]
+        records = [record for sends in await asyncio.gather(*tasks) for record in sends]
+        means = histogram_means(before, await scrape(client, metrics))
+    return records, {k: v for k, v in means.items() if ROUTER_STAGES in k}
 
 
 def run_once(
@@ -204,7 +213,9 @@ def run_once(
         targets = [Target(f"http://127.0.0.1:{port}", model) for port in ports]
         p_urls = [entry["url"] for entry in instances["prefill"]]
         before = p_cache_counters(p_urls)
-        records = asyncio.run(_offer(send_plan(run, requests, targets), spec.rate, spec.seed))
+        metrics = {"router": f"{targets[0].base_url}/metrics"} if run == "one" else {}
+        plan = send_plan(run, requests, targets)
+        records, stages = asyncio.run(_offer(plan, spec.rate, spec.seed, metrics))
         p_hit_rate = hit_rate(before, p_cache_counters(p_urls))
     ok = [r for r in records if r.success]
     result: dict[str, Any] = {
@@ -216,6 +227,8 @@ def run_once(
         "p_hit_rate": p_hit_rate,
         "mean_ttft_ms": 1000 * statistics.fmean(r.ttft for r in ok) if ok else 0.0,
     }
+    if stages:
+        result["router_ttft_stages_ms"] = stages
     if run == "agreement":
         choices = [chosen_prefills(r.log_path.read_text().splitlines()) for r in routers]
         result["agreement"], result["compared"] = agreement(choices)

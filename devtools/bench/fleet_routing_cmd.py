@@ -91,6 +91,20 @@ def format_report(data: dict[str, Any]) -> str:
             f"| {name} | {run['routers']} | {run['sent']} | {run['failed']} | {hit} | {ttft} "
             f"| {same} |"
         )
+    lines += _stages_lines(runs.get("one", {}).get("router_ttft_stages_ms", {}))
     lines += ["", "Summary:", ""]
     lines += [f"- `{k}`: {v}" for k, v in data["summary"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _stages_lines(stages: dict[str, float]) -> list[str]:
+    """The `one` run's router TTFT stages (``router:<histogram>{<stage>}`` -> mean ms) as a
+    sentence, in the order the router exported them; none when the run recorded none."""
+    if not stages:
+        return []
+    parts = [f"{key.rsplit('{', 1)[-1].rstrip('}')} {ms:.2f} ms" for key, ms in stages.items()]
+    return [
+        "",
+        "Where `one`'s TTFT goes inside the router (means of its `disagg_router_ttft_stage_seconds`"
+        f" over the run): {', '.join(parts)}; they add up to {sum(stages.values()):.2f} ms.",
+    ]

@@ -40,3 +40,20 @@ def test_vllm_router_serves_the_workload_from_the_emulated_fleets_events(tmp_pat
     assert run["sent"] == len(requests) and run["failed"] == 0, run
     # repeated system prompts: P's cache served some of the prompts
     assert run["p_hit_rate"] > 0 and run["mean_ttft_ms"] > 0
+
+
+def test_one_records_where_the_routers_ttft_goes_stage_by_stage(tmp_path: Path) -> None:
+    requests = kv_requests(SPEC.workload())
+    run = run_once("one", SPEC, requests, tmp_path)
+    assert run["sent"] == len(requests) and run["failed"] == 0, run
+    stages = {
+        key.rsplit("{", 1)[-1].rstrip("}"): ms for key, ms in run["router_ttft_stages_ms"].items()
+    }
+    # a push-mode stream: both legs sent, P's leg, P done to D's first token, the relay
+    assert set(stages) == {
+        "accept_to_legs_sent",
+        "prefill",
+        "prefill_done_to_first_token",
+        "relay_to_client",
+    }
+    assert all(ms > 0 for ms in stages.values()), stages

@@ -134,3 +134,20 @@ def test_the_report_names_its_command_runs_and_keys() -> None:
     assert "| spread | 3 | 10 | 0 | 0.500 | 20.0 | - |" in report
     assert "- `replica_choice_agreement`: 0.9" in report
     assert set(RUNS) >= set(runs)
+
+
+def test_the_report_says_where_ones_ttft_goes_inside_the_router_when_recorded() -> None:
+    spec = FleetRoutingSpec(size=4, vllm_router=False)
+    runs = _runs(one=(0.5, 20.0), spread=(0.5, 20.0), agreement=(0.0, 0.0))
+    data = {"spec": asdict(spec), "requests": 10, "best_hit_rate": 0.7, "runs": runs}
+    data["summary"] = summary_keys(spec, runs)
+    assert "TTFT goes inside the router" not in format_report(data)
+    runs["one"]["router_ttft_stages_ms"] = {
+        "router:disagg_router_ttft_stage_seconds{accept_to_legs_sent}": 0.5,
+        "router:disagg_router_ttft_stage_seconds{prefill}": 8.0,
+        "router:disagg_router_ttft_stage_seconds{relay_to_client}": 0.25,
+    }
+    assert (
+        "over the run): accept_to_legs_sent 0.50 ms, prefill 8.00 ms, relay_to_client 0.25 ms; "
+        "they add up to 8.75 ms." in format_report(data)
+    )
