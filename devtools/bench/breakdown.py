@@ -3,7 +3,9 @@
 Who calls it: the scenario sweep, around each point: :func:`scrape` every ``/metrics`` endpoint
 of the target (router, P, D or the aggregated instance) before and after, then
 :func:`histogram_means` gives the mean of each histogram below over exactly that point's
-requests (delta of ``_sum`` / delta of ``_count``). The router's stages add up to its TTFT
+requests (delta of ``_sum`` / delta of ``_count``); :func:`router_stages` gives the router's
+stages alone, by stage (the overhead, vllm-serve and fleet-routing benchmarks around their
+loads). The router's stages add up to its TTFT
 (``disagg_router.router.observability.timeline``); vLLM's and the connector's split P's and D's part
 of it.
 """
@@ -70,3 +72,13 @@ def histogram_means(before: dict[str, Totals], after: dict[str, Totals]) -> dict
             if count > count0:
                 means[f"{name}:{key}"] = 1000 * (total - total0) / (count - count0)
     return means
+
+
+def router_stages(
+    before: dict[str, Totals], after: dict[str, Totals], name: str = "router"
+) -> dict[str, float]:
+    """Mean ms per request of each of the router's TTFT stages between two scrapes, keyed by
+    stage; ``name``: what the scrapes call the router's ``/metrics``."""
+    prefix = f"{name}:{ROUTER_STAGES}{{"
+    means = histogram_means(before, after)
+    return {k[len(prefix) : -1]: v for k, v in means.items() if k.startswith(prefix)}

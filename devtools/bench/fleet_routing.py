@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.arrivals import arrival_offsets
-from bench.breakdown import ROUTER_STAGES, histogram_means, scrape
+from bench.breakdown import router_stages, scrape
 from bench.client import Target, send_request
 from bench.dataset import BenchRequest
 from bench.emulated_stack import emulator_process, fleet_instances
@@ -162,12 +162,13 @@ async def _offer(
     plan: Sequence[Sequence[tuple[Target, BenchRequest]]],
     rate: float,
     seed: int,
-    metrics: dict[str, str],
+    metrics_url: str | None,
 ) -> tuple[list[RequestRecord], dict[str, float]]:
     """Each arrival's sends at its Poisson offset; every record once all have ended, and the
-    mean milliseconds of each router TTFT stage over them (scraped from ``metrics``, named
-    ``/metrics`` URLs, before and after; empty when none)."""
+    mean milliseconds of each router TTFT stage over them, by stage (scraped from the router's
+    ``metrics_url`` before and after; empty when None)."""
     offsets = arrival_offsets(len(plan), rate, seed=seed)
+    metrics = {"router": metrics_url} if metrics_url is not None else {}
     async with make_client() as client:
         before = await scrape(client, metrics)
 
@@ -176,8 +177,8 @@ async def _offer(
 
         tasks = await launch_paced(arrival, offsets, time.perf_counter())
         records = [record for sends in await asyncio.gather(*tasks) for record in sends]
-        means = histogram_means(before, await scrape(client, metrics))
-    return records, {k: v for k, v in means.items() if ROUTER_STAGES in k}
+        stages = router_stages(before, await scrape(client, metrics))
+    return records, stages
 
 
 def run_once(
@@ -213,9 +214,9 @@ def run_once(
         targets = [Target(f"http://127.0.0.1:{port}", model) for port in ports]
         p_urls = [entry["url"] for entry in instances["prefill"]]
         before = p_cache_counters(p_urls)
-        metrics = {"router": f"{targets[0].base_url}/metrics"} if run == "one" else {}
+        metrics_url = f"{targets[0].base_url}/metrics" if run == "one" else None
         plan = send_plan(run, requests, targets)
-        records, stages = asyncio.run(_offer(plan, spec.rate, spec.seed, metrics))
+        records, stages = asyncio.run(_offer(plan, spec.rate, spec.seed, metrics_url))
         p_hit_rate = hit_rate(before, p_cache_counters(p_urls))
     ok = [r for r in records if r.success]
     result: dict[str, Any] = {

@@ -98,11 +98,11 @@ def format_report(data: dict[str, Any]) -> str:
 
 
 def _stages_lines(stages: dict[str, float]) -> list[str]:
-    """The `one` run's router TTFT stages (``router:<histogram>{<stage>}`` -> mean ms) as a
-    sentence, in the order the router exported them; none when the run recorded none."""
+    """The `one` run's router TTFT stages (stage -> mean ms) as a sentence, in the order the
+    router exported them; none when the run recorded none."""
     if not stages:
         return []
-    parts = [f"{key.rsplit('{', 1)[-1].rstrip('}')} {ms:.2f} ms" for key, ms in stages.items()]
+    parts = [f"{stage} {ms:.2f} ms" for stage, ms in stages.items()]
     return [
         "",
         "Where `one`'s TTFT goes inside the router (means of its `disagg_router_ttft_stage_seconds`"

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from bench.breakdown import ROUTER_STAGES, histogram_means, scrape
+from bench.breakdown import router_stages, scrape
 from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
@@ -161,10 +161,7 @@ async def _stages_during(
         return await load, None
     before = await scrape(client, {name: metrics_url})
     result = await load
-    means = histogram_means(before, await scrape(client, {name: metrics_url}))
-    prefix = f"{name}:{ROUTER_STAGES}{{"
-    stages = {k[len(prefix) : -1]: v for k, v in means.items() if k.startswith(prefix)}
-    return result, stages
+    return result, router_stages(before, await scrape(client, {name: metrics_url}), name)
 
 
 async def measure(

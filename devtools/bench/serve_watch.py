@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.breakdown import ROUTER_STAGES, histogram_means, scrape
+from bench.breakdown import router_stages, scrape
 from bench.loadgen import make_client
 from devstack.process import tree_cpu_seconds
 
@@ -79,13 +79,6 @@ async def _stage_totals(url: str | None) -> dict[str, Any]:
         return {}
     async with make_client() as client:
         return await scrape(client, {"router": url})
-
-
-def router_stages(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
-    """Mean ms per request of each of the router's TTFT stages between two scrapes."""
-    prefix = f"router:{ROUTER_STAGES}{{"
-    means = histogram_means(before, after)
-    return {k[len(prefix) : -1]: v for k, v in means.items() if k.startswith(prefix)}
 
 
 def watched(

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from bench.breakdown import ROUTER_STAGES
-from bench.serve_watch import PointWatch, process_shares, router_stages, watched
+from bench.breakdown import ROUTER_STAGES, router_stages
+from bench.serve_watch import PointWatch, process_shares, watched
 
 
 def test_shares_are_cpu_over_the_run_duration_and_per_completed_request() -> None:
