@@ -9,6 +9,13 @@ offered loads (the points are fractions of the real stack's capacity in both run
 own closed-loop capacity is compared too). Per point it compares
 mean TTFT and TPOT (emulated / real - 1), and per stack and input length the ratios the project
 reports (loaded over light TTFT; ours over aggregated TTFT at each fraction).
+
+With ``real_runs`` > 1 the real sweep runs again after the emulated one, at the first real run's
+offered loads: the emulated run is then compared with the real runs' mean (the emulated sweep
+sits between them in time, so a machine whose speed drifts meets both sides alike), and the real
+runs are compared with each other the same way (each later run against the first), which is how
+far apart two measurements of the same stack on this machine come out: the floor under the
+emulator's errors.
 """
 
 from __future__ import annotations
@@ -22,16 +29,25 @@ from bench.emulated_stack import start_emulated
 from bench.scenarios import SweepSpec, run_scenarios
 
 METRICS = ("mean_ttft_ms", "mean_tpot_ms")
+ALONE = {"mean_ttft_ms": "ttft_ms", "mean_tpot_ms": "tpot_ms"}
+"""Each metric's name among a point's ``alone`` figures (:mod:`bench.scenarios`: its warm-up
+requests, each alone on idle instances just before the point)."""
 
 
 def _key(row: dict[str, Any]) -> tuple[str, int, float, int]:
     return (row["stack"], row["input_len"], row["fraction"], row["rep"])
 
 
+def _error(top: float | None, bottom: float | None) -> float | None:
+    return (top / bottom - 1) if top and bottom else None
+
+
 def point_errors(
     real: list[dict[str, Any]], emulated: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Per point present in both runs: the real and emulated means and their relative error."""
+    """Per point present in both runs: the real and emulated means and their relative error
+    (``error_*``); and each run's requests alone before the point (``*_alone_*``, None where a
+    run timed none): how fast the machine ran just then, beside the twins' profile."""
     found = {_key(r): r for r in emulated}
     out = []
     for row in real:
@@ -44,7 +60,10 @@ def point_errors(
         for name in METRICS:
             a, b = twin["metrics"].get(name), row["metrics"].get(name)
             cell[f"real_{name}"], cell[f"emulated_{name}"] = b, a
-            cell[f"error_{name}"] = (a / b - 1) if a and b else None
+            cell[f"error_{name}"] = _error(a, b)
+            alone_a = twin.get("alone", {}).get(ALONE[name])
+            alone_b = row.get("alone", {}).get(ALONE[name])
+            cell[f"real_alone_{name}"], cell[f"emulated_alone_{name}"] = alone_b, alone_a
         out.append(cell)
     return out
 
@@ -62,6 +81,54 @@ def ratio_errors(points: list[dict[str, Any]], spec: SweepSpec) -> list[dict[str
             base = at[("aggregated", length, fraction)]
             out.append(_ratio(f"TTFT ours/aggregated at {length}, {fraction:g}", p, base))
     return out
+
+
+def mean_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per point present in every run, its :data:`METRICS` the runs' mean (a metric
+    missing from any run is left out)."""
+    if len(runs) == 1:
+        return runs[0]
+    later = [{_key(r): r for r in rows} for rows in runs[1:]]
+    out = []
+    for row in runs[0]:
+        same = [row] + [found[_key(row)] for found in later if _key(row) in found]
+        if len(same) < len(runs):
+            continue
+        metrics = _mean([r["metrics"] for r in same], METRICS)
+        alone = _mean([r.get("alone", {}) for r in same], tuple(ALONE.values()))
+        out.append({**row, "metrics": metrics, "alone": alone})
+    return out
+
+
+def _mean(found: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, float]:
+    """Each of ``names`` that every mapping has, averaged over them."""
+    out = {}
+    for name in names:
+        values = [float(f[name]) for f in found if f.get(name) is not None]
+        if len(values) == len(found):
+            out[name] = sum(values) / len(values)
+    return out
+
+
+def repeat_errors(runs: list[list[dict[str, Any]]], spec: SweepSpec) -> dict[str, Any]:
+    """How far each later real run is from the first, per point and per ratio, as
+    :func:`point_errors` and :func:`ratio_errors` measure the emulated run; empty lists for
+    one run."""
+    points, ratios = [], []
+    for rows in runs[1:]:
+        found = point_errors(runs[0], rows)
+        points += found
+        ratios += ratio_errors(found, spec)
+    return {"points": points, "ratios": ratios}
+
+
+def _worst(points: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> dict[str, Any]:
+    """The largest point error (TTFT or TPOT) and ratio error, rounded; None where none."""
+    errors = [abs(e) for p in points for m in METRICS if (e := p[f"error_{m}"]) is not None]
+    return {
+        "point": round(max(errors), 3) if errors else None,
+        "ratio": round(max(abs(r["error"]) for r in ratios), 3) if ratios else None,
+    }
 
 
 def _ratio(name: str, top: dict[str, Any], bottom: dict[str, Any]) -> dict[str, Any]:
@@ -97,27 +164,51 @@ def capacity_errors(
 
 
 def run_accuracy(
-    spec: SweepSpec, stacks: tuple[str, ...], out: Path, work: Path, profile: str = "cpu-tiny"
+    spec: SweepSpec,
+    stacks: tuple[str, ...],
+    out: Path,
+    work: Path,
+    profile: str = "cpu-tiny",
+    real_runs: int = 1,
 ) -> dict[str, Any]:
-    """Both sweeps (real first), then the comparison; the twins run ``profile`` (a profile's
-    name or file)."""
+    """The real sweep, the emulated one, then ``real_runs - 1`` more real ones; the twins run
+    ``profile`` (a profile's name or file). Then the comparison (module docstring)."""
     real = run_scenarios(spec, stacks, out / "real", work / "real")
     same_load = replace(spec, given_capacity_rps=_capacities(real["capacities"]))
     starter = partial(start_emulated, profile=profile, pin_processes=spec.pin_processes)
     emulated = run_scenarios(same_load, stacks, out / "emulated", work / "emulated", starter)
-    points = point_errors(real["rows"], emulated["rows"])
+    again = [
+        run_scenarios(same_load, stacks, out / f"real-{n}", work / f"real-{n}")
+        for n in range(2, real_runs + 1)
+    ]
+    real_rows = [real["rows"]] + [run["rows"] for run in again]
+    points = point_errors(mean_rows(real_rows), emulated["rows"])
     ratios = ratio_errors(points, spec)
-    errors = [abs(p[f"error_{m}"]) for p in points for m in METRICS if p[f"error_{m}"] is not None]
+    repeats = repeat_errors(real_rows, spec)
+    worst, floor = _worst(points, ratios), _worst(repeats["points"], repeats["ratios"])
+    summary = {
+        "emulator_cpu_point_error_max": worst["point"],
+        "emulator_cpu_ratio_error_max": worst["ratio"],
+    }
+    if again:
+        summary["real_repeat_point_error_max"] = floor["point"]
+        summary["real_repeat_ratio_error_max"] = floor["ratio"]
+    real_errors = [real["errors"]] + [run["errors"] for run in again]
     return {
         "stacks": list(stacks),
-        "errors": {"real": real["errors"], "emulated": emulated["errors"]},
+        "real_runs": real_runs,
+        "errors": {"real": _merged(real_errors), "emulated": emulated["errors"]},
         "points": points,
         "ratios": ratios,
+        "repeats": repeats,
         "capacities": capacity_errors(real["capacities"], emulated["capacities"]),
-        "summary": {
-            "emulator_cpu_point_error_max": round(max(errors), 3) if errors else None,
-            "emulator_cpu_ratio_error_max": (
-                round(max(abs(r["error"]) for r in ratios), 3) if ratios else None
-            ),
-        },
+        "summary": summary,
     }
+
+
+def _merged(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The real runs' per-stack errors in one mapping, a later run's under ``<stack> (run n)``."""
+    out = dict(errors[0])
+    for n, found in enumerate(errors[1:], start=2):
+        out.update({f"{stack} (run {n})": error for stack, error in found.items()})
+    return out

@@ -32,6 +32,21 @@ def add_emulator_accuracy_arguments(parser: argparse.ArgumentParser) -> None:
         help="fit the twins' profile to vLLM CPU in this run first (as fit-profile does), so "
         f"both sweeps meet the machine in one state; written to --out-dir/{FITTED_PROFILE}",
     )
+    parser.add_argument(
+        "--real-runs",
+        type=_at_least_one,
+        default=1,
+        help="run the real sweep this many times (the later ones after the emulated sweep, at "
+        "the same loads): the emulator is compared with their mean, and the real runs with "
+        "each other, which is how far this machine lets two measurements agree (default 1)",
+    )
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def emulator_accuracy_command(args: argparse.Namespace) -> int:
@@ -47,7 +62,8 @@ def emulator_accuracy_command(args: argparse.Namespace) -> int:
     def run(work: Path) -> dict[str, Any]:
         fit = _fit(work, fitted, spec.pin_processes) if fitted is not None else None
         profile = str(fitted) if fitted is not None else "cpu-tiny"
-        return {**run_accuracy(spec, stacks, runs, work, profile), "fit": fit}
+        found = run_accuracy(spec, stacks, runs, work, profile, args.real_runs)
+        return {**found, "fit": fit}
 
     data = run_in_work_dir(run, args.work_dir, "bench-accuracy-")
     if data is None:
@@ -88,6 +104,69 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.0f} %"
 
 
+def _point_row(p: dict[str, Any]) -> str:
+    """A point's table row: TTFT and TPOT of the reference and the compared run, and error."""
+    return (
+        f"| {p['stack']} | {p['input_len']} | {p['fraction']:g} | "
+        f"{p['real_mean_ttft_ms']:.1f} / {p['emulated_mean_ttft_ms']:.1f} "
+        f"({_pct(p['error_mean_ttft_ms'])}) | {p['real_mean_tpot_ms']:.2f} / "
+        f"{p['emulated_mean_tpot_ms']:.2f} ({_pct(p['error_mean_tpot_ms'])}) |"
+    )
+
+
+def _alone_lines(points: list[dict[str, Any]]) -> list[str]:
+    """Where the points timed requests alone before them: those figures in both runs (the
+    emulated ones follow the twins' profile; the real ones, the machine's speed just then)."""
+    timed = [p for p in points if p.get("real_alone_mean_tpot_ms") is not None]
+    if not timed:
+        return []
+    lines = [
+        "",
+        "Each point starts with its warm-up request alone on idle instances. The emulated one "
+        "follows the twins' profile; the real one shows how fast the machine ran just before "
+        "the point.",
+        "",
+        "| stack | input | x capacity | alone TTFT ms real / emulated "
+        "| alone TPOT ms real / emulated |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for p in timed:
+        lines.append(
+            f"| {p['stack']} | {p['input_len']} | {p['fraction']:g} | "
+            f"{p['real_alone_mean_ttft_ms']:.1f} / {p['emulated_alone_mean_ttft_ms']:.1f} | "
+            f"{p['real_alone_mean_tpot_ms']:.2f} / {p['emulated_alone_mean_tpot_ms']:.2f} |"
+        )
+    return lines
+
+
+def _ratio_row(r: dict[str, Any]) -> str:
+    return f"| {r['ratio']} | {r['real']:.3f} | {r['emulated']:.3f} | {_pct(r['error'])} |"
+
+
+def _repeat_lines(data: dict[str, Any]) -> list[str]:
+    """With more than one real run: how far each later real run came from the first (the
+    emulator's errors above are against the runs' mean)."""
+    repeats = data.get("repeats") or {"points": [], "ratios": []}
+    if not repeats["points"]:
+        return []
+    lines = [
+        "",
+        f"The real sweep ran {data['real_runs']} times (the later runs after the emulated one, "
+        "at the same loads); the real figures above are their mean. Each later real run "
+        "against the first:",
+        "",
+        "| stack | input | x capacity | TTFT ms first / later (difference) "
+        "| TPOT ms first / later (difference) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for p in repeats["points"]:
+        lines.append(_point_row(p))
+    lines += ["", "| ratio | first | later | difference |", "| --- | --- | --- | --- |"]
+    for r in repeats["ratios"]:
+        lines.append(_ratio_row(r))
+    return lines
+
+
 def format_report(data: dict[str, Any]) -> str:
     """emulator-accuracy.md: the command, per point real vs emulated, the ratios, the keys."""
     lines = [
@@ -105,17 +184,12 @@ def format_report(data: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for p in data["points"]:
-        lines.append(
-            f"| {p['stack']} | {p['input_len']} | {p['fraction']:g} | "
-            f"{p['real_mean_ttft_ms']:.1f} / {p['emulated_mean_ttft_ms']:.1f} "
-            f"({_pct(p['error_mean_ttft_ms'])}) | {p['real_mean_tpot_ms']:.2f} / "
-            f"{p['emulated_mean_tpot_ms']:.2f} ({_pct(p['error_mean_tpot_ms'])}) |"
-        )
+        lines.append(_point_row(p))
+    lines += _alone_lines(data["points"])
     lines += ["", "| ratio | real | emulated | error |", "| --- | --- | --- | --- |"]
     for r in data["ratios"]:
-        lines.append(
-            f"| {r['ratio']} | {r['real']:.3f} | {r['emulated']:.3f} | {_pct(r['error'])} |"
-        )
+        lines.append(_ratio_row(r))
+    lines += _repeat_lines(data)
     lines += [
         "",
         "| stack | input | capacity req/s real / emulated (error) |",

@@ -197,19 +197,24 @@ async def sweep_target(
                         )
 
 
-async def _prepare(client: httpx.AsyncClient, sweep: _Sweep, input_len: int, what: str) -> float:
-    """Wait until the instances are idle, then send the warm-ups; returns the idle wait in s."""
+async def _prepare(
+    client: httpx.AsyncClient, sweep: _Sweep, input_len: int, what: str
+) -> tuple[float, dict[str, float]]:
+    """Wait until the instances are idle, then send the warm-ups; returns the idle wait in s and
+    the warm-ups' mean TTFT and TPOT (``ttft_ms``, ``tpot_ms``; empty without warm-ups): each
+    request alone on idle instances, how fast the machine runs just before the point."""
     waited = await wait_idle(client, instance_metrics(sweep.target), sweep.spec.idle_timeout_s)
     spec = sweep.spec
-    if spec.num_warmups:
-        warm = sweep.prompts(spec.num_warmups, input_len, f"warm/{what}")
-        limit = spec.point_time_limit_s
-        load = LoadSpec(max_concurrency=1, show_progress=False, time_limit_s=limit)
-        result = await run_load(client, sweep.target, warm, load)
-        failed = [r.error for r in result.records if not r.success]
-        if failed:
-            raise RuntimeError(f"warm-up failed, stack skipped: {failed[0][:500]}")
-    return waited
+    if not spec.num_warmups:
+        return waited, {}
+    warm = sweep.prompts(spec.num_warmups, input_len, f"warm/{what}")
+    limit = spec.point_time_limit_s
+    load = LoadSpec(max_concurrency=1, show_progress=False, time_limit_s=limit)
+    result = await run_load(client, sweep.target, warm, load)
+    failed = [r.error for r in result.records if not r.success]
+    if failed:
+        raise RuntimeError(f"warm-up failed, stack skipped: {failed[0][:500]}")
+    return waited, {"ttft_ms": result.metrics.ttft.mean_ms, "tpot_ms": result.metrics.tpot.mean_ms}
 
 
 async def _measure_capacity(client: httpx.AsyncClient, sweep: _Sweep, input_len: int) -> float:
@@ -255,7 +260,7 @@ async def _run_point(
     """One point: Poisson load at ``fraction x capacity``; writes ``runs/<point>.json``."""
     spec, target = sweep.spec, sweep.target
     name = point_name(sweep.stack, input_len, fraction, rep)
-    idle_wait_s = await _prepare(client, sweep, input_len, f"f{fraction:g}/{rep}")
+    idle_wait_s, alone = await _prepare(client, sweep, input_len, f"f{fraction:g}/{rep}")
     rate = fraction * capacity
     n = spec.num_requests(rate)
     requests = sweep.prompts(n, input_len, f"f{fraction:g}/{rep}")
@@ -283,6 +288,7 @@ async def _run_point(
         "rate": rate,
         "num_requests": n,
         "idle_wait_s": idle_wait_s,
+        "alone": alone,
         "metrics": metrics,
         "errors": [r.error for r in result.records if not r.success][:5],
         "ttft_breakdown_ms": histogram_means(before, after),

@@ -160,6 +160,7 @@ def rows_from_runs(out_dir: Path) -> list[dict[str, Any]]:
         "rate",
         "num_requests",
         "idle_wait_s",
+        "alone",
         "metrics",
         "errors",
         "ttft_breakdown_ms",

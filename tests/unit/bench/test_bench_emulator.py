@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from bench.churn import Churn, ChurnSpec, Outcome, churn_result
-from bench.emulator_accuracy import capacity_errors, point_errors, ratio_errors
+from bench.emulator_accuracy import (
+    capacity_errors,
+    mean_rows,
+    point_errors,
+    ratio_errors,
+    repeat_errors,
+)
+from bench.emulator_accuracy_cmd import format_report
 from bench.fleet_scale import pooled_runs
 from bench.profile_fit import decode_row, fit_estimates, nnls, predicted, prefill_row
 from bench.scenarios import SweepSpec
@@ -45,9 +52,25 @@ def test_the_fit_recovers_known_coefficients_and_never_goes_negative() -> None:
     assert min(nnls(skewed)) >= 0.0
 
 
-def _row(stack: str, length: int, fraction: float, ttft: float, tpot: float) -> dict[str, object]:
+def _row(
+    stack: str,
+    length: int,
+    fraction: float,
+    ttft: float,
+    tpot: float,
+    alone: tuple[float, float] | None = None,
+) -> dict[str, object]:
     metrics = {"mean_ttft_ms": ttft, "mean_tpot_ms": tpot}
-    return {"stack": stack, "input_len": length, "fraction": fraction, "rep": 0, "metrics": metrics}
+    row: dict[str, object] = {
+        "stack": stack,
+        "input_len": length,
+        "fraction": fraction,
+        "rep": 0,
+        "metrics": metrics,
+    }
+    if alone is not None:
+        row["alone"] = {"ttft_ms": alone[0], "tpot_ms": alone[1]}
+    return row
 
 
 def test_points_and_ratios_compare_the_emulated_run_with_the_real_one() -> None:
@@ -71,9 +94,69 @@ def test_points_and_ratios_compare_the_emulated_run_with_the_real_one() -> None:
     assert ratios["TTFT ours/aggregated at 512, 0.3"]["error"] == pytest.approx(0.0)
 
 
+def test_each_run_s_requests_alone_before_a_point_are_kept_beside_it() -> None:
+    real = [_row("ours", 512, 0.9, 300.0, 6.0, alone=(100.0, 3.0))]
+    emulated = [_row("ours", 512, 0.9, 150.0, 2.0, alone=(50.0, 1.5))]
+    [point] = point_errors(real, emulated)
+    assert point["error_mean_ttft_ms"] == pytest.approx(-0.5)
+    assert (point["real_alone_mean_ttft_ms"], point["emulated_alone_mean_ttft_ms"]) == (100, 50)
+    assert (point["real_alone_mean_tpot_ms"], point["emulated_alone_mean_tpot_ms"]) == (3, 1.5)
+    [untimed] = point_errors([_row("ours", 512, 0.9, 300.0, 6.0)], emulated)
+    assert untimed["real_alone_mean_tpot_ms"] is None
+
+
 def test_a_point_missing_from_one_run_is_left_out() -> None:
     real = [_row("ours", 512, 0.3, 100.0, 2.0), _row("ours", 2048, 0.3, 100.0, 2.0)]
     assert [p["input_len"] for p in point_errors(real, real[:1])] == [512]
+
+
+def test_real_runs_are_averaged_per_point_present_in_all() -> None:
+    first = [
+        _row("ours", 512, 0.3, 100.0, 2.0, alone=(10.0, 1.0)),
+        _row("ours", 2048, 0.3, 300.0, 3.0),
+    ]
+    second = [_row("ours", 512, 0.3, 120.0, 3.0, alone=(20.0, 2.0))]
+    [only] = mean_rows([first, second])
+    assert only["input_len"] == 512
+    assert only["metrics"] == {"mean_ttft_ms": 110.0, "mean_tpot_ms": 2.5}
+    assert only["alone"] == {"ttft_ms": 15.0, "tpot_ms": 1.5}
+    [no_alone] = mean_rows([first[1:], [_row("ours", 2048, 0.3, 100.0, 1.0, (1.0, 1.0))]])
+    assert no_alone["alone"] == {}
+    assert mean_rows([first]) == first
+
+
+def test_later_real_runs_are_measured_against_the_first() -> None:
+    spec = SweepSpec(fractions=(0.3, 0.9))
+    first = [_row("ours", 512, 0.3, 100.0, 2.0), _row("ours", 512, 0.9, 200.0, 4.0)]
+    second = [_row("ours", 512, 0.3, 100.0, 2.5), _row("ours", 512, 0.9, 300.0, 4.0)]
+    repeats = repeat_errors([first, second], spec)
+    assert [p["error_mean_tpot_ms"] for p in repeats["points"]] == pytest.approx([0.25, 0.0])
+    [ratio] = repeats["ratios"]
+    assert (ratio["real"], ratio["emulated"]) == pytest.approx((2.0, 3.0))
+    assert repeat_errors([first], spec) == {"points": [], "ratios": []}
+
+
+def test_the_report_shows_the_real_runs_against_each_other() -> None:
+    spec = SweepSpec(fractions=(0.3, 0.9))
+    first = [_row("ours", 512, 0.3, 100.0, 2.0), _row("ours", 512, 0.9, 200.0, 4.0)]
+    second = [_row("ours", 512, 0.3, 100.0, 2.5), _row("ours", 512, 0.9, 300.0, 4.0)]
+    points = point_errors(mean_rows([first, second]), first)
+    data = {
+        "command": "disagg-bench emulator-accuracy --real-runs 2",
+        "real_runs": 2,
+        "points": points,
+        "ratios": ratio_errors(points, spec),
+        "repeats": repeat_errors([first, second], spec),
+        "capacities": [],
+        "summary": {},
+    }
+    report = format_report(data)
+    assert "The real sweep ran 2 times" in report
+    assert "alone on idle instances" not in report  # no point timed a request alone
+    assert "| ours | 512 | 0.3 | 100.0 / 100.0 (+0 %) | 2.00 / 2.50 (+25 %) |" in report
+    assert "| ours TTFT loaded/light at 512 | 2.000 | 3.000 | +50 % |" in report
+    data["repeats"] = {"points": [], "ratios": []}
+    assert "The real sweep ran" not in format_report(data)
 
 
 def test_fleet_scale_pools_the_cpu_of_both_runs_of_a_size() -> None:
@@ -152,3 +235,16 @@ def test_churn_counts_only_failures_no_killed_instance_explains() -> None:
     assert result["summary"]["churn_failed_requests"] == 2
     assert [o["request_id"] for o in result["unexplained"]] == ["c", None]
     assert (result["kills"], result["joins"], result["requests_in_flight_at_kills"]) == (2, 1, 2)
+
+
+def test_the_report_shows_the_requests_alone_before_each_point() -> None:
+    real = [_row("ours", 512, 0.9, 300.0, 6.0, alone=(100.0, 3.0))]
+    emulated = [_row("ours", 512, 0.9, 150.0, 2.0, alone=(50.0, 1.5))]
+    data = {
+        "command": "disagg-bench emulator-accuracy",
+        "points": point_errors(real, emulated),
+        "ratios": [],
+        "capacities": [],
+        "summary": {},
+    }
+    assert "| ours | 512 | 0.9 | 100.0 / 50.0 | 3.00 / 1.50 |" in format_report(data)
