@@ -100,13 +100,14 @@ def log_folder(given: Path | None, prefix: str) -> Iterator[Path]:
 def run_in_work_dir(
     run: Callable[[Path], dict[str, Any]], given: Path | None, prefix: str
 ) -> dict[str, Any] | None:
-    """``run(folder)`` in ``given``, else in a new temporary folder named ``prefix...``, removed
-    after; None when a stack's process failed to start (the error printed on stderr)."""
+    """``run(folder)`` in :func:`log_folder`'s folder (``given``, else a temporary one removed
+    when ``run`` returns and kept when it raises); None when a stack's process failed to start
+    (the error printed on stderr, the logs kept).
+
+    Who calls it: the benchmark commands whose whole run is one call."""
     try:
-        if given is not None:
-            return run(given)
-        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-            return run(Path(tmp))
+        with log_folder(given, prefix) as folder:
+            return run(folder)
     except ProcessStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None

@@ -17,7 +17,8 @@ from bench.report import (
     pair_ratio,
     render,
 )
-from bench.results import log_folder, recorded_command
+from bench.results import log_folder, recorded_command, run_in_work_dir
+from devstack.process import ProcessStartError
 
 
 def _row(
@@ -295,6 +296,34 @@ def test_log_folder_of_a_run_that_raised_is_kept_and_named(
     finally:
         (made / "child.log").unlink()
         made.rmdir()
+
+
+def test_a_run_whose_process_failed_to_start_gives_none_and_keeps_its_logs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    folders: list[Path] = []
+
+    def run(folder: Path) -> dict[str, Any]:
+        folders.append(folder)
+        (folder / "child.log").write_text("x")
+        raise ProcessStartError("router exited: port in use")
+
+    assert run_in_work_dir(run, None, "bench-x-") is None
+    [made] = folders
+    try:
+        assert (made / "child.log").read_text() == "x"
+        assert capsys.readouterr().err.splitlines() == [
+            f"child process logs: {made}",
+            f"child process logs kept: {made}",
+            "error: router exited: port in use",
+        ]
+    finally:
+        (made / "child.log").unlink()
+        made.rmdir()
+    done = run_in_work_dir(lambda folder: {"ran in": folder}, None, "bench-y-")
+    assert done is not None
+    assert done["ran in"].name.startswith("bench-y-")
+    assert not done["ran in"].exists()  # a run that returned leaves nothing
 
 
 def test_recorded_command_leaves_out_the_work_dir() -> None:
