@@ -14,7 +14,7 @@ from bench.fleet_routing import FleetRoutingSpec, run_fleet_routing
 from bench.results import command_with_options, run_in_work_dir, write_outputs
 
 COMMAND = ".venv/bin/disagg-bench fleet-routing --out-dir docs/benchmarks"
-_OPTIONS = ("size", "replicas", "rate", "chats", "groups")
+_OPTIONS = ("size", "replicas", "rate", "chats", "groups", "profile")
 
 
 def add_fleet_routing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,9 +25,15 @@ def add_fleet_routing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chats", type=int, default=defaults.chats)
     parser.add_argument("--groups", type=int, default=defaults.groups)
     parser.add_argument(
+        "--profile",
+        default=defaults.profile,
+        help="the emulator's profile (a name or a file); another than the default writes "
+        "fleet-routing-<profile>.json/.md",
+    )
+    parser.add_argument(
         "--no-vllm-router", action="store_true", help="skip the vllm-router kv_aware run"
     )
-    parser.add_argument("--out-dir", type=Path, default=Path("."), help="fleet-routing.json/.md")
+    parser.add_argument("--out-dir", type=Path, default=Path("."), help="the JSON and markdown")
     parser.add_argument("--work-dir", type=Path, help="model, logs (default: a temp dir)")
 
 
@@ -39,10 +45,17 @@ def fleet_routing_command(args: argparse.Namespace) -> int:
     )
     if data is None:
         return 1
+    stem = output_stem(spec.profile)
     out = args.out_dir
-    report = format_report(data)
-    write_outputs(data, report, out / "fleet-routing.json", out / "fleet-routing.md")
+    write_outputs(data, format_report(data), out / f"{stem}.json", out / f"{stem}.md")
     return 0
+
+
+def output_stem(profile: str) -> str:
+    """``fleet-routing`` for the default profile, else ``fleet-routing-<profile's name>``."""
+    if profile == FleetRoutingSpec().profile:
+        return "fleet-routing"
+    return f"fleet-routing-{Path(profile).stem}"
 
 
 def _command(spec: dict[str, Any]) -> str:

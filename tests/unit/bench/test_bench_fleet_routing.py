@@ -21,7 +21,7 @@ from bench.fleet_routing import (
     summary_keys,
     vllm_router_args,
 )
-from bench.fleet_routing_cmd import format_report
+from bench.fleet_routing_cmd import format_report, output_stem
 
 TARGETS = [Target(f"http://127.0.0.1:{port}", "m") for port in (8001, 8002, 8003)]
 REQUESTS = [BenchRequest((1, 2, i), 3, 4) for i in range(5)]
@@ -134,6 +134,17 @@ def test_the_report_names_its_command_runs_and_keys() -> None:
     assert "| spread | 3 | 10 | 0 | 0.500 | 20.0 | - |" in report
     assert "- `replica_choice_agreement`: 0.9" in report
     assert set(RUNS) >= set(runs)
+
+
+def test_a_run_with_another_profile_names_it_in_its_command_and_files() -> None:
+    spec = FleetRoutingSpec(profile="h200-qwen3-32b-tp1")
+    runs = _runs(one=(0.5, 20.0), spread=(0.5, 20.0), agreement=(0.0, 0.0))
+    data = {"spec": asdict(spec), "requests": 10, "best_hit_rate": 0.7, "runs": runs}
+    report = format_report({**data, "summary": {}})
+    assert "fleet-routing --profile h200-qwen3-32b-tp1 --out-dir docs/benchmarks`" in report
+    assert output_stem(spec.profile) == "fleet-routing-h200-qwen3-32b-tp1"
+    assert output_stem("profiles/h200.json") == "fleet-routing-h200"
+    assert output_stem(FleetRoutingSpec().profile) == "fleet-routing"
 
 
 def test_the_report_says_where_ones_ttft_goes_inside_the_router_when_recorded() -> None:
