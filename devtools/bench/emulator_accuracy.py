@@ -84,8 +84,8 @@ def ratio_errors(points: list[dict[str, Any]], spec: SweepSpec) -> list[dict[str
 
 
 def mean_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per point present in every run, its :data:`METRICS` the runs' mean (a metric
-    missing from any run is left out)."""
+    """One row per point present in every run, its :data:`METRICS` and its ``alone`` figures
+    the runs' means (a figure missing from any run is left out)."""
     if len(runs) == 1:
         return runs[0]
     later = [{_key(r): r for r in rows} for rows in runs[1:]]

@@ -76,6 +76,9 @@ def test_runner_sweeps_at_fractions_of_measured_capacity(tmp_path: Path) -> None
         capacity = caps[row["input_len"]]["request_throughput"]
         assert row["rate"] == pytest.approx(row["fraction"] * capacity)
         assert row["metrics"]["completed"] == 3 and row["metrics"]["goodput"] == 1.0
+        # the warm-up, alone on the idle stack just before the point, is timed
+        assert set(row["alone"]) == {"ttft_ms", "tpot_ms"}
+        assert row["alone"]["ttft_ms"] > 0 and row["alone"]["tpot_ms"] > 0
     run_file = tmp_path / "runs" / "aggregated_in16_f0.5_rep1.json"
     assert json.loads(run_file.read_text())["metrics"]["total_output_tokens"] == 12
     (tmp_path / "scenarios.json").write_text(json.dumps(data))
