@@ -139,8 +139,30 @@ def _alone_lines(points: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _ratio_row(r: dict[str, Any]) -> str:
-    return f"| {r['ratio']} | {r['real']:.3f} | {r['emulated']:.3f} | {_pct(r['error'])} |"
+def _point_table(points: list[dict[str, Any]], words: tuple[str, str, str]) -> list[str]:
+    """The points as a table; ``words``: what the reference run, the compared run and their
+    relative difference are called in its header."""
+    top, bottom, diff = words
+    return [
+        f"| stack | input | x capacity | TTFT ms {top} / {bottom} ({diff}) "
+        f"| TPOT ms {top} / {bottom} ({diff}) |",
+        "| --- | --- | --- | --- | --- |",
+        *(_point_row(p) for p in points),
+    ]
+
+
+def _ratio_table(ratios: list[dict[str, Any]], words: tuple[str, str, str]) -> list[str]:
+    """The ratios as a table, after a blank line; ``words`` as in :func:`_point_table`."""
+    top, bottom, diff = words
+    return [
+        "",
+        f"| ratio | {top} | {bottom} | {diff} |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {r['ratio']} | {r['real']:.3f} | {r['emulated']:.3f} | {_pct(r['error'])} |"
+            for r in ratios
+        ),
+    ]
 
 
 def _repeat_lines(data: dict[str, Any]) -> list[str]:
@@ -155,16 +177,9 @@ def _repeat_lines(data: dict[str, Any]) -> list[str]:
         "at the same loads); the real figures above are their mean. Each later real run "
         "against the first:",
         "",
-        "| stack | input | x capacity | TTFT ms first / later (difference) "
-        "| TPOT ms first / later (difference) |",
-        "| --- | --- | --- | --- | --- |",
     ]
-    for p in repeats["points"]:
-        lines.append(_point_row(p))
-    lines += ["", "| ratio | first | later | difference |", "| --- | --- | --- | --- |"]
-    for r in repeats["ratios"]:
-        lines.append(_ratio_row(r))
-    return lines
+    words = ("first", "later", "difference")
+    return lines + _point_table(repeats["points"], words) + _ratio_table(repeats["ratios"], words)
 
 
 def format_report(data: dict[str, Any]) -> str:
@@ -179,16 +194,11 @@ def format_report(data: dict[str, Any]) -> str:
         "",
         _fit_line(data.get("fit")),
         "",
-        "| stack | input | x capacity | TTFT ms real / emulated (error) "
-        "| TPOT ms real / emulated (error) |",
-        "| --- | --- | --- | --- | --- |",
     ]
-    for p in data["points"]:
-        lines.append(_point_row(p))
+    words = ("real", "emulated", "error")
+    lines += _point_table(data["points"], words)
     lines += _alone_lines(data["points"])
-    lines += ["", "| ratio | real | emulated | error |", "| --- | --- | --- | --- |"]
-    for r in data["ratios"]:
-        lines.append(_ratio_row(r))
+    lines += _ratio_table(data["ratios"], words)
     lines += _repeat_lines(data)
     lines += [
         "",
