@@ -29,7 +29,7 @@ from devstack.connectors import router_mode
 from devstack.emulator.profile import load_profile
 from devstack.ports import free_port, free_ports
 from devstack.process import ChildProcess, http_process
-from devstack.stack import PREFILL_CORE
+from devstack.stack import DECODE_CORE, PREFILL_CORE
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,12 @@ def emulator_process(
     transfer_mode: str = "push",
     kv_events: bool = True,
     decode_num_blocks: int | None = None,
+    cpu_cores: tuple[int, ...] = (),
 ) -> ChildProcess:
     """An unstarted ``python -m devstack.emulator`` fleet on ``cpus`` (``taskset`` list; None:
     unpinned), ready once its control port answers ``/health``; ``decode_num_blocks``: D's KV
-    cache when smaller than the profile's."""
+    cache when smaller than the profile's; ``cpu_cores``: the engines that spend their steps as
+    CPU time on a core (``--cpu-cores``)."""
     argv = [sys.executable, "-m", "devstack.emulator", "--profile", profile]
     argv += ["--prefill", str(prefill), "--decode", str(decode)]
     argv += ["--transfer-mode", transfer_mode, "--control-port", str(control_port)]
@@ -94,6 +96,8 @@ def emulator_process(
         argv.append("--no-kv-events")
     if decode_num_blocks is not None:
         argv += ["--decode-num-blocks", str(decode_num_blocks)]
+    if cpu_cores:
+        argv += ["--cpu-cores", ",".join(map(str, cpu_cores))]
     ready = f"http://127.0.0.1:{control_port}/health"
     return http_process("emulator", pinned(argv, cpus), ready, log, ready_timeout_s=60.0)
 
@@ -192,11 +196,18 @@ def fleet_instances(control_port: int) -> dict[str, list[dict[str, Any]]]:
 
 
 def start_emulated(
-    group: InstanceGroup, work_dir: Path, profile: str = "cpu-tiny", pin_processes: bool = False
+    group: InstanceGroup,
+    work_dir: Path,
+    profile: str = "cpu-tiny",
+    pin_processes: bool = False,
+    cpu_steps: bool = False,
 ) -> EmulatedStack:
     """Start ``group``'s topology emulated (one P and one D, or one aggregated engine);
-    ``pin_processes``: the emulator on P's core, as the real instances' processes are pinned."""
+    ``pin_processes``: the emulator on P's core, as the real instances' processes are pinned;
+    ``cpu_steps`` (with ``pin_processes``): each engine spends its steps as CPU time on its real
+    twin's core (P's, D's; an aggregated engine P's), shared as the twin shares it."""
     aggregated = group.topology == "aggregated"
+    cores = (PREFILL_CORE,) if aggregated else (PREFILL_CORE, DECODE_CORE)
     port = free_port()
     process = emulator_process(
         prefill=0 if aggregated else 1,
@@ -207,6 +218,7 @@ def start_emulated(
         cpus=str(PREFILL_CORE) if pin_processes else None,
         transfer_mode=router_mode(group.kind),
         kv_events=False,
+        cpu_cores=cores if pin_processes and cpu_steps else (),
     )
     process.start()
     try:

@@ -170,12 +170,17 @@ def run_accuracy(
     work: Path,
     profile: str = "cpu-tiny",
     real_runs: int = 1,
+    cpu_steps: bool = False,
 ) -> dict[str, Any]:
     """The real sweep, the emulated one, then ``real_runs - 1`` more real ones; the twins run
-    ``profile`` (a profile's name or file). Then the comparison (module docstring)."""
+    ``profile`` (a profile's name or file), spending their steps as CPU time on their real
+    twins' cores with ``cpu_steps`` (see :func:`bench.emulated_stack.start_emulated`). Then the
+    comparison (module docstring)."""
     real = run_scenarios(spec, stacks, out / "real", work / "real")
     same_load = replace(spec, given_capacity_rps=_capacities(real["capacities"]))
-    starter = partial(start_emulated, profile=profile, pin_processes=spec.pin_processes)
+    starter = partial(
+        start_emulated, profile=profile, pin_processes=spec.pin_processes, cpu_steps=cpu_steps
+    )
     emulated = run_scenarios(same_load, stacks, out / "emulated", work / "emulated", starter)
     again = [
         run_scenarios(same_load, stacks, out / f"real-{n}", work / f"real-{n}")
@@ -197,6 +202,7 @@ def run_accuracy(
     return {
         "stacks": list(stacks),
         "real_runs": real_runs,
+        "cpu_steps": cpu_steps,
         "errors": {"real": _merged(real_errors), "emulated": emulated["errors"]},
         "points": points,
         "ratios": ratios,

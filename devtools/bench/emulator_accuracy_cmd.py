@@ -41,6 +41,14 @@ def add_emulator_accuracy_arguments(parser: argparse.ArgumentParser) -> None:
         "each other, which is how far this machine lets two measurements agree (default 1)",
     )
 
+    parser.add_argument(
+        "--cpu-steps",
+        action="store_true",
+        help="with --pin-processes: each emulated engine spends its steps as CPU time on its "
+        "real twin's core (P's, D's), which it then shares with what runs there (the router, "
+        "the load generator) as the twin does; without it the engines sleep through their steps",
+    )
+
 
 def _at_least_one(text: str) -> int:
     value = int(text)
@@ -56,13 +64,16 @@ def emulator_accuracy_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.cpu_steps and not spec.pin_processes:
+        print("error: --cpu-steps needs --pin-processes (the twins' cores)", file=sys.stderr)
+        return 2
     runs = args.out_dir / "emulator-accuracy"
     fitted = args.out_dir / FITTED_PROFILE if args.fit_first else None
 
     def run(work: Path) -> dict[str, Any]:
         fit = _fit(work, fitted, spec.pin_processes) if fitted is not None else None
         profile = str(fitted) if fitted is not None else "cpu-tiny"
-        found = run_accuracy(spec, stacks, runs, work, profile, args.real_runs)
+        found = run_accuracy(spec, stacks, runs, work, profile, args.real_runs, args.cpu_steps)
         return {**found, "fit": fit}
 
     data = run_in_work_dir(run, args.work_dir, "bench-accuracy-")
@@ -98,6 +109,16 @@ def _fit_line(fit: dict[str, Any] | None) -> str:
         f"Twins' profile: fitted in this run before the sweeps ({FITTED_PROFILE}), "
         f"{len(fit['rows'])} rows within {100 * worst:.0f} %."
     )
+
+
+def _steps_line(cpu_steps: bool) -> str:
+    if cpu_steps:
+        return (
+            "The twins spent their steps as CPU time on their real twins' cores (`--cpu-steps`):"
+            " P's on core 0, D's on core 1 beside the router and the load generator, as the "
+            "real D runs there."
+        )
+    return "The twins slept through their steps (no core of theirs is shared)."
 
 
 def _pct(value: float | None) -> str:
@@ -191,6 +212,8 @@ def format_report(data: dict[str, Any]) -> str:
         "model, P on core 0, D on core 1), then on emulated twins (one process), the same "
         "routers, prompts, arrivals and offered loads (fractions of the real stack's capacity "
         "in both runs).",
+        "",
+        _steps_line(data.get("cpu_steps", False)),
         "",
         _fit_line(data.get("fit")),
         "",

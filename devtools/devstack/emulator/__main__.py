@@ -26,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="the served model's tokenizer directory")
     parser.add_argument("--no-kv-events", action="store_true")
     parser.add_argument("--control-port", type=int)
+    parser.add_argument(
+        "--cpu-cores",
+        default="",
+        help="comma-separated cores of the P engines then the D engines: each spends its steps"
+        " as CPU time there instead of sleeping (default: none, every engine sleeps)",
+    )
     args = parser.parse_args(argv)
     spec = FleetSpec(
         load_profile(args.profile),
@@ -37,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir=args.tokenizer,
         kv_events=not args.no_kv_events,
         control_port=args.control_port,
+        cpu_cores=tuple(int(core) for core in args.cpu_cores.split(",") if core),
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

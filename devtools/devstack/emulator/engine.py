@@ -9,7 +9,9 @@ Time: every duration the engine waits (a step, a transfer, a lease) is the profi
 times ``scale``, so a fleet too large for real time runs slower as a whole and every ratio
 between its times holds. Steps follow :class:`StepClock`: a step that follows another starts
 where that one ended, not when the loop woke the engine (the loop's timers wake up to a
-millisecond late, which would otherwise add to every step).
+millisecond late, which would otherwise add to every step). An engine given a
+:class:`~devstack.burner.Burner` spends each step as CPU time on its core instead of
+sleeping, so whatever else runs on that core stretches its steps (and no clock makes up for it).
 
 KV hand-over (:class:`Fabric`, shared by the engines of one process): a finished P leg is held
 under its key (the router's ``transfer_id``, else the request id); a D leg registers under the
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram
 
+from devstack.burner import Burner, BurnerGone
 from devstack.emulator.blocks import BlockPool
 from devstack.emulator.profile import Profile
 from devstack.emulator.scheduler import Limits, Phase, Scheduler, Seq, Step
@@ -63,6 +66,7 @@ class Counters:
     steps: int = 0
     busy_s: float = 0.0  # emulated seconds spent in steps
     lost_s: float = 0.0  # loop seconds the engine woke later than its step clock could make up
+    burner_failures: int = 0  # its burner ended under it (its steps sleep from then on)
 
 
 MAX_LAG_S = 0.005
@@ -134,8 +138,10 @@ class Engine:
         fabric: Fabric,
         scale: float = 1.0,
         events: EventSink | None = None,
+        burner: Burner | None = None,
     ) -> None:
         self.profile = profile
+        self.burner = burner
         self.engine_id = engine_id
         self.scale = scale
         self.fabric = fabric
@@ -214,7 +220,6 @@ class Engine:
 
     async def run(self) -> None:
         """The step loop; runs until cancelled."""
-        loop = asyncio.get_running_loop()
         idle = True
         while True:
             step = self.scheduler.schedule()
@@ -226,16 +231,31 @@ class Engine:
                 idle = True
                 continue
             seconds = self.step_seconds(step)
-            end, lost = self._clock.step_end(loop.time(), seconds * self.scale, idle)
+            await self._pass_step(seconds * self.scale, idle)
             idle = False
-            await asyncio.sleep(max(0.0, end - loop.time()))
-            self.counters.lost_s += lost
             self.counters.steps += 1
             self.counters.busy_s += seconds
             self._deliver(self.scheduler.finish(step))
             events = self.pool.drain_events()
             if events and self._events is not None:
                 self._events(events)
+
+    async def _pass_step(self, seconds: float, after_idle: bool) -> None:
+        """Let one step of ``seconds`` (loop seconds) pass: spent on the burner's core, else
+        slept on the step clock. A burner that is gone is logged and counted, and the engine's
+        steps sleep from then on."""
+        if self.burner is not None:
+            try:
+                await self.burner.burn(seconds)
+                return
+            except BurnerGone as exc:
+                log.error("engine %s: %s; its steps sleep from now on", self.engine_id, exc)
+                self.burner = None
+                self.counters.burner_failures += 1
+        loop = asyncio.get_running_loop()
+        end, lost = self._clock.step_end(loop.time(), seconds, after_idle)
+        await asyncio.sleep(max(0.0, end - loop.time()))
+        self.counters.lost_s += lost
 
     def step_seconds(self, step: Step) -> float:
         """The profile's duration of ``step``."""

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from devstack.burner import Burner
 from devstack.emulator.app import Identity, create_app
 from devstack.emulator.engine import Engine, Fabric
 from devstack.emulator.profile import Profile
@@ -63,6 +64,11 @@ class FleetSpec:
     """Serve the fleet's own routes here: ``/health`` (every engine serving), ``/instances``
     (:meth:`Fleet.instances` of both roles), ``/stats`` (:meth:`Fleet.stats`), ``POST
     /members/{role}`` (:meth:`Fleet.add`) and ``DELETE /members/{name}`` (:meth:`Fleet.kill`)."""
+    cpu_cores: tuple[int, ...] = ()
+    """The cores of the engines the fleet starts with, in order (its P engines, then its D
+    engines): each spends its steps as CPU time on its core (:mod:`devstack.burner`),
+    as a vLLM CPU instance pinned there does. Engines beyond these, and those added later,
+    sleep through their steps."""
 
 
 @dataclass
@@ -95,6 +101,7 @@ class Fleet:
         self._gone: list[Member] = []  # killed members, closed with the rest at stop()
         self._names: dict[Role, int] = {"prefill": -1, "decode": -1}
         self._tokens = Tokens(None)
+        self._burners: list[Burner] = []
 
     def start(self) -> Fleet:
         self._thread.start()
@@ -152,6 +159,7 @@ class Fleet:
                 "steps": m.engine.counters.steps,
                 "busy_s": m.engine.counters.busy_s,
                 "lost_s": m.engine.counters.lost_s,
+                "burner_failures": m.engine.counters.burner_failures,
                 "requests": m.engine.counters.success,
                 "prefix_queries": m.engine.pool.queries,
                 "prefix_hits": m.engine.pool.hits,
@@ -234,9 +242,12 @@ class Fleet:
             ("prefill", self.spec.prefill),
             ("decode", self.spec.decode),
         ]
+        cores = iter(self.spec.cpu_cores)
         for role, count in roles:
             for i in range(count):
-                self.members.append(await self._member(role, f"{role[0]}{i}", tokens))
+                core = next(cores, None)
+                member = await self._member(role, f"{role[0]}{i}", tokens, core)
+                self.members.append(member)
             self._names[role] = count - 1
         if self.spec.control_port is not None:
             self._serve_control(self.spec.control_port)
@@ -247,7 +258,9 @@ class Fleet:
                 raise RuntimeError("emulated engines did not start")
             await asyncio.sleep(0.01)
 
-    async def _member(self, role: Role, name: str, tokens: Tokens) -> Member:
+    async def _member(
+        self, role: Role, name: str, tokens: Tokens, core: int | None = None
+    ) -> Member:
         sock = listening_socket("127.0.0.1", 0)
         port = sock.getsockname()[1]
         publisher = (
@@ -260,7 +273,11 @@ class Fleet:
         profile = self.spec.profile
         if role == "decode" and self.spec.decode_num_blocks is not None:
             profile = replace(profile, num_blocks=self.spec.decode_num_blocks)
-        engine = Engine(profile, f"emulated-{name}", self.fabric, self.spec.scale, sink)
+        burner = None
+        if core is not None:
+            burner = await Burner(core).start()
+            self._burners.append(burner)
+        engine = Engine(profile, f"emulated-{name}", self.fabric, self.spec.scale, sink, burner)
         identity = Identity(engine.engine_id, "127.0.0.1", port, self.spec.transfer_mode)
         app = create_app(engine, identity, tokens)
         config = uvicorn.Config(
@@ -305,6 +322,8 @@ class Fleet:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for burner in self._burners:
+            await burner.close()
         for m in self.members:
             if m.publisher is not None:
                 await m.publisher.close()

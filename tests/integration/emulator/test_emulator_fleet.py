@@ -5,6 +5,7 @@ back to the P that caches it, and when the load is over no engine holds a block.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -168,3 +169,24 @@ def test_a_killed_engine_drops_its_streams_and_a_joined_one_serves() -> None:
         )
         assert answer.status_code == 200
         assert [m["name"] for m in fleet.instances("decode")] == ["d1"]
+
+
+def test_engines_given_cores_spend_their_steps_there_until_the_fleet_stops() -> None:
+    core = min(os.sched_getaffinity(0))
+    spec = FleetSpec(load_profile("cpu-tiny"), 1, 1, kv_events=False, cpu_cores=(core,))
+    with Fleet(spec) as fleet:
+        burners = fleet.call(lambda: {m.name: m.engine.burner for m in fleet.members})
+        p_burner = burners["p0"]
+        assert p_burner is not None and burners["d0"] is None  # one core given: P's
+        pid = p_burner.pid
+        assert pid is not None
+        [entry] = fleet.instances("prefill")
+        body = {"prompt": [5] * 64, "max_tokens": 1}
+        assert (
+            httpx.post(f"{entry['url']}/v1/completions", json=body, timeout=30).status_code == 200
+        )
+        assert fleet.call(lambda: p_burner.spent_s) > 0.0
+        assert fleet.call(fleet.stats)["engines"]["p0"]["burner_failures"] == 0
+    assert not Path(f"/proc/{pid}/cmdline").exists() or (
+        b"devstack.burner" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )

@@ -3,6 +3,8 @@ squares, the accuracy comparison's point and ratio errors, the fleet-scale pooli
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from bench.churn import Churn, ChurnSpec, Outcome, churn_result
@@ -13,7 +15,11 @@ from bench.emulator_accuracy import (
     ratio_errors,
     repeat_errors,
 )
-from bench.emulator_accuracy_cmd import format_report
+from bench.emulator_accuracy_cmd import (
+    add_emulator_accuracy_arguments,
+    emulator_accuracy_command,
+    format_report,
+)
 from bench.fleet_scale import pooled_runs
 from bench.profile_fit import decode_row, fit_estimates, nnls, predicted, prefill_row
 from bench.scenarios import SweepSpec
@@ -157,6 +163,17 @@ def test_the_report_shows_the_real_runs_against_each_other() -> None:
     assert "| ours TTFT loaded/light at 512 | 2.000 | 3.000 | +50 % |" in report
     data["repeats"] = {"points": [], "ratios": []}
     assert "The real sweep ran" not in format_report(data)
+    assert "The twins slept through their steps" in report
+    data["cpu_steps"] = True
+    assert "spent their steps as CPU time on their real twins' cores" in format_report(data)
+
+
+def test_cpu_steps_without_pinned_processes_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_emulator_accuracy_arguments(parser)
+    args = parser.parse_args(["--cpu-steps", "--out-dir", "unused"])
+    assert emulator_accuracy_command(args) == 2
+    assert "--cpu-steps needs --pin-processes" in capsys.readouterr().err
 
 
 def test_fleet_scale_pools_the_cpu_of_both_runs_of_a_size() -> None:

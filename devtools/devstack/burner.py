@@ -1,0 +1,122 @@
+"""Steps that cost CPU: an emulated engine's step spent as CPU time on a core of its own, so it
+slows down when that core is shared, as a vLLM CPU engine does.
+
+An emulated engine normally sleeps through a step, which no other process on the machine can
+slow down. A real vLLM CPU instance computes its steps on its core, and whatever else runs there
+(the router, the load generator) takes its share of that core. :class:`Burner` gives one engine
+a child process pinned to one core that spends each step's seconds as its own CPU time: the
+step's wall time is then the profile's time stretched by the core's other users, the same way.
+
+Who uses it: :class:`devstack.emulator.fleet.Fleet`, one burner per engine given a core
+(``FleetSpec.cpu_cores``), started and closed with the fleet; the engine awaits
+:meth:`Burner.burn` instead of sleeping. ``python -m devstack.burner --core N`` is the
+child: it reads each step's seconds as an 8-byte little-endian float on stdin, spends them, and
+answers the CPU seconds it spent (8 bytes); it exits at the end of its input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import struct
+import sys
+import time
+
+_SECONDS = struct.Struct("<d")
+
+
+def spend(seconds: float) -> float:
+    """Keep this thread on its CPU until it has used ``seconds`` of CPU time; the CPU time used
+    (a little more than ``seconds``: the last check's)."""
+    start = time.thread_time()
+    used = 0.0
+    while used < seconds:
+        used = time.thread_time() - start
+    return used
+
+
+def serve(core: int) -> int:
+    """The child's loop (see the module docstring), pinned to ``core``."""
+    os.sched_setaffinity(0, {core})
+    read, write = sys.stdin.buffer, sys.stdout.buffer
+    while len(request := read.read(_SECONDS.size)) == _SECONDS.size:
+        (seconds,) = _SECONDS.unpack(request)
+        write.write(_SECONDS.pack(spend(seconds)))
+        write.flush()
+    return 0
+
+
+class BurnerGone(Exception):
+    """The burner process ended or broke its protocol; the step cannot be spent."""
+
+
+class Burner:
+    """One engine's burner process on ``core``. Start it with :meth:`start` on the loop that
+    will await :meth:`burn`, one step at a time; :meth:`close` ends it (idempotent)."""
+
+    def __init__(self, core: int) -> None:
+        self.core = core
+        self.spent_s = 0.0
+        """CPU seconds the burner reports it spent, over all steps."""
+        self.round_trip_s = 0.0
+        """Wall seconds of asking for nothing and getting the answer, on an idle core (measured
+        by :meth:`start`): taken off each step's CPU time, so a step on an idle core lasts
+        the profile's time."""
+        self._process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> Burner:
+        """Start the process; returns once it answers."""
+        argv = [sys.executable, "-m", "devstack.burner", "--core", str(self.core)]
+        self._process = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        await self.burn(0.0)  # answered once the child runs: its start is no step's
+        trips = []
+        for _ in range(5):
+            start = time.monotonic()
+            await self.burn(0.0)
+            trips.append(time.monotonic() - start)
+        self.round_trip_s = min(trips)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        """The process's id while it runs (None before :meth:`start` and after :meth:`close`)."""
+        return None if self._process is None else self._process.pid
+
+    async def burn(self, seconds: float) -> None:
+        """Spend ``seconds`` of CPU on the burner's core; returns when they are spent.
+        :class:`BurnerGone` when the process is not there to do it."""
+        process = self._process
+        if process is None or process.stdin is None or process.stdout is None:
+            raise BurnerGone("the burner is not running")
+        try:
+            process.stdin.write(_SECONDS.pack(max(0.0, seconds - self.round_trip_s)))
+            answer = await process.stdout.readexactly(_SECONDS.size)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise BurnerGone(f"the burner on core {self.core} ended: {exc!r}") from exc
+        self.spent_s += _SECONDS.unpack(answer)[0]
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """End the process: its input closed, killed if it has not ended within ``timeout``."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            await asyncio.wait_for(process.wait(), timeout)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m devstack.burner")
+    parser.add_argument("--core", type=int, required=True)
+    return serve(parser.parse_args(argv).core)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
