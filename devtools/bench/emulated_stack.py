@@ -195,6 +195,22 @@ def fleet_instances(control_port: int) -> dict[str, list[dict[str, Any]]]:
     return found
 
 
+def twin_cores(aggregated: bool, cpu_steps: bool) -> tuple[int, tuple[int, ...]]:
+    """Where a pinned emulated twin runs: the emulator process's core, and the cores its
+    engines spend their steps on (none unless ``cpu_steps``; else P's then D's, an aggregated
+    engine on P's core as the real one is).
+
+    The emulator's own HTTP work stands for the API servers, whose CPU the fitted steps already
+    hold, so with ``cpu_steps`` it runs beside no engine's steps where the topology leaves a core
+    free (an aggregated engine's twin: on D's core), else beside P's (prefill steps, which it
+    lengthens least); without, on P's core."""
+    if not cpu_steps:
+        return PREFILL_CORE, ()
+    if aggregated:
+        return DECODE_CORE, (PREFILL_CORE,)
+    return PREFILL_CORE, (PREFILL_CORE, DECODE_CORE)
+
+
 def start_emulated(
     group: InstanceGroup,
     work_dir: Path,
@@ -203,11 +219,11 @@ def start_emulated(
     cpu_steps: bool = False,
 ) -> EmulatedStack:
     """Start ``group``'s topology emulated (one P and one D, or one aggregated engine);
-    ``pin_processes``: the emulator on P's core, as the real instances' processes are pinned;
-    ``cpu_steps`` (with ``pin_processes``): each engine spends its steps as CPU time on its real
-    twin's core (P's, D's; an aggregated engine P's), shared as the twin shares it."""
+    ``pin_processes``: the emulator pinned as :func:`twin_cores` says, as the real instances'
+    processes are pinned; ``cpu_steps`` (with ``pin_processes``): each engine spends its steps
+    as CPU time on its real twin's core, shared as the twin shares it."""
     aggregated = group.topology == "aggregated"
-    cores = (PREFILL_CORE,) if aggregated else (PREFILL_CORE, DECODE_CORE)
+    home, cores = twin_cores(aggregated, pin_processes and cpu_steps)
     port = free_port()
     process = emulator_process(
         prefill=0 if aggregated else 1,
@@ -215,10 +231,10 @@ def start_emulated(
         control_port=port,
         log=work_dir / "emulator.log",
         profile=profile,
-        cpus=str(PREFILL_CORE) if pin_processes else None,
+        cpus=str(home) if pin_processes else None,
         transfer_mode=router_mode(group.kind),
         kv_events=False,
-        cpu_cores=cores if pin_processes and cpu_steps else (),
+        cpu_cores=cores,
     )
     process.start()
     try:

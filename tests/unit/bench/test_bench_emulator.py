@@ -8,6 +8,7 @@ import argparse
 import pytest
 
 from bench.churn import Churn, ChurnSpec, Outcome, churn_result
+from bench.emulated_stack import twin_cores
 from bench.emulator_accuracy import (
     capacity_errors,
     mean_rows,
@@ -23,6 +24,7 @@ from bench.emulator_accuracy_cmd import (
 from bench.fleet_scale import pooled_runs
 from bench.profile_fit import decode_row, fit_estimates, nnls, predicted, prefill_row
 from bench.scenarios import SweepSpec
+from devstack.stack import DECODE_CORE, PREFILL_CORE
 
 pytest.importorskip("numpy")
 
@@ -265,3 +267,16 @@ def test_the_report_shows_the_requests_alone_before_each_point() -> None:
         "summary": {},
     }
     assert "| ours | 512 | 0.9 | 100.0 / 50.0 | 3.00 / 1.50 |" in format_report(data)
+
+
+def test_pinned_twins_spend_their_steps_on_their_real_twins_cores() -> None:
+    # sleeping twins: the emulator on P's core, no engine on a core of its own
+    assert twin_cores(aggregated=False, cpu_steps=False) == (PREFILL_CORE, ())
+    assert twin_cores(aggregated=True, cpu_steps=False) == (PREFILL_CORE, ())
+    # P's and D's steps on P's and D's cores; the HTTP work beside P's prefill steps
+    assert twin_cores(aggregated=False, cpu_steps=True) == (
+        PREFILL_CORE,
+        (PREFILL_CORE, DECODE_CORE),
+    )
+    # an aggregated engine on P's core as the real one is; the HTTP work off it
+    assert twin_cores(aggregated=True, cpu_steps=True) == (DECODE_CORE, (PREFILL_CORE,))
