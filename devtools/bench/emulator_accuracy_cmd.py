@@ -40,7 +40,6 @@ def add_emulator_accuracy_arguments(parser: argparse.ArgumentParser) -> None:
         "the same loads): the emulator is compared with their mean, and the real runs with "
         "each other, which is how far this machine lets two measurements agree (default 1)",
     )
-
     parser.add_argument(
         "--cpu-steps",
         action="store_true",

@@ -53,7 +53,8 @@ class BurnerGone(Exception):
 
 class Burner:
     """One engine's burner process on ``core``. Start it with :meth:`start` on the loop that
-    will await :meth:`burn`, one step at a time; :meth:`close` ends it (idempotent)."""
+    will await :meth:`burn`, one step at a time; :meth:`close` ends it (idempotent). ``async
+    with Burner(core) as burner`` does both."""
 
     def __init__(self, core: int) -> None:
         self.core = core
@@ -79,6 +80,12 @@ class Burner:
             trips.append(time.monotonic() - start)
         self.round_trip_s = min(trips)
         return self
+
+    async def __aenter__(self) -> Burner:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     @property
     def pid(self) -> int | None:

@@ -8,12 +8,15 @@ profile's pace when the loop wakes an engine late."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import pytest
 
+from devstack.burner import Burner
 from devstack.emulator.engine import WAIT_FOR_REGISTRATION, Engine, Fabric, Outlet, StepClock
 from devstack.emulator.profile import Profile, StepModel, Transfer
 from devstack.emulator.scheduler import Phase, Role, Seq
@@ -240,3 +243,30 @@ def test_a_wake_up_later_than_the_lag_bound_loses_the_rest() -> None:
     end, lost = clock.step_end(now=end + 0.050, seconds=0.002, after_idle=False)
     assert lost == pytest.approx(0.045)  # 50 ms late, 5 ms made up
     assert end == pytest.approx(0.002 + 0.045 + 0.002)
+
+
+CORE = min(os.sched_getaffinity(0))
+TWO_MS_STEPS = replace(PROFILE, step=StepModel(base_s=0.002, per_token_s=0.0))
+
+
+async def test_an_engine_with_a_burner_spends_its_steps_there() -> None:
+    async with Burner(CORE) as burner:
+        engine = Engine(TWO_MS_STEPS, "e0", Fabric(), burner=burner)
+        spent_at_start = burner.spent_s
+        async with running(engine):
+            assert await drain(engine.submit(Seq("a", list(range(1, 11)), 3))) == [0, 1, 2]
+        assert engine.counters.steps == 3
+        assert burner.spent_s - spent_at_start >= 3 * max(0.0, 0.002 - burner.round_trip_s)
+        assert (engine.counters.lost_s, engine.counters.burner_failures) == (0.0, 0)
+
+
+async def test_an_engine_whose_burner_dies_counts_it_and_sleeps_its_steps() -> None:
+    async with Burner(CORE) as burner:
+        assert burner.pid is not None
+        os.kill(burner.pid, signal.SIGKILL)
+        engine = Engine(TWO_MS_STEPS, "e0", Fabric(), burner=burner)
+        async with running(engine):
+            assert await drain(engine.submit(Seq("a", list(range(1, 11)), 3))) == [0, 1, 2]
+        assert engine.burner is None
+        assert engine.counters.burner_failures == 1
+        assert engine.counters.steps == 3
