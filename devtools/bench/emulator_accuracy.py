@@ -1,32 +1,53 @@
 """How closely the emulator follows real vLLM CPU: the scenario sweep run on real instances and
 on their emulated twins (profile ``cpu-tiny``), point by point, in one run.
 
-Who calls it: ``disagg-bench emulator-accuracy`` (:mod:`bench.emulator_accuracy_cmd`). The same
-:func:`bench.scenarios.run_scenarios` runs twice with the same sweep (each stack's capacity
-measured, then Poisson load at fractions of it, the same prompts and arrivals): once over real
-vLLM CPU instances, once over :func:`bench.emulated_stack.start_emulated` at the real run's
-offered loads (the points are fractions of the real stack's capacity in both runs; each run's
-own closed-loop capacity is compared too). Per point it compares
-mean TTFT and TPOT (emulated / real - 1), and per stack and input length the ratios the project
-reports (loaded over light TTFT; ours over aggregated TTFT at each fraction).
+Who calls it: ``disagg-bench emulator-accuracy`` (:mod:`bench.emulator_accuracy_cmd`). Per
+instance group, the real vLLM CPU instances and their twins
+(:func:`bench.emulated_stack.start_emulated`) are started once, side by side, each with the
+routers the sweep measures, and the sweep (:func:`bench.scenarios.sweep_target`: the stack's
+capacity, then Poisson load at fractions of it) runs in turns, one input length at a time:
 
-With ``real_runs`` > 1 the real sweep runs again after the emulated one, at the first real run's
-offered loads: the emulated run is then compared with the real runs' mean (the emulated sweep
-sits between them in time, so a machine whose speed drifts meets both sides alike), and the real
-runs are compared with each other the same way (each later run against the first), which is how
-far apart two measurements of the same stack on this machine come out: the floor under the
-emulator's errors.
+1. the real pass;
+2. the emulated pass, at the real pass's offered loads (the points are fractions of the real
+   stack's capacity in both; each pass's own closed-loop capacity is compared too), with the
+   same prompts and arrivals;
+3. with ``also_sleeping``, the same for twins that sleep through their steps (with
+   ``cpu_steps`` the first twins spend them as CPU time): what modelling that CPU changes,
+   measured on the same machine minutes apart;
+4. with ``real_runs`` > 1, the real pass again, as often, at the same loads and arrivals and
+   with prompts of its own (:attr:`bench.scenarios.SweepSpec.prompt_salt`: the instances still
+   hold the first pass's prefixes).
+
+A machine whose speed drifts within minutes then meets the real and the emulated figures of a
+point alike: the passes of one input length run within a few minutes of each other. Per point
+it compares mean TTFT and TPOT (emulated / real - 1) with the real passes' mean, and per stack
+and input length the ratios the project reports (loaded over light TTFT; ours over aggregated
+TTFT at each fraction). The real passes are compared with each other the same way (each later
+one against the first): how far apart two measurements of the same stack on this machine come
+out, the floor under the emulator's errors.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench.client import Target
 from bench.emulated_stack import start_emulated
-from bench.scenarios import SweepSpec, run_scenarios
+from bench.scenarios import (
+    InstanceGroup,
+    SweepSpec,
+    group_targets,
+    load_generator_pinned,
+    start_devstack,
+    sweep_one,
+    wanted_groups,
+)
+from devstack.process import ProcessStartError
 
 METRICS = ("mean_ttft_ms", "mean_tpot_ms")
 ALONE = {"mean_ttft_ms": "ttft_ms", "mean_tpot_ms": "tpot_ms"}
@@ -163,6 +184,32 @@ def capacity_errors(
     return out
 
 
+@dataclass
+class _Pass:
+    """One pass of the sweep as it fills in, one input length at a time: which instances it
+    runs on (``real``, ``emulated``, ``sleeping``), its prompt salt, its rows, capacities and
+    per-stack errors."""
+
+    instances: str
+    out_dir: Path
+    salt: str = ""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    capacities: list[dict[str, Any]] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def sweep(self, targets: dict[str, Target], spec: SweepSpec) -> None:
+        """Each target's sweep of ``spec``, but not a stack that stopped early in this pass."""
+        for name, target in targets.items():
+            if name in self.errors:
+                continue
+            error = sweep_one(name, target, spec, self.out_dir, self.rows, self.capacities)
+            if error is not None:
+                self.errors[name] = error
+
+
+Starter = Callable[[InstanceGroup, Path], Any]
+
+
 def run_accuracy(
     spec: SweepSpec,
     stacks: tuple[str, ...],
@@ -171,23 +218,70 @@ def run_accuracy(
     profile: str = "cpu-tiny",
     real_runs: int = 1,
     cpu_steps: bool = False,
+    also_sleeping: bool = False,
+    starters: dict[str, Starter] | None = None,
 ) -> dict[str, Any]:
-    """The real sweep, the emulated one, then ``real_runs - 1`` more real ones; the twins run
-    ``profile`` (a profile's name or file), spending their steps as CPU time on their real
-    twins' cores with ``cpu_steps`` (see :func:`bench.emulated_stack.start_emulated`). Then the
-    comparison (module docstring)."""
-    real = run_scenarios(spec, stacks, out / "real", work / "real")
-    same_load = replace(spec, given_capacity_rps=_capacities(real["capacities"]))
-    starter = partial(
-        start_emulated, profile=profile, pin_processes=spec.pin_processes, cpu_steps=cpu_steps
-    )
-    emulated = run_scenarios(same_load, stacks, out / "emulated", work / "emulated", starter)
-    again = [
-        run_scenarios(same_load, stacks, out / f"real-{n}", work / f"real-{n}")
-        for n in range(2, real_runs + 1)
-    ]
-    real_rows = [real["rows"]] + [run["rows"] for run in again]
-    points = point_errors(mean_rows(real_rows), emulated["rows"])
+    """The passes in turns (module docstring), then the comparison. The twins run ``profile``
+    (a profile's name or file), spending their steps as CPU time on their real twins' cores
+    with ``cpu_steps`` (:func:`bench.emulated_stack.start_emulated`); ``also_sleeping``: a
+    second set of twins that sleep through their steps runs right after them, compared the
+    same way. ``starters``: what starts a group's ``real`` instances, its ``emulated`` twins
+    and its ``sleeping`` ones (default: vLLM CPU and the emulator); tests pass fakes."""
+    twin = partial(start_emulated, profile=profile, pin_processes=spec.pin_processes)
+    starters = starters or {
+        "real": partial(start_devstack, pin_processes=spec.pin_processes),
+        "emulated": partial(twin, cpu_steps=cpu_steps),
+        "sleeping": partial(twin, cpu_steps=False),
+    }
+    passes = {"real": _Pass("real", out / "real"), "emulated": _Pass("emulated", out / "emulated")}
+    if also_sleeping:
+        passes["sleeping"] = _Pass("sleeping", out / "sleeping")
+    for n in range(2, real_runs + 1):
+        passes[f"real-{n}"] = _Pass("real", out / f"real-{n}", salt=f"real-{n}/")
+    used = {found.instances: starters[found.instances] for found in passes.values()}
+    with load_generator_pinned(spec):
+        for group, wanted in wanted_groups(stacks):
+            try:
+                with ExitStack() as es:
+                    targets = {
+                        name: es.enter_context(
+                            group_targets(group, wanted, start, work / name / group, spec)
+                        )
+                        for name, start in used.items()
+                    }
+                    _in_turns(targets, spec, list(passes.values()))
+            except (OSError, RuntimeError, ProcessStartError) as exc:
+                for found in passes.values():
+                    for name in wanted:
+                        found.errors.setdefault(name, f"{type(exc).__name__}: {exc}"[:2000])
+    return _compare(passes, spec, stacks, real_runs, cpu_steps)
+
+
+def _in_turns(targets: dict[str, dict[str, Target]], spec: SweepSpec, passes: list[_Pass]) -> None:
+    """Per input length: the first (real) pass, then every other pass in order at its offered
+    loads, each on its instances and with its prompt salt."""
+    first, *rest = passes
+    for input_len in spec.input_lens:
+        one = replace(spec, input_lens=(input_len,))
+        first.sweep(targets[first.instances], one)
+        same_load = replace(one, given_capacity_rps=_capacities(first.capacities))
+        for found in rest:
+            found.sweep(targets[found.instances], replace(same_load, prompt_salt=found.salt))
+
+
+def _compare(
+    passes: dict[str, _Pass],
+    spec: SweepSpec,
+    stacks: tuple[str, ...],
+    real_runs: int,
+    cpu_steps: bool,
+) -> dict[str, Any]:
+    """Each twins' pass against the real passes' mean, and the real passes against each other."""
+    reals = [found for found in passes.values() if found.instances == "real"]
+    emulated = passes["emulated"]
+    real_rows = [found.rows for found in reals]
+    reference = mean_rows(real_rows)
+    points = point_errors(reference, emulated.rows)
     ratios = ratio_errors(points, spec)
     repeats = repeat_errors(real_rows, spec)
     worst, floor = _worst(points, ratios), _worst(repeats["points"], repeats["ratios"])
@@ -195,21 +289,40 @@ def run_accuracy(
         "emulator_cpu_point_error_max": worst["point"],
         "emulator_cpu_ratio_error_max": worst["ratio"],
     }
-    if again:
+    if real_runs > 1:
         summary["real_repeat_point_error_max"] = floor["point"]
         summary["real_repeat_ratio_error_max"] = floor["ratio"]
-    real_errors = [real["errors"]] + [run["errors"] for run in again]
-    return {
+    data: dict[str, Any] = {
         "stacks": list(stacks),
         "real_runs": real_runs,
         "cpu_steps": cpu_steps,
-        "errors": {"real": _merged(real_errors), "emulated": emulated["errors"]},
+        "errors": {
+            "real": _merged([found.errors for found in reals]),
+            "emulated": emulated.errors,
+        },
         "points": points,
         "ratios": ratios,
         "repeats": repeats,
-        "capacities": capacity_errors(real["capacities"], emulated["capacities"]),
+        "capacities": capacity_errors(reals[0].capacities, emulated.capacities),
         "summary": summary,
     }
+    if "sleeping" in passes:
+        _add_sleeping(data, passes["sleeping"], reference, spec)
+    return data
+
+
+def _add_sleeping(
+    data: dict[str, Any], sleeping: _Pass, reference: list[dict[str, Any]], spec: SweepSpec
+) -> None:
+    """The sleeping twins' pass against the real passes' mean (``reference``), into ``data``:
+    its points and ratios, its errors and its two summary keys."""
+    points = point_errors(reference, sleeping.rows)
+    ratios = ratio_errors(points, spec)
+    data["sleeping"] = {"points": points, "ratios": ratios}
+    data["errors"]["sleeping"] = sleeping.errors
+    worst = _worst(points, ratios)
+    data["summary"]["emulator_sleeping_point_error_max"] = worst["point"]
+    data["summary"]["emulator_sleeping_ratio_error_max"] = worst["ratio"]
 
 
 def _merged(errors: list[dict[str, Any]]) -> dict[str, Any]:

@@ -36,9 +36,10 @@ def add_emulator_accuracy_arguments(parser: argparse.ArgumentParser) -> None:
         "--real-runs",
         type=_at_least_one,
         default=1,
-        help="run the real sweep this many times (the later ones after the emulated sweep, at "
-        "the same loads): the emulator is compared with their mean, and the real runs with "
-        "each other, which is how far this machine lets two measurements agree (default 1)",
+        help="run the real sweep this many times (at each input length, the later ones right "
+        "after the emulated one, at the same loads): the emulator is compared with their mean, "
+        "and the real runs with each other, which is how far this machine lets two "
+        "measurements agree (default 1)",
     )
     parser.add_argument(
         "--cpu-steps",
@@ -46,6 +47,13 @@ def add_emulator_accuracy_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --pin-processes: each emulated engine spends its steps as CPU time on its "
         "real twin's core (P's, D's), which it then shares with what runs there (the router, "
         "the load generator) as the twin does; without it the engines sleep through their steps",
+    )
+    parser.add_argument(
+        "--also-sleeping",
+        action="store_true",
+        help="with --cpu-steps: at each input length, right after those twins, run twins that "
+        "sleep through their steps, compared with the real runs the same way, so the report "
+        "shows what spending the steps as CPU changes on the machine of that minute",
     )
 
 
@@ -66,13 +74,18 @@ def emulator_accuracy_command(args: argparse.Namespace) -> int:
     if args.cpu_steps and not spec.pin_processes:
         print("error: --cpu-steps needs --pin-processes (the twins' cores)", file=sys.stderr)
         return 2
+    if args.also_sleeping and not args.cpu_steps:
+        print("error: --also-sleeping needs --cpu-steps (else both twins sleep)", file=sys.stderr)
+        return 2
     runs = args.out_dir / "emulator-accuracy"
     fitted = args.out_dir / FITTED_PROFILE if args.fit_first else None
 
     def run(work: Path) -> dict[str, Any]:
         fit = _fit(work, fitted, spec.pin_processes) if fitted is not None else None
         profile = str(fitted) if fitted is not None else "cpu-tiny"
-        found = run_accuracy(spec, stacks, runs, work, profile, args.real_runs, args.cpu_steps)
+        found = run_accuracy(
+            spec, stacks, runs, work, profile, args.real_runs, args.cpu_steps, args.also_sleeping
+        )
         return {**found, "fit": fit}
 
     data = run_in_work_dir(run, args.work_dir, "bench-accuracy-")
@@ -185,6 +198,21 @@ def _ratio_table(ratios: list[dict[str, Any]], words: tuple[str, str, str]) -> l
     ]
 
 
+def _sleeping_lines(data: dict[str, Any]) -> list[str]:
+    """With ``--also-sleeping``: the sleeping twins against the same real figures."""
+    sleeping = data.get("sleeping")
+    if not sleeping:
+        return []
+    lines = [
+        "",
+        "Twins that slept through their steps, run right after the ones above at each input "
+        "length, against the same real figures:",
+        "",
+    ]
+    words = ("real", "sleeping", "error")
+    return lines + _point_table(sleeping["points"], words) + _ratio_table(sleeping["ratios"], words)
+
+
 def _repeat_lines(data: dict[str, Any]) -> list[str]:
     """With more than one real run: how far each later real run came from the first (the
     emulator's errors above are against the runs' mean)."""
@@ -193,9 +221,9 @@ def _repeat_lines(data: dict[str, Any]) -> list[str]:
         return []
     lines = [
         "",
-        f"The real sweep ran {data['real_runs']} times (the later runs after the emulated one, "
-        "at the same loads); the real figures above are their mean. Each later real run "
-        "against the first:",
+        f"The real sweep ran {data['real_runs']} times (at each input length, the later runs "
+        "right after the emulated one, at the same loads, with prompts of their own); the real "
+        "figures above are their mean. Each later real run against the first:",
         "",
     ]
     words = ("first", "later", "difference")
@@ -208,9 +236,9 @@ def format_report(data: dict[str, Any]) -> str:
         "# The emulator against real vLLM CPU",
         "",
         f"Produced by `{data['command']}`: the scenario sweep on real vLLM CPU instances (tiny "
-        "model, P on core 0, D on core 1), then on emulated twins (one process), the same "
-        "routers, prompts, arrivals and offered loads (fractions of the real stack's capacity "
-        "in both runs).",
+        "model, P on core 0, D on core 1) and on emulated twins (one process), in turns at "
+        "each input length, with the same routers, prompts, arrivals and offered loads "
+        "(fractions of the real stack's capacity in both runs).",
         "",
         _steps_line(data.get("cpu_steps", False)),
         "",
@@ -221,6 +249,7 @@ def format_report(data: dict[str, Any]) -> str:
     lines += _point_table(data["points"], words)
     lines += _alone_lines(data["points"])
     lines += _ratio_table(data["ratios"], words)
+    lines += _sleeping_lines(data)
     lines += _repeat_lines(data)
     lines += [
         "",

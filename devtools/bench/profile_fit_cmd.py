@@ -61,7 +61,9 @@ def fit_profile_command(args: argparse.Namespace) -> int:
         report = "emulator-fit"
     data["command"] = command
     profile = replace(data["profile"], source=source)
-    (args.profile_out or PROFILES_DIR / f"{args.name}.json").write_text(profile.to_json())
+    profile_out = args.profile_out or PROFILES_DIR / f"{args.name}.json"
+    profile_out.parent.mkdir(parents=True, exist_ok=True)
+    profile_out.write_text(profile.to_json())
     data["profile"] = asdict(profile)
     out = args.out_dir
     write_outputs(data, format_report(data), out / f"{report}.json", out / f"{report}.md")

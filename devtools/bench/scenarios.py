@@ -29,7 +29,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -110,6 +110,10 @@ class SweepSpec:
     #: recorded): another run's, so both offer the same load (``disagg-bench
     #: emulator-accuracy``).
     given_capacity_rps: tuple[tuple[str, int, float], ...] = ()
+    #: Mixed into every prompt's seed (not the arrivals'): a second pass over instances that
+    #: are still running gets prompts of its own, so it finds nothing of the first pass's in
+    #: their prefix caches, and the same arrivals (``disagg-bench emulator-accuracy``).
+    prompt_salt: str = ""
 
     def __post_init__(self) -> None:
         if not self.input_lens or not self.fractions:
@@ -154,17 +158,20 @@ class _Sweep:
     capacities: list[dict[str, Any]]
 
     def prompts(self, n: int, input_len: int, what: str) -> list[BenchRequest]:
-        seed = _stack_seed(self.spec.seed, self.stack, input_len, what)
-        return make_token_prompts(
-            SyntheticSpec(
-                n,
-                input_len,
-                self.spec.output_len,
-                self.spec.prefix_len,
-                vocab_size=self.vocab_size,
-                seed=seed,
-            )
-        )
+        return sweep_prompts(self.spec, self.stack, input_len, n, what, self.vocab_size)
+
+
+def sweep_prompts(
+    spec: SweepSpec, stack: str, input_len: int, n: int, what: str, vocab_size: int
+) -> list[BenchRequest]:
+    """The ``n`` prompts a sweep of ``spec`` sends ``stack`` at ``input_len`` for ``what`` (a
+    point, its warm-up, the capacity run): the same arguments always give the same prompts;
+    another stack, point or :attr:`SweepSpec.prompt_salt` gives others."""
+    seed = _stack_seed(spec.seed, stack, input_len, spec.prompt_salt + what)
+    synthetic = SyntheticSpec(
+        n, input_len, spec.output_len, spec.prefix_len, vocab_size=vocab_size, seed=seed
+    )
+    return make_token_prompts(synthetic)
 
 
 async def sweep_target(
@@ -395,10 +402,20 @@ def run_scenarios(
     """
     if start_stack is None:
         start_stack = partial(start_devstack, pin_processes=spec.pin_processes)
-    pinned = spec.pin_processes
-    router_cpus = str(DECODE_CORE) if pinned else None
-    with _this_process_on(DECODE_CORE) if pinned else nullcontext():
-        return _run_groups(spec, stacks, out_dir, work_dir, start_stack, on_progress, router_cpus)
+    with load_generator_pinned(spec):
+        return _run_groups(spec, stacks, out_dir, work_dir, start_stack, on_progress)
+
+
+def load_generator_pinned(spec: SweepSpec) -> AbstractContextManager[None]:
+    """With ``spec.pin_processes``: this process (the load generator) on core 1 until the block
+    ends, its CPUs restored after; else nothing. Who calls it: whatever runs sweeps
+    (:func:`run_scenarios`, :mod:`bench.emulator_accuracy`), once around all of them."""
+    return _this_process_on(DECODE_CORE) if spec.pin_processes else nullcontext()
+
+
+def router_cpus(spec: SweepSpec) -> str | None:
+    """Where the sweep's routers run: core 1 (the load generator's) when processes are pinned."""
+    return str(DECODE_CORE) if spec.pin_processes else None
 
 
 @contextmanager
@@ -414,6 +431,50 @@ def _this_process_on(core: int) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def wanted_groups(stacks: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """The instance groups that serve any of ``stacks``, in :data:`GROUPS`' order, each with
+    the wanted stacks it serves."""
+    found = [(group, tuple(s for s in g.serves if s in stacks)) for group, g in GROUPS.items()]
+    return [(group, wanted) for group, wanted in found if wanted]
+
+
+@contextmanager
+def group_targets(
+    group: str,
+    wanted: tuple[str, ...],
+    start_stack: Callable[[InstanceGroup, Path], Any],
+    logs: Path,
+    spec: SweepSpec,
+) -> Iterator[dict[str, Target]]:
+    """``group``'s instances (``start_stack``) and the routers of the ``wanted`` stacks over
+    them, by stack; all stopped when the block ends, also on an error. Raises what starting
+    raises (``OSError``, ``RuntimeError``, :class:`ProcessStartError`)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    kind, topology = GROUPS[group].kind, GROUPS[group].topology
+    print(f"scenarios: starting {group} ({kind}, {topology})", file=sys.stderr)
+    with ExitStack() as es:
+        stack_obj = start_stack(GROUPS[group], logs)
+        es.callback(stack_obj.stop)
+        yield targets_for_group(group, stack_obj, wanted, logs, es, router_cpus(spec))
+
+
+def sweep_one(
+    name: str,
+    target: Target,
+    spec: SweepSpec,
+    out_dir: Path,
+    rows: list[dict[str, Any]],
+    capacities: list[dict[str, Any]],
+) -> str | None:
+    """:func:`sweep_target` on one target to its end; returns why it stopped early (None when
+    it did not): what ran so far stays in ``rows`` and ``capacities``."""
+    try:
+        asyncio.run(sweep_target(name, target, spec, out_dir, 4096, rows, capacities))
+    except (OSError, RuntimeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"[:2000]
+    return None
+
+
 def _run_groups(
     spec: SweepSpec,
     stacks: tuple[str, ...],
@@ -421,37 +482,21 @@ def _run_groups(
     work_dir: Path,
     start_stack: Callable[[InstanceGroup, Path], Any],
     on_progress: Callable[[dict[str, Any]], object] | None,
-    router_cpus: str | None,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     capacities: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
     timings: dict[str, float] = {}
-    for group, spec_group in GROUPS.items():
-        wanted = tuple(s for s in spec_group.serves if s in stacks)
-        if not wanted:
-            continue
+    for group, wanted in wanted_groups(stacks):
         t0 = time.monotonic()
-        logs = work_dir / group
-        logs.mkdir(parents=True, exist_ok=True)
-        print(
-            f"scenarios: starting {group} ({spec_group.kind}, {spec_group.topology})",
-            file=sys.stderr,
-        )
         try:
-            with ExitStack() as es:
-                stack_obj = start_stack(spec_group, logs)
-                es.callback(stack_obj.stop)
-                targets = targets_for_group(group, stack_obj, wanted, logs, es, router_cpus)
+            with group_targets(group, wanted, start_stack, work_dir / group, spec) as targets:
                 timings[f"{group}_startup_s"] = time.monotonic() - t0
                 for name, target in targets.items():
                     t1 = time.monotonic()
-                    try:
-                        asyncio.run(
-                            sweep_target(name, target, spec, out_dir, 4096, rows, capacities)
-                        )
-                    except (OSError, RuntimeError, ValueError) as exc:
-                        errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
+                    error = sweep_one(name, target, spec, out_dir, rows, capacities)
+                    if error is not None:
+                        errors[name] = error
                     timings[f"{name}_sweep_s"] = time.monotonic() - t1
         except (OSError, RuntimeError, ProcessStartError) as exc:
             for name in wanted:

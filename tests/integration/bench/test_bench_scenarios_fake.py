@@ -6,7 +6,7 @@ import asyncio
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,16 @@ import httpx
 import pytest
 
 from bench.report import render
-from bench.scenarios import GROUPS, InstanceGroup, SweepSpec, point_name, run_scenarios, wait_idle
+from bench.scenarios import (
+    GROUPS,
+    InstanceGroup,
+    SweepSpec,
+    point_name,
+    run_scenarios,
+    sweep_one,
+    sweep_prompts,
+    wait_idle,
+)
 from devstack.ports import free_port
 from devstack.process import http_process
 
@@ -218,3 +227,85 @@ def test_merge_keeps_untouched_stacks() -> None:
     assert merged["errors"] == {}
     assert merged["stacks"] == ["pull", "aggregated"]
     assert merged["previous_commands"] == ["first"]
+
+
+def test_accuracy_runs_the_real_and_emulated_passes_in_turns_per_input_length(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every set of instances starts once; at each input length the real pass, the emulated
+    and the sleeping twins at the real one's loads, then the real one again; each compared."""
+    import bench.emulator_accuracy as accuracy
+
+    started: dict[str, list[_FakeStack]] = {"real": [], "emulated": [], "sleeping": []}
+
+    def starter(kind: str, ttft_s: float) -> Any:
+        def start(group: InstanceGroup, logs: Path) -> Any:
+            started[kind].append(_FakeStack(logs, ttft_s))
+            return started[kind][-1]
+
+        return start
+
+    turns: list[tuple[str, tuple[int, ...]]] = []
+
+    def recorded(name: str, target: Any, spec: SweepSpec, out_dir: Path, *more: Any) -> Any:
+        turns.append((out_dir.name, spec.input_lens))
+        return sweep_one(name, target, spec, out_dir, *more)
+
+    monkeypatch.setattr("bench.emulator_accuracy.sweep_one", recorded)
+    spec = SweepSpec(
+        input_lens=(16, 32),
+        fractions=(0.5, 1.0),
+        light_fraction=0.5,
+        loaded_fraction=1.0,
+        repetitions=1,
+        output_len=4,
+        min_requests=2,
+        max_requests=2,
+        capacity_requests=4,
+    )
+    starters = {
+        "real": starter("real", 0.01),
+        "emulated": starter("emulated", 0.02),
+        "sleeping": starter("sleeping", 0.03),
+    }
+    data = accuracy.run_accuracy(
+        spec,
+        ("aggregated",),
+        tmp_path,
+        tmp_path / "w",
+        real_runs=2,
+        also_sleeping=True,
+        starters=starters,
+    )
+    assert data["errors"] == {"real": {}, "emulated": {}, "sleeping": {}}
+    assert [len(found) for found in started.values()] == [1, 1, 1]
+    assert all(stack.stopped for found in started.values() for stack in found)
+    order = ("real", "emulated", "sleeping", "real-2")
+    assert turns == [(name, (n,)) for n in (16, 32) for name in order]
+    real_capacity = {c["input_len"]: c["real_rps"] for c in data["capacities"]}
+    for name in order[1:]:
+        for point in (tmp_path / name / "runs").glob("*.json"):
+            row = json.loads(point.read_text())
+            assert row["rate"] == pytest.approx(row["fraction"] * real_capacity[row["input_len"]])
+    points = {(p["input_len"], p["fraction"]) for p in data["points"]}
+    assert points == {(n, f) for n in (16, 32) for f in (0.5, 1.0)}
+    assert len(data["repeats"]["points"]) == len(data["sleeping"]["points"]) == 4
+    # the sleeping fake answers later than the real one: its TTFT errors are positive
+    assert all(p["error_mean_ttft_ms"] > 0 for p in data["sleeping"]["points"])
+    assert set(data["summary"]) == {
+        "emulator_cpu_point_error_max",
+        "emulator_cpu_ratio_error_max",
+        "emulator_sleeping_point_error_max",
+        "emulator_sleeping_ratio_error_max",
+        "real_repeat_point_error_max",
+        "real_repeat_ratio_error_max",
+    }
+
+
+def test_a_salted_sweep_sends_prompts_of_its_own() -> None:
+    spec = SweepSpec(output_len=4)
+    first = sweep_prompts(spec, "ours", 64, 3, "f0.3/0", 4096)
+    assert sweep_prompts(spec, "ours", 64, 3, "f0.3/0", 4096) == first
+    again = sweep_prompts(replace(spec, prompt_salt="real-2/"), "ours", 64, 3, "f0.3/0", 4096)
+    assert [r.prompt_len for r in again] == [r.prompt_len for r in first] == [64] * 3
+    assert all(a.prompt != b.prompt for a, b in zip(again, first, strict=True))

@@ -168,6 +168,11 @@ def test_the_report_shows_the_real_runs_against_each_other() -> None:
     assert "The twins slept through their steps" in report
     data["cpu_steps"] = True
     assert "spent their steps as CPU time on their real twins' cores" in format_report(data)
+    assert "Twins that slept" not in report
+    data["sleeping"] = {"points": points[1:], "ratios": []}
+    with_sleeping = format_report(data)
+    assert "Twins that slept through their steps" in with_sleeping
+    assert "| stack | input | x capacity | TTFT ms real / sleeping (error) |" in with_sleeping
 
 
 def test_cpu_steps_without_pinned_processes_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -176,6 +181,9 @@ def test_cpu_steps_without_pinned_processes_is_refused(capsys: pytest.CaptureFix
     args = parser.parse_args(["--cpu-steps", "--out-dir", "unused"])
     assert emulator_accuracy_command(args) == 2
     assert "--cpu-steps needs --pin-processes" in capsys.readouterr().err
+    args = parser.parse_args(["--also-sleeping", "--pin-processes", "--out-dir", "unused"])
+    assert emulator_accuracy_command(args) == 2
+    assert "--also-sleeping needs --cpu-steps" in capsys.readouterr().err
 
 
 def test_fleet_scale_pools_the_cpu_of_both_runs_of_a_size() -> None:
