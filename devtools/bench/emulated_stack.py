@@ -200,15 +200,15 @@ def twin_cores(aggregated: bool, cpu_steps: bool) -> tuple[int, tuple[int, ...]]
     engines spend their steps on (none unless ``cpu_steps``; else P's then D's, an aggregated
     engine on P's core as the real one is).
 
-    The emulator's own HTTP work stands for the API servers, whose CPU the fitted steps already
-    hold, so with ``cpu_steps`` it runs beside no engine's steps where the topology leaves a core
-    free (an aggregated engine's twin: on D's core), else beside P's (prefill steps, which it
-    lengthens least); without, on P's core."""
+    Without ``cpu_steps`` the emulator runs on P's core. With it, on D's core: for an
+    aggregated twin that is off the engine's core (the emulator's HTTP work stands for the API
+    server, whose CPU the fitted steps already hold); for 1P1D no core is free, and D's is the
+    one where extra work costs least: there it lengthens decode steps by its streaming, as the
+    real D's API server streams every token beside D's engine, while P's prefill steps run back
+    to back under load, where any extra work on their core turns into queueing before P."""
     if not cpu_steps:
         return PREFILL_CORE, ()
-    if aggregated:
-        return DECODE_CORE, (PREFILL_CORE,)
-    return PREFILL_CORE, (PREFILL_CORE, DECODE_CORE)
+    return DECODE_CORE, (PREFILL_CORE,) if aggregated else (PREFILL_CORE, DECODE_CORE)
 
 
 def start_emulated(

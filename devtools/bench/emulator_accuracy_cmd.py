@@ -11,6 +11,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from bench.emulated_stack import twin_cores
 from bench.emulator_accuracy import run_accuracy
 from bench.profile_fit import FitSpec, run_fit
 from bench.results import recorded_command, run_in_work_dir, write_outputs
@@ -125,10 +126,11 @@ def _fit_line(fit: dict[str, Any] | None) -> str:
 
 def _steps_line(cpu_steps: bool) -> str:
     if cpu_steps:
+        _, (p_core, d_core) = twin_cores(aggregated=False, cpu_steps=True)
         return (
             "The twins spent their steps as CPU time on their real twins' cores (`--cpu-steps`):"
-            " P's on core 0, D's on core 1 beside the router and the load generator, as the "
-            "real D runs there."
+            f" P's on core {p_core}, D's on core {d_core} beside the router and the load "
+            "generator, as the real D runs there."
         )
     return "The twins slept through their steps (no core of theirs is shared)."
 

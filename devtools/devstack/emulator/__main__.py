@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-port", type=int)
     parser.add_argument(
         "--cpu-cores",
-        default="",
+        type=_cores,
+        default=(),
         help="comma-separated cores of the P engines then the D engines: each spends its steps"
         " as CPU time there instead of sleeping (default: none, every engine sleeps)",
     )
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir=args.tokenizer,
         kv_events=not args.no_kv_events,
         control_port=args.control_port,
-        cpu_cores=tuple(int(core) for core in args.cpu_cores.split(",") if core),
+        cpu_cores=args.cpu_cores,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -53,6 +54,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(both), flush=True)
         stop.wait()
     return 0
+
+
+def _cores(text: str) -> tuple[int, ...]:
+    """``--cpu-cores``: comma-separated CPU numbers, each >= 0 (argparse turns the error into a
+    usage message)."""
+    try:
+        cores = tuple(int(core) for core in text.split(",") if core.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of cores: {text!r}") from None
+    if any(core < 0 for core in cores):
+        raise argparse.ArgumentTypeError(f"a core is a number >= 0, got {text!r}")
+    return cores
 
 
 if __name__ == "__main__":

@@ -281,9 +281,9 @@ def test_pinned_twins_spend_their_steps_on_their_real_twins_cores() -> None:
     # sleeping twins: the emulator on P's core, no engine on a core of its own
     assert twin_cores(aggregated=False, cpu_steps=False) == (PREFILL_CORE, ())
     assert twin_cores(aggregated=True, cpu_steps=False) == (PREFILL_CORE, ())
-    # P's and D's steps on P's and D's cores; the HTTP work beside P's prefill steps
+    # P's and D's steps on P's and D's cores; the HTTP work beside D's decode steps
     assert twin_cores(aggregated=False, cpu_steps=True) == (
-        PREFILL_CORE,
+        DECODE_CORE,
         (PREFILL_CORE, DECODE_CORE),
     )
     # an aggregated engine on P's core as the real one is; the HTTP work off it
