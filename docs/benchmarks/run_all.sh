@@ -59,7 +59,7 @@ exec flock /tmp/vllm-e2e.lock bash -c '
     .venv/bin/disagg-bench tenants --out-dir "$OUT"
     .venv/bin/disagg-bench fit-profile --pin-processes --out-dir "$OUT"
     .venv/bin/disagg-bench emulator-accuracy --fit-first --real-runs 2 --cpu-steps \
-        --stacks ours,aggregated \
+        --also-sleeping --stacks ours,aggregated \
         --input-lens 512,2048,8192 --fractions 0.3,0.9 --repetitions 1 --output-len 64 \
         --point-time-limit 120 \
         --pin-processes --seconds-per-point 30 --max-requests 40 --out-dir "$OUT"
