@@ -43,6 +43,7 @@ from bench.scenarios import (
     SweepSpec,
     group_targets,
     load_generator_pinned,
+    stack_error,
     start_devstack,
     sweep_one,
     wanted_groups,
@@ -253,7 +254,7 @@ def run_accuracy(
             except (OSError, RuntimeError, ProcessStartError) as exc:
                 for found in passes.values():
                     for name in wanted:
-                        found.errors.setdefault(name, f"{type(exc).__name__}: {exc}"[:2000])
+                        found.errors.setdefault(name, stack_error(exc))
     return _compare(passes, spec, stacks, real_runs, cpu_steps)
 
 

@@ -458,6 +458,12 @@ def group_targets(
         yield targets_for_group(group, stack_obj, wanted, logs, es, router_cpus(spec))
 
 
+def stack_error(exc: BaseException) -> str:
+    """How a stack's run records why it stopped: the exception's type and message, cut to
+    2,000 characters (a vLLM log tail can be long)."""
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
 def sweep_one(
     name: str,
     target: Target,
@@ -471,7 +477,7 @@ def sweep_one(
     try:
         asyncio.run(sweep_target(name, target, spec, out_dir, 4096, rows, capacities))
     except (OSError, RuntimeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"[:2000]
+        return stack_error(exc)
     return None
 
 
@@ -500,7 +506,7 @@ def _run_groups(
                     timings[f"{name}_sweep_s"] = time.monotonic() - t1
         except (OSError, RuntimeError, ProcessStartError) as exc:
             for name in wanted:
-                errors.setdefault(name, f"{type(exc).__name__}: {exc}"[:2000])
+                errors.setdefault(name, stack_error(exc))
         timings[f"{group}_total_s"] = time.monotonic() - t0
         if on_progress is not None:
             on_progress(_result(spec, stacks, rows, capacities, errors, timings))

@@ -34,7 +34,14 @@ from bench.client import Target
 from bench.dataset import SyntheticSpec, make_token_prompts
 from bench.loadgen import LoadSpec, make_client, run_load
 from bench.results import write_json
-from bench.scenarios import GROUPS, InstanceGroup, instance_metrics, start_devstack, wait_idle
+from bench.scenarios import (
+    GROUPS,
+    InstanceGroup,
+    instance_metrics,
+    stack_error,
+    start_devstack,
+    wait_idle,
+)
 from bench.scenarios import targets_for_group as start_routers
 from bench.serve_watch import PointWatch, watched
 from bench.vllm_serve_report import failed_point, point_from_result, rate_key, trim_result
@@ -224,10 +231,10 @@ def run_serve_benchmark(
                             name, target, stack_obj.model_dir, recipe, (out_dir, logs), watch
                         )
                     except (OSError, RuntimeError, ValueError) as exc:
-                        errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
+                        errors[name] = stack_error(exc)
         except (OSError, RuntimeError, ProcessStartError) as exc:
             for name in wanted:
-                errors.setdefault(name, f"{type(exc).__name__}: {exc}"[:2000])
+                errors.setdefault(name, stack_error(exc))
     return {"points": points, "errors": errors}
 
 
