@@ -124,15 +124,30 @@ def _fit_line(fit: dict[str, Any] | None) -> str:
     )
 
 
-def _steps_line(cpu_steps: bool) -> str:
-    if cpu_steps:
-        _, (p_core, d_core) = twin_cores(aggregated=False, cpu_steps=True)
-        return (
-            "The twins spent their steps as CPU time on their real twins' cores (`--cpu-steps`):"
-            f" P's on core {p_core}, D's on core {d_core} beside the router and the load "
-            "generator, as the real D runs there."
-        )
-    return "The twins slept through their steps (no core of theirs is shared)."
+def _work_rate(fit: dict[str, Any] | None) -> float | None:
+    """The fitted profile's ``work_rate``: None without a fit in the run, or an older profile."""
+    if fit is None:
+        return None
+    rate: float | None = fit["profile"].get("work_rate")
+    return rate
+
+
+def _steps_line(cpu_steps: bool, rate: float | None) -> str:
+    """How the twins passed their steps; ``rate``: the profile's ``work_rate``, if it has one."""
+    if not cpu_steps:
+        return "The twins slept through their steps (no core of theirs is shared)."
+    _, (p_core, d_core) = twin_cores(aggregated=False, cpu_steps=True)
+    spent = (
+        "as CPU time"
+        if rate is None
+        else f"as work (the profile's {rate:.0f} pieces per second, the machine's speed at the "
+        "fit, so a core running slower now stretches them as it stretches vLLM's steps)"
+    )
+    return (
+        f"The twins spent their steps {spent} on their real twins' cores (`--cpu-steps`): "
+        f"P's on core {p_core}, D's on core {d_core} beside the router and the load generator, "
+        "as the real D runs there."
+    )
 
 
 def _pct(value: float | None) -> str:
@@ -242,7 +257,7 @@ def format_report(data: dict[str, Any]) -> str:
         "each input length, with the same routers, prompts, arrivals and offered loads "
         "(fractions of the real stack's capacity in both runs).",
         "",
-        _steps_line(data.get("cpu_steps", False)),
+        _steps_line(data.get("cpu_steps", False), _work_rate(data.get("fit"))),
         "",
         _fit_line(data.get("fit")),
         "",

@@ -16,7 +16,10 @@ tokens attended, prefill query-key pairs; a prompt longer than ``max_num_batched
 several chunks) plus, for a time to first token, the request's fixed cost outside the steps
 (the API server's work). A non-negative least squares fit, weighted to relative error, gives the
 coefficients; the report lists every row's measured and fitted time. Scheduler limits and cache
-size are read from the instance (its log and ``/metrics``).
+size are read from the instance (its log and ``/metrics``). The machine's speed just before and
+just after the measurements (:func:`devstack.burner.work_rate`, their mean) goes into the
+profile as its ``work_rate``, so engines that spend their steps on a core stretch them as much
+as the machine has slowed since.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 import httpx
 
 from bench.client import Target
+from devstack.burner import work_rate
 from devstack.emulator.profile import Profile, StepModel, Transfer, load_profile
 from devstack.stack import StackOptions, start_stack
 from devstack.vllm_server import read_metrics_text
@@ -40,6 +44,8 @@ from devstack.vllm_server import read_metrics_text
 VLLM_CPU_SERVER_LIMITS = {"max_num_batched_tokens": 2048, "max_num_seqs": 128}
 """vLLM 0.32 CPU's defaults for an OpenAI server (``EngineArgs``), passed explicitly so the fit
 and the profile agree with what the instance ran."""
+RATE_CPU_S = 1.0
+"""CPU seconds of :func:`devstack.burner.work_rate` before and after the measurements."""
 FEATURES = ("base_s", "per_token_s", "per_seq_s", "per_context_token_s", "per_attention_pair_s")
 
 
@@ -234,6 +240,7 @@ def run_fit(
         extra_args=limits_args,
         pin_processes=pin_processes,
     )
+    rates = [work_rate(RATE_CPU_S)]
     with start_stack(options, work) as stack:
         server = stack.aggregated[0].server
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
@@ -241,6 +248,7 @@ def run_fit(
         old = load_profile(base)
         chunk = limits["max_num_batched_tokens"]
         rows = asyncio.run(measure(Target(server.url, stack.model_name), spec, chunk))
+    rates.append(work_rate(RATE_CPU_S))
     coef = nnls(rows)
     step = StepModel(**dict(zip(FEATURES, coef[:5], strict=True)))
     profile = replace(
@@ -253,6 +261,7 @@ def run_fit(
         num_blocks=limits.get("num_blocks", old.num_blocks),
         max_num_batched_tokens=chunk,
         max_num_seqs=limits["max_num_seqs"],
+        work_rate=round(sum(rates) / len(rates)),
     )
     table = [
         {**asdict(r), "fitted_s": predicted(r, coef), "error": predicted(r, coef) / r.seconds - 1}

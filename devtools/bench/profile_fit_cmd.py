@@ -102,6 +102,15 @@ def _per_rank(tp: int) -> str:
     )
 
 
+def _speed(rate: float | None) -> str:
+    if rate is None:
+        return ""
+    return (
+        f" The machine's speed at the fit (`work_rate`): {rate:.0f} pieces of work per CPU "
+        "second, the mean of just before and just after the rows."
+    )
+
+
 def format_report(data: dict[str, Any]) -> str:
     """The report: how the rows were made, the coefficients, every row beside the fit."""
     profile = data["profile"]
@@ -124,7 +133,8 @@ def format_report(data: dict[str, Any]) -> str:
         + f", `request_overhead_s` {profile['request_overhead_s']:.3g}, "
         f"`answer_overhead_s` {profile['answer_overhead_s']:.3g}; limits: "
         f"{profile['max_num_batched_tokens']} batched tokens, {profile['max_num_seqs']} "
-        f"sequences, {profile['num_blocks']} blocks of {profile['block_size']}.",
+        f"sequences, {profile['num_blocks']} blocks of {profile['block_size']}."
+        + _speed(profile.get("work_rate")),
         "",
         "| row | measured ms | fitted ms | error |",
         "| --- | --- | --- | --- |",

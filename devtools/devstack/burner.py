@@ -7,11 +7,19 @@ slow down. A real vLLM CPU instance computes its steps on its core, and whatever
 a child process pinned to one core that spends each step's seconds as its own CPU time: the
 step's wall time is then the profile's time stretched by the core's other users, the same way.
 
+A machine whose cores run slower than when the profile was fitted (this one's do, by up to
+half, from minute to minute) stretches a real step but not a step of CPU seconds. A profile
+that carries the rate of a fixed piece of work at its fit (:attr:`Profile.work_rate
+<devstack.emulator.profile.Profile.work_rate>`, measured by :func:`work_rate`) has each step
+spent as that work instead: ``seconds`` x the rate pieces, which take longer on a slower core,
+as the real step does.
+
 Who uses it: :class:`devstack.emulator.fleet.Fleet`, one burner per engine given a core
 (``FleetSpec.cpu_cores``), started and closed with the fleet; the engine awaits
-:meth:`Burner.burn` instead of sleeping. ``python -m devstack.burner --core N`` is the
-child: it reads each step's seconds as an 8-byte little-endian float on stdin, spends them, and
-answers the CPU seconds it spent (8 bytes); it exits at the end of its input.
+:meth:`Burner.burn` instead of sleeping. ``python -m devstack.burner --core N [--work-rate
+R]`` is the child: it reads each step's seconds as an 8-byte little-endian float on stdin,
+spends them (as CPU seconds, or as ``round(seconds * R)`` pieces of work), and answers the CPU
+seconds it spent (8 bytes); it exits at the end of its input.
 """
 
 from __future__ import annotations
@@ -22,8 +30,18 @@ import os
 import struct
 import sys
 import time
+from collections.abc import Callable
 
 _SECONDS = struct.Struct("<d")
+
+
+def piece() -> int:
+    """The fixed piece of work :func:`work_rate` and :func:`spend_work` count: interpreter
+    work, as much of a tiny model's vLLM CPU step is (a few microseconds)."""
+    total = 0
+    for i in range(200):
+        total += i
+    return total
 
 
 def spend(seconds: float) -> float:
@@ -36,13 +54,36 @@ def spend(seconds: float) -> float:
     return used
 
 
-def serve(core: int) -> int:
-    """The child's loop (see the module docstring), pinned to ``core``."""
+def spend_work(pieces: int, work: Callable[[], object] = piece) -> float:
+    """Do ``work`` ``pieces`` times on this thread; the CPU time it took."""
+    start = time.thread_time()
+    for _ in range(pieces):
+        work()
+    return time.thread_time() - start
+
+
+def work_rate(cpu_seconds: float, work: Callable[[], object] = piece) -> float:
+    """Pieces of ``work`` this thread does per CPU second now, over about ``cpu_seconds``.
+    Who calls it: the profile fit (:func:`bench.profile_fit.run_fit`), around its
+    measurements, to record the machine's speed in the profile."""
+    start = time.thread_time()
+    done = 0
+    while (used := time.thread_time() - start) < cpu_seconds:
+        for _ in range(100):
+            work()
+        done += 100
+    return done / used
+
+
+def serve(core: int, rate: float | None = None) -> int:
+    """The child's loop (see the module docstring), pinned to ``core``; ``rate``: pieces of
+    work per step second, else a step is spent as CPU seconds."""
     os.sched_setaffinity(0, {core})
     read, write = sys.stdin.buffer, sys.stdout.buffer
     while len(request := read.read(_SECONDS.size)) == _SECONDS.size:
         (seconds,) = _SECONDS.unpack(request)
-        write.write(_SECONDS.pack(spend(seconds)))
+        used = spend(seconds) if rate is None else spend_work(round(seconds * rate))
+        write.write(_SECONDS.pack(used))
         write.flush()
     return 0
 
@@ -52,12 +93,15 @@ class BurnerGone(Exception):
 
 
 class Burner:
-    """One engine's burner process on ``core``. Start it with :meth:`start` on the loop that
-    will await :meth:`burn`, one step at a time; :meth:`close` ends it (idempotent). ``async
-    with Burner(core) as burner`` does both."""
+    """One engine's burner process on ``core``; ``work_rate``: spend each step as that many
+    pieces of work per second (the profile's :attr:`work_rate
+    <devstack.emulator.profile.Profile.work_rate>`), else as CPU seconds. Start it with
+    :meth:`start` on the loop that will await :meth:`burn`, one step at a time; :meth:`close`
+    ends it (idempotent). ``async with Burner(core) as burner`` does both."""
 
-    def __init__(self, core: int) -> None:
+    def __init__(self, core: int, work_rate: float | None = None) -> None:
         self.core = core
+        self.work_rate = work_rate
         self.spent_s = 0.0
         """CPU seconds the burner reports it spent, over all steps."""
         self.round_trip_s = 0.0
@@ -69,6 +113,8 @@ class Burner:
     async def start(self) -> Burner:
         """Start the process; returns once it answers."""
         argv = [sys.executable, "-m", "devstack.burner", "--core", str(self.core)]
+        if self.work_rate is not None:
+            argv += ["--work-rate", repr(self.work_rate)]
         self._process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
         )
@@ -93,7 +139,8 @@ class Burner:
         return None if self._process is None else self._process.pid
 
     async def burn(self, seconds: float) -> None:
-        """Spend ``seconds`` of CPU on the burner's core; returns when they are spent.
+        """Spend a step of ``seconds`` on the burner's core (as CPU seconds or as work, see the
+        class); returns when it is spent.
         :class:`BurnerGone` when the process is not there to do it."""
         process = self._process
         if process is None or process.stdin is None or process.stdout is None:
@@ -122,7 +169,9 @@ class Burner:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devstack.burner")
     parser.add_argument("--core", type=int, required=True)
-    return serve(parser.parse_args(argv).core)
+    parser.add_argument("--work-rate", type=float, default=None)
+    args = parser.parse_args(argv)
+    return serve(args.core, args.work_rate)
 
 
 if __name__ == "__main__":

@@ -66,9 +66,9 @@ class FleetSpec:
     /members/{role}`` (:meth:`Fleet.add`) and ``DELETE /members/{name}`` (:meth:`Fleet.kill`)."""
     cpu_cores: tuple[int, ...] = ()
     """The cores of the engines the fleet starts with, in order (its P engines, then its D
-    engines): each spends its steps as CPU time on its core (:mod:`devstack.burner`),
-    as a vLLM CPU instance pinned there does. Engines beyond these, and those added later,
-    sleep through their steps."""
+    engines): each spends its steps on its core (:mod:`devstack.burner`: as CPU time, or as
+    work where the profile has a ``work_rate``), as a vLLM CPU instance pinned there does.
+    Engines beyond these, and those added later, sleep through their steps."""
 
 
 @dataclass
@@ -275,7 +275,7 @@ class Fleet:
             profile = replace(profile, num_blocks=self.spec.decode_num_blocks)
         burner = None
         if core is not None:
-            burner = await Burner(core).start()
+            burner = await Burner(core, profile.work_rate).start()
             self._burners.append(burner)
         engine = Engine(profile, f"emulated-{name}", self.fabric, self.spec.scale, sink, burner)
         identity = Identity(engine.engine_id, "127.0.0.1", port, self.spec.transfer_mode)

@@ -85,6 +85,12 @@ class Profile:
     kv_lease_s: float = 30.0
     """P frees a finished prefill's blocks when no D took them within this time (vLLM's
     ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` plays this part)."""
+    work_rate: float | None = None
+    """Pieces of :func:`devstack.burner.piece` one core did per CPU second while the step
+    model was fitted (:func:`devstack.burner.work_rate`; a fitted CPU profile has it). An
+    engine whose steps cost CPU (:mod:`devstack.burner`) then spends a step of ``s`` seconds as
+    ``s`` x this many pieces, so a machine slower than at the fit stretches its steps as it
+    stretches vLLM's; without it, as ``s`` CPU seconds."""
 
     def prefill_seconds(self, tokens: int) -> float:
         """How long one engine takes to prefill a ``tokens``-token prompt alone: its chunks of

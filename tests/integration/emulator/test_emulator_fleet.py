@@ -171,13 +171,18 @@ def test_a_killed_engine_drops_its_streams_and_a_joined_one_serves() -> None:
         assert [m["name"] for m in fleet.instances("decode")] == ["d1"]
 
 
-def test_engines_given_cores_spend_their_steps_there_until_the_fleet_stops() -> None:
+@pytest.mark.parametrize("rate", [None, 2e5], ids=["cpu-seconds", "work"])
+def test_engines_given_cores_spend_their_steps_there_until_the_fleet_stops(
+    rate: float | None,
+) -> None:
     core = min(os.sched_getaffinity(0))
-    spec = FleetSpec(load_profile("cpu-tiny"), 1, 1, kv_events=False, cpu_cores=(core,))
+    profile = replace(load_profile("cpu-tiny"), work_rate=rate)
+    spec = FleetSpec(profile, 1, 1, kv_events=False, cpu_cores=(core,))
     with Fleet(spec) as fleet:
         burners = fleet.call(lambda: {m.name: m.engine.burner for m in fleet.members})
         p_burner = burners["p0"]
         assert p_burner is not None and burners["d0"] is None  # one core given: P's
+        assert p_burner.work_rate == rate  # the profile's: steps spent as work when it has one
         pid = p_burner.pid
         assert pid is not None
         [entry] = fleet.instances("prefill")

@@ -4,6 +4,8 @@ squares, the accuracy comparison's point and ratio errors, the fleet-scale pooli
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, replace
+from typing import Any
 
 import pytest
 
@@ -23,7 +25,9 @@ from bench.emulator_accuracy_cmd import (
 )
 from bench.fleet_scale import pooled_runs
 from bench.profile_fit import decode_row, fit_estimates, nnls, predicted, prefill_row
+from bench.profile_fit_cmd import format_report as format_fit_report
 from bench.scenarios import SweepSpec
+from devstack.emulator import load_profile
 from devstack.stack import DECODE_CORE, PREFILL_CORE
 
 pytest.importorskip("numpy")
@@ -168,6 +172,12 @@ def test_the_report_shows_the_real_runs_against_each_other() -> None:
     assert "The twins slept through their steps" in report
     data["cpu_steps"] = True
     assert "spent their steps as CPU time on their real twins' cores" in format_report(data)
+    data["fit"] = {"profile": {"work_rate": 201234.4}, "rows": [{"error": 0.1}]}
+    fitted = format_report(data)
+    assert "spent their steps as work (the profile's 201234 pieces per second" in fitted
+    data["fit"] = {"profile": {"work_rate": None}, "rows": [{"error": 0.1}]}
+    assert "spent their steps as CPU time" in format_report(data)
+    del data["fit"]
     assert "Twins that slept" not in report
     data["sleeping"] = {"points": points[1:], "ratios": []}
     with_sleeping = format_report(data)
@@ -288,3 +298,14 @@ def test_pinned_twins_spend_their_steps_on_their_real_twins_cores() -> None:
     )
     # an aggregated engine on P's core as the real one is; the HTTP work off it
     assert twin_cores(aggregated=True, cpu_steps=True) == (DECODE_CORE, (PREFILL_CORE,))
+
+
+def test_a_cpu_fit_report_gives_the_machine_speed_it_was_fitted_at() -> None:
+    profile = asdict(replace(load_profile("cpu-tiny"), work_rate=198765.0))
+    row = {"label": "prefill 64", "seconds": 0.01, "fitted_s": 0.011, "error": 0.1}
+    data: dict[str, Any] = {"command": "fit-profile", "profile": profile, "rows": [row]}
+    report = format_fit_report(data)
+    assert "(`work_rate`): 198765 pieces of work per CPU second" in report
+    assert "| prefill 64 | 10.00 | 11.00 | +10 % |" in report
+    data["profile"] = {**profile, "work_rate": None}
+    assert "work_rate" not in format_fit_report(data)

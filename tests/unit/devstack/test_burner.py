@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from devstack.burner import Burner, BurnerGone, spend
+from devstack.burner import Burner, BurnerGone, spend, spend_work, work_rate
 
 CORE = min(os.sched_getaffinity(0))
 
@@ -34,6 +34,36 @@ def test_spend_uses_at_least_the_cpu_time_asked_for() -> None:
     used = spend(0.01)
     assert used >= 0.01
     assert time.thread_time() - before >= 0.01
+
+
+def test_spend_work_does_the_work_as_many_times_as_asked() -> None:
+    done: list[int] = []
+    used = spend_work(7, lambda: done.append(1))
+    assert len(done) == 7
+    assert used >= 0.0
+
+
+def test_work_rate_counts_the_pieces_done_per_cpu_second() -> None:
+    done: list[int] = []
+
+    def work() -> None:
+        done.append(1)
+        spend(0.0005)  # a piece of known CPU cost: at most 2,000 of them per CPU second
+
+    before = time.thread_time()
+    rate = work_rate(0.02, work)
+    used = time.thread_time() - before
+    assert len(done) % 100 == 0 and len(done) >= 100  # whole rounds of a hundred pieces
+    assert 0 < rate <= 2000
+    assert rate * used >= len(done) * 0.9  # pieces over the CPU time the count took
+
+
+async def test_a_burner_given_a_work_rate_spends_a_step_as_that_much_work() -> None:
+    async with Burner(CORE, work_rate=1e-6) as burner:
+        assert burner.pid is not None
+        assert b"--work-rate" in Path(f"/proc/{burner.pid}/cmdline").read_bytes()
+        await burner.burn(2.0)  # 2e-6 pieces: none, where CPU seconds would be 2 of them
+        assert burner.spent_s < 1.0
 
 
 async def test_the_child_pins_itself_to_its_core_and_spends_what_it_is_asked() -> None:
