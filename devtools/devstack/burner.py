@@ -166,10 +166,18 @@ class Burner:
             await process.wait()
 
 
+def _positive(text: str) -> float:
+    """``--work-rate``: a number above 0 (else a usage error, not a child that never works)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devstack.burner")
     parser.add_argument("--core", type=int, required=True)
-    parser.add_argument("--work-rate", type=float, default=None)
+    parser.add_argument("--work-rate", type=_positive, default=None)
     args = parser.parse_args(argv)
     return serve(args.core, args.work_rate)
 

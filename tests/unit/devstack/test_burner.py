@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from devstack.burner import Burner, BurnerGone, spend, spend_work, work_rate
+from devstack.burner import Burner, BurnerGone, main, spend, spend_work, work_rate
 
 CORE = min(os.sched_getaffinity(0))
 
@@ -96,3 +96,13 @@ async def test_a_burner_killed_under_it_is_reported_as_gone() -> None:
         os.kill(burner.pid, signal.SIGKILL)
         with pytest.raises(BurnerGone, match=f"core {CORE}"):
             await burner.burn(0.001)
+
+
+@pytest.mark.parametrize("rate", ["0", "-5", "nan", "fast"])
+def test_the_child_refuses_a_work_rate_that_is_not_above_zero(
+    rate: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--core", str(CORE), "--work-rate", rate])
+    assert exit_info.value.code == 2
+    assert "--work-rate" in capsys.readouterr().err
