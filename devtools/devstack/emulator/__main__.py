@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         type=_cores,
         default=(),
         help="comma-separated cores of the P engines then the D engines: each spends its steps"
-        " as CPU time there instead of sleeping (default: none, every engine sleeps)",
+        " there instead of sleeping, as work at the profile's work_rate where it has one, else"
+        " as CPU time (default: none, every engine sleeps)",
     )
     args = parser.parse_args(argv)
     spec = FleetSpec(
