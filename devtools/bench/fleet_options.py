@@ -10,6 +10,8 @@ import argparse
 from pathlib import Path
 from typing import Protocol
 
+from devstack.emulator.profile import profile_option
+
 
 class FleetDefaults(Protocol):
     """What a fleet benchmark's spec offers as the flags' defaults."""
@@ -30,7 +32,12 @@ def add_fleet_arguments(
     """``--size``, ``--profile``, ``--requests``, ``--loaded-fraction`` with ``defaults``, and
     ``--out-dir`` (where ``outputs`` go) and ``--work-dir`` (the logs)."""
     parser.add_argument("--size", type=int, default=defaults.size, help="P (and D) in the fleet")
-    parser.add_argument("--profile", default=defaults.profile, help="the emulator's profile")
+    parser.add_argument(
+        "--profile",
+        type=profile_option,
+        default=defaults.profile,
+        help="the emulator's profile (a name or a file)",
+    )
     parser.add_argument("--requests", type=int, default=defaults.requests)
     parser.add_argument(
         "--loaded-fraction",

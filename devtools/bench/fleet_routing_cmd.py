@@ -12,6 +12,7 @@ from typing import Any
 
 from bench.fleet_routing import FleetRoutingSpec, run_fleet_routing
 from bench.results import command_with_options, run_in_work_dir, write_outputs
+from devstack.emulator.profile import profile_option
 
 COMMAND = ".venv/bin/disagg-bench fleet-routing --out-dir docs/benchmarks"
 _OPTIONS = ("size", "replicas", "rate", "chats", "groups", "profile")
@@ -26,6 +27,7 @@ def add_fleet_routing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=defaults.groups)
     parser.add_argument(
         "--profile",
+        type=profile_option,
         default=defaults.profile,
         help="the emulator's profile (a name or a file); another than the default writes "
         "fleet-routing-<profile>.json/.md",

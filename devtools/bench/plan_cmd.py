@@ -15,7 +15,7 @@ from typing import Any
 
 from bench.plan import MODES, PlanSpec, Slo, Workload, aiconfigurator_answer, run_plan
 from bench.results import recorded_command, run_in_work_dir, write_outputs
-from devstack.emulator.profile import load_profile
+from devstack.emulator.profile import profile_option
 
 
 def _parsed(kind: type[Workload] | type[Slo]) -> Any:
@@ -28,15 +28,6 @@ def _parsed(kind: type[Workload] | type[Slo]) -> Any:
     return parse
 
 
-def _profile(text: str) -> str:
-    """A profile that loads (a shipped name or a file), refused at parse time otherwise."""
-    try:
-        load_profile(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
-
-
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m for m in text.split(",") if m)
     unknown = [m for m in modes if m not in MODES]
@@ -47,7 +38,10 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--profile", type=_profile, required=True, help="the emulator's profile (name or file)"
+        "--profile",
+        type=profile_option,
+        required=True,
+        help="the emulator's profile (name or file)",
     )
     parser.add_argument(
         "--workload", type=_parsed(Workload), required=True, help="isl=4096,osl=512,rate=4"

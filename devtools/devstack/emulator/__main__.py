@@ -12,12 +12,14 @@ import signal
 import threading
 
 from devstack.emulator.fleet import Fleet, FleetSpec
-from devstack.emulator.profile import load_profile
+from devstack.emulator.profile import load_profile, profile_option
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devstack.emulator", description=__doc__)
-    parser.add_argument("--profile", default="cpu-tiny", help="a profile name or file")
+    parser.add_argument(
+        "--profile", type=profile_option, default="cpu-tiny", help="a profile name or file"
+    )
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--scale", type=float, default=1.0, help="wall seconds per emulated s")

@@ -1,6 +1,7 @@
 """Engine profiles (``devstack.emulator.profile``): the shipped ``cpu-tiny`` profile loads and
-round-trips through its file text, the step and transfer time formulas, and a profile file with a
-field the emulator does not know is refused."""
+round-trips through its file text, the step and transfer time formulas, and a profile file an
+engine could not run on (a field missing, unknown, of another type or out of range) is refused
+with a ValueError naming the file and the field."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from devstack.emulator.profile import (
     StepModel,
     Transfer,
     load_profile,
-    profile_from_mapping,
+    parse_profile,
 )
 
 
@@ -25,7 +26,7 @@ def test_cpu_tiny_loads_and_round_trips() -> None:
     assert profile.block_size > 0 and profile.num_blocks > 0
     assert profile.max_num_batched_tokens > 0 and profile.max_num_seqs > 0
     assert profile.step.base_s > 0 and profile.transfer.bandwidth_bytes_per_s > 0
-    assert profile_from_mapping(json.loads(profile.to_json())) == profile
+    assert parse_profile(profile.to_json()) == profile
     # by path as well as by name, and the file is the profile's own text
     path = PROFILES_DIR / "cpu-tiny.json"
     assert load_profile(str(path)) == profile
@@ -68,21 +69,65 @@ def test_transfer_seconds_pay_the_handshake_only_on_first_meeting() -> None:
     assert no_handshake.seconds(10, first_meeting=True) == pytest.approx(1.5)
 
 
-@pytest.mark.parametrize("where", ["top", "step", "transfer"])
-def test_a_profile_with_an_unknown_field_is_refused(tmp_path: Path, where: str) -> None:
+def _bad_file(tmp_path: Path, change: dict[str, object], where: str = "") -> Path:
     data = json.loads(load_profile("cpu-tiny").to_json())
-    (data if where == "top" else data[where])["surprise"] = 1
+    (data[where] if where else data).update(change)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(TypeError, match="surprise"):
+    return path
+
+
+@pytest.mark.parametrize("where", ["", "step", "transfer"])
+def test_a_profile_with_an_unknown_field_is_refused(tmp_path: Path, where: str) -> None:
+    path = _bad_file(tmp_path, {"surprise": 1}, where)
+    field = f"{where}.surprise" if where else "surprise"
+    with pytest.raises(ValueError, match=rf"profile file '.*bad\.json': {field}: unexpected"):
         load_profile(str(path))
 
 
 def test_a_profile_missing_a_field_is_refused() -> None:
     data = json.loads(load_profile("cpu-tiny").to_json())
-    del data["num_blocks"]
-    with pytest.raises(TypeError, match="num_blocks"):
-        profile_from_mapping(data)
+    del data["num_blocks"], data["step"]["base_s"]
+    with pytest.raises(ValueError, match=r"^num_blocks: field required; step\.base_s: field"):
+        parse_profile(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("where", "change", "problem"),
+    [
+        ("", {"work_rate": 0}, "work_rate: input should be greater than 0"),
+        ("", {"work_rate": -5.0}, "work_rate: input should be greater than 0"),
+        ("", {"num_blocks": 0}, "num_blocks: input should be greater than or equal to 1"),
+        ("", {"num_blocks": "7"}, "num_blocks: input should be a valid integer"),
+        ("", {"num_blocks": 7.0}, "num_blocks: input should be a valid integer"),
+        ("", {"block_size": True}, "block_size: input should be a valid integer"),
+        ("", {"kv_lease_s": 0}, "kv_lease_s: input should be greater than 0"),
+        ("", {"model": ""}, "model: string should have at least 1 character"),
+        ("", {"request_overhead_s": -0.001}, "request_overhead_s: input should be greater"),
+        ("step", {"base_s": -1}, "step.base_s: input should be greater than or equal to 0"),
+        ("step", {"per_token_s": "fast"}, "step.per_token_s: input should be a valid number"),
+        ("transfer", {"bandwidth_bytes_per_s": 0}, "transfer.bandwidth_bytes_per_s: input"),
+        ("transfer", {"latency_s": 1e400}, "transfer.latency_s: input should be a finite"),
+    ],
+)
+def test_a_profile_field_out_of_range_or_of_another_type_is_refused(
+    tmp_path: Path, where: str, change: dict[str, object], problem: str
+) -> None:
+    path = _bad_file(tmp_path, change, where)
+    with pytest.raises(ValueError, match=f"^profile file '.*bad.json': {problem}"):
+        load_profile(str(path))
+
+
+def test_a_profile_file_that_is_not_json_is_refused_as_such() -> None:
+    with pytest.raises(ValueError, match=r"^the file: invalid json"):
+        parse_profile("{not json")
+    with pytest.raises(ValueError, match=r"^the file: input should be an object"):
+        parse_profile("[1, 2]")
+
+
+def test_a_profile_whose_work_rate_is_a_whole_number_loads(tmp_path: Path) -> None:
+    profile = load_profile(str(_bad_file(tmp_path, {"work_rate": 150000})))
+    assert profile.work_rate == 150000.0
 
 
 @pytest.mark.parametrize("name", ["cpu-tiny", "h200-qwen3-32b-tp1"])
