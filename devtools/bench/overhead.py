@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Awaitable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,6 +67,19 @@ class OverheadSpec:
     token_delay: float = 0.0
     """Seconds the fakes wait between streamed tokens: 0 sends them back to back (the router's
     per-request cost); a decode step's time makes each token its own read and write."""
+    marginal_output_len: int | None = None
+    """A second output length: at each fixed rate every target also takes the same arrivals
+    with this many tokens, right after its load at ``output_len``, and the report gives the CPU
+    each relayed token adds (the slope between the two lengths): the cost per token without
+    the cost per request, which a CPU per request divided by its tokens mixes in."""
+
+    def __post_init__(self) -> None:
+        longer = self.marginal_output_len
+        if longer is not None and (longer < 1 or longer == self.output_len):
+            raise ValueError(
+                f"marginal output length {longer}: a token count >= 1 other than the output "
+                f"length ({self.output_len})"
+            )
 
 
 def cpu_split(pin: bool) -> tuple[str | None, str | None]:
@@ -179,6 +192,8 @@ async def measure(
     fakes = [pgids[name] for name in ("prefill", "direct") if name in pgids]
     cores = len(os.sched_getaffinity(0))  # the load generator's, the fakes' and routers' too
     out: dict[str, Any] = {"fixed_rate": [], "saturation": {}, "cpu_count": cores}
+    if spec.marginal_output_len is not None:
+        out["output_lens"] = [spec.output_len, spec.marginal_output_len]
     saturated: set[str] = set()
     async with make_client() as client:
         warm = make_token_prompts(SyntheticSpec(20, spec.input_len, spec.output_len, seed=99))
@@ -204,6 +219,13 @@ async def measure(
                     summary["ttft_stages_ms"] = stages
                 if result.metrics.request_throughput < 0.5 * rate:
                     saturated.add(name)
+                elif spec.marginal_output_len is not None:
+                    longer = _with_output_len(requests, spec.marginal_output_len)
+                    print(f"overhead: {name} at {rate:g} req/s, longer answers", file=sys.stderr)
+                    _, summary = await _timed_load(
+                        client, target, longer, load, pgids.get(name), fakes
+                    )
+                    row.setdefault("marginal", {})[name] = summary
             out["fixed_rate"].append(row)
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
         sizes: dict[str, int] = {}
@@ -223,6 +245,11 @@ async def measure(
         out["saturation"] = {name: pooled(runs) for name, runs in rounds.items()}
         out["saturation_rounds"] = rounds
     return out
+
+
+def _with_output_len(requests: list[Any], output_len: int) -> list[Any]:
+    """The same prompts asking for ``output_len`` tokens each."""
+    return [replace(r, output_len=output_len) for r in requests]
 
 
 async def _saturation_size(client: Any, target: Target, spec: OverheadSpec, load: LoadSpec) -> int:
@@ -288,7 +315,42 @@ def derive(raw: dict[str, Any]) -> dict[str, Any]:
         }
         for name, m in sat.items()
     }
-    return {"added": added, "saturation": saturation}
+    return {"added": added, "saturation": saturation, "marginal": marginal(raw)}
+
+
+def marginal(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per fixed rate run at two output lengths (``raw["output_lens"]``): the CPU each relayed
+    token adds for each target, in microseconds (its CPU per request at the longer length less
+    at the shorter, over the tokens between), and each one over ``vllm-router``'s and over the
+    floor's. Empty when the run had one output length."""
+    lens: list[int] | None = raw.get("output_lens")
+    if not lens:
+        return []
+    out: list[dict[str, Any]] = []
+    for row in raw["fixed_rate"]:
+        us: dict[str, float] = {}
+        for name, longer in row.get("marginal", {}).items():
+            short = row["targets"][name].get("cpu_ms_per_request")
+            long = longer.get("cpu_ms_per_request")
+            if short is not None and long is not None:
+                us[name] = (long - short) * 1000 / (lens[1] - lens[0])
+        out.append(
+            {
+                "rate": row["rate"],
+                "output_lens": lens,
+                "us_per_token": us,
+                "over_vllm_router": _over(us, "vllm-router"),
+                "over_floor": _over(us, "floor"),
+            }
+        )
+    return out
+
+
+def _over(us: dict[str, float], base: str) -> dict[str, float | None]:
+    """Each target's figure over ``base``'s (none when ``base`` has none)."""
+    if base not in us:
+        return {}
+    return {name: _ratio(value, us[base]) for name, value in us.items() if name != base}
 
 
 def _machine_limit(
@@ -357,7 +419,29 @@ def format_report(derived: dict[str, Any]) -> str:
             f"| {_ms(s.get('client_cpu_ms_per_request'))} "
             f"| {_fmt(s.get('machine_limit_over_direct'))} |"
         )
-    return "\n".join(lines + _stages_table(derived["added"]))
+    return "\n".join(lines + _stages_table(derived["added"]) + _marginal_table(derived))
+
+
+def _marginal_table(derived: dict[str, Any]) -> list[str]:
+    """Markdown lines: the CPU each relayed token adds, per target and fixed rate (none when
+    the run had one output length)."""
+    rows = derived.get("marginal") or []
+    if not rows:
+        return []
+    short, long = rows[0]["output_lens"]
+    lines = [
+        "",
+        f"| target | rate (req/s) | CPU us per relayed token (slope, {short} to {long} tokens) "
+        "| over `vllm-router` | over floor |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for name, us in r["us_per_token"].items():
+            lines.append(
+                f"| {name} | {r['rate']:g} | {us:.1f} | {_fmt(r['over_vllm_router'].get(name))} "
+                f"| {_fmt(r['over_floor'].get(name))} |"
+            )
+    return lines
 
 
 def _stages_table(added: dict[str, list[dict[str, Any]]]) -> list[str]:

@@ -43,6 +43,12 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds the fakes wait between streamed tokens (default 0: back to back)",
     )
     parser.add_argument(
+        "--marginal-output-len",
+        type=int,
+        help="a second output length: each fixed rate also runs at it, and the report gives the "
+        "CPU each relayed token adds (the slope between the two lengths)",
+    )
+    parser.add_argument(
         "--no-pin",
         action="store_true",
         help="do not pin the fakes to the first CPU and the routers to the last",
@@ -58,7 +64,25 @@ def overhead_command(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: --routers: unknown {unknown}, choose from {ROUTERS}", file=sys.stderr)
         return 2
-    spec = OverheadSpec(
+    try:
+        spec = _spec(args, routers)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        load_before = os.getloadavg()
+        data = run_overhead(spec, args.log_dir)
+        data["loadavg_before_after"] = [load_before, os.getloadavg()]
+    except ProcessStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    write_outputs(data, format_report(data["derived"]), args.result_file, args.markdown_file)
+    return 0
+
+
+def _spec(args: argparse.Namespace, routers: tuple[str, ...]) -> OverheadSpec:
+    """The run the flags describe (``ValueError`` naming a bad one)."""
+    return OverheadSpec(
         rates=tuple(float(r) for r in args.rates.split(",")),
         seconds_per_rate=args.seconds_per_rate,
         input_len=args.input_len,
@@ -71,13 +95,5 @@ def overhead_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         pin=not args.no_pin,
         token_delay=args.token_delay,
+        marginal_output_len=args.marginal_output_len,
     )
-    try:
-        load_before = os.getloadavg()
-        data = run_overhead(spec, args.log_dir)
-        data["loadavg_before_after"] = [load_before, os.getloadavg()]
-    except ProcessStartError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    write_outputs(data, format_report(data["derived"]), args.result_file, args.markdown_file)
-    return 0

@@ -1,15 +1,29 @@
-"""Overhead bookkeeping: config accepted by the router's schema, ratios from the same run."""
+"""Overhead bookkeeping: config accepted by the router's schema, ratios from the same run, the
+marginal CPU per relayed token from two output lengths."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from bench import overhead
+from bench.client import Target
+from bench.loadgen import LoadSpec
 from bench.overhead import FAKE_PREFILL_IDENTITY as IDENTITY
-from bench.overhead import _stages_during, derive, fake_process, format_report, pooled
+from bench.overhead import (
+    OverheadSpec,
+    _stages_during,
+    derive,
+    fake_process,
+    format_report,
+    pooled,
+)
 from bench.routers import our_router, router_config
 from disagg_router.router.config import settings_from_mapping
 from disagg_router.router.observability.metrics import RouterMetrics
@@ -175,3 +189,102 @@ def test_a_baseline_checkout_runs_its_own_router_package(tmp_path: Path) -> None
     older = our_router(config, 3, tmp_path, source=other).process
     assert older.argv[1:4] == ("-P", "-m", "router.cli")
     assert our_router(config, 2, tmp_path).process.env is None
+
+
+def _cpu(ms: float) -> dict[str, float]:
+    return {**_m(10, 1.0, 2.0, 4.0, 8.0), "cpu_ms_per_request": ms}
+
+
+def test_the_marginal_cost_is_the_slope_between_two_output_lengths() -> None:
+    """16 -> 116 tokens: (long - short) ms over 100 tokens, in us; each over vllm-router's and
+    the floor's; a target that saturated at the rate (no longer load) is left out."""
+    raw = {
+        "output_lens": [16, 116],
+        "fixed_rate": [
+            {
+                "rate": 20.0,
+                "targets": {
+                    "direct": _cpu(0.5),
+                    "ours": _cpu(3.0),
+                    "floor": _cpu(1.5),
+                    "vllm-router": _cpu(1.0),
+                    "slow": _cpu(9.0),
+                },
+                "marginal": {
+                    "direct": _cpu(2.5),
+                    "ours": _cpu(7.5),
+                    "floor": _cpu(5.5),
+                    "vllm-router": _cpu(4.0),
+                },
+            }
+        ],
+        "saturation": {"direct": _m(400, 0, 0, 0, 0)},
+    }
+    d = derive(raw)
+    (row,) = d["marginal"]
+    assert row["us_per_token"] == pytest.approx(
+        {"direct": 20.0, "ours": 45.0, "floor": 40.0, "vllm-router": 30.0}
+    )
+    assert row["over_vllm_router"]["ours"] == pytest.approx(1.5)
+    assert row["over_floor"]["ours"] == pytest.approx(45 / 40)
+    assert "vllm-router" not in row["over_vllm_router"] and "floor" not in row["over_floor"]
+    report = format_report(d)
+    assert "CPU us per relayed token (slope, 16 to 116 tokens)" in report
+    assert "| ours | 20 | 45.0 | 1.50x | 1.12x |" in report
+    assert "| vllm-router | 20 | 30.0 | n/a | 0.75x |" in report
+    del raw["output_lens"]
+    assert derive(raw)["marginal"] == []
+    assert "per relayed token" not in format_report(derive(raw))
+
+
+async def test_each_target_takes_the_longer_answers_right_after_its_own_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a marginal output length, every fixed rate runs each target at the output length
+    and then at the longer one (same prompts and arrivals), before the next target; a target
+    that could not keep up with the rate gets no longer load and no further rates."""
+    loads: list[tuple[str, int, int, float]] = []
+
+    async def timed(
+        client: object, target: Target, requests: list[Any], load: LoadSpec, *rest: object
+    ) -> tuple[Any, dict[str, Any]]:
+        lens = {r.output_len for r in requests}
+        assert len(lens) == 1
+        loads.append((target.base_url, lens.pop(), len(requests), load.request_rate))
+        rate = load.request_rate
+        kept_up = rate if target.base_url != "http://slow" else rate / 4
+        result = SimpleNamespace(metrics=SimpleNamespace(request_throughput=kept_up))
+        return result, _cpu(1.0)
+
+    async def warm(*args: object) -> None:
+        return None
+
+    monkeypatch.setattr(overhead, "_timed_load", timed)
+    monkeypatch.setattr(overhead, "run_load", warm)
+    monkeypatch.setattr(overhead, "_saturation_size", lambda *a: _size())
+    spec = OverheadSpec(
+        rates=(10.0, 20.0), seconds_per_rate=1.0, output_len=4, marginal_output_len=40
+    )
+    targets = {"fast": Target("http://fast", "m"), "slow": Target("http://slow", "m")}
+    raw = await overhead.measure(targets, spec)
+    fixed = [entry for entry in loads if math.isfinite(entry[3])]
+    assert fixed == [
+        ("http://fast", 4, 10, 10.0),
+        ("http://fast", 40, 10, 10.0),
+        ("http://slow", 4, 10, 10.0),
+        ("http://fast", 4, 20, 20.0),
+        ("http://fast", 40, 20, 20.0),
+    ]
+    assert raw["output_lens"] == [4, 40]
+    assert set(raw["fixed_rate"][0]["marginal"]) == {"fast"}
+
+
+async def _size() -> int:
+    return 12
+
+
+def test_a_marginal_output_length_equal_to_the_output_length_is_refused() -> None:
+    with pytest.raises(ValueError, match="marginal output length 16: a token count >= 1"):
+        OverheadSpec(output_len=16, marginal_output_len=16)
+    with pytest.raises(ValueError, match="marginal output length 0"):
+        OverheadSpec(marginal_output_len=0)
