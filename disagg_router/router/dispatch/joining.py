@@ -17,6 +17,7 @@ token once, the finish reason of the D that finished.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,18 +26,9 @@ from disagg_router.router.request import ClientRequest
 RETURN_TOKEN_IDS = "return_token_ids"
 _IDS = b'"token_ids":['
 _NO_PROMPT_IDS = b',"prompt_token_ids":null'
-_PROMPT_IDS, _TOOL_CALLS, _EMPTY_DELTA, _NO_IDS = (
-    b'"prompt_token_ids":[',
-    b'"tool_calls"',
-    b'"delta":{}',
-    b'"token_ids":null',
-)
-
-
-def _judged(data: bytes) -> bool:
-    """Whether ``data`` holds what :meth:`StreamJoin.plain_event` leaves to the parsed path
-    (one test per mark, no generator: it runs for every token)."""
-    return _PROMPT_IDS in data or _TOOL_CALLS in data or _EMPTY_DELTA in data or _NO_IDS in data
+_JUDGED = re.compile(rb'"(?:prompt_token_ids":\[|tool_calls"|delta":\{\}|token_ids":null)')
+"""What :meth:`StreamJoin.plain_event` leaves to the parsed path: the prompt's ids, a tool
+call, an empty delta, a token without its id (one search for the four, as it runs per token)."""
 
 
 _LIMITS = ("max_tokens", "max_completion_tokens")
@@ -162,7 +154,7 @@ class StreamJoin:
         ids). Returns the data to send (the ids cut out unless the client asked for them), or
         None: :meth:`event` must take the parsed chunk. The bytes rule: vLLM's compact JSON
         cannot hold ``"token_ids":[`` inside a string (the quote would be escaped)."""
-        if self.segment or _judged(data):
+        if self.segment or _JUDGED.search(data):
             return None
         start = data.find(_IDS)
         if start < 0 or data.find(_IDS, start + 1) >= 0 or data[start - 1 : start] != b",":
@@ -172,10 +164,12 @@ class StreamJoin:
         if not inner:
             return None  # no new token: the parsed path judges whether to send it
         try:
-            ids = [int(v) for v in inner.split(b",")]
+            if b"," in inner:
+                self.generated += list(map(int, inner.split(b",")))
+            else:  # one token a step: no list built
+                self.generated.append(int(inner))
         except ValueError:
             return None
-        self.generated += ids
         kept = data if self._client_ids else data[: start - 1] + data[end + 1 :]
         return kept.replace(_NO_PROMPT_IDS, b"")
 

@@ -210,14 +210,13 @@ class _Rewriting:
     """An outlet that writes each batch of D's events as the client gets it
     (:meth:`Migrating._rewrite`) to the outlet under it."""
 
-    __slots__ = ("_outlet", "_rewrite")
+    __slots__ = ("_outlet", "_rewrite", "ready")
 
     def __init__(self, outlet: Outlet, rewrite: Callable[[bytes], bytes]) -> None:
         self._outlet = outlet
         self._rewrite = rewrite
-
-    def ready(self) -> bool:
-        return self._outlet.ready()
+        self.ready = outlet.ready
+        """The outlet's own (asked before every spliced write: no call of ours around it)."""
 
     def write(self, data: bytes) -> None:
         out = self._rewrite(data)

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from disagg_router.router.dispatch.legs import leg_failed
@@ -305,7 +306,7 @@ class SseEvents:
             len(a.queue)
             or self._outlet is None
             or reader is None
-            or not reader.splice(self._forward)
+            or not reader.splice(partial(self._forward, a, self._outlet))
         ):
             return await a.queue.get()
         try:
@@ -313,13 +314,13 @@ class SseEvents:
         finally:
             reader.splice(None)
 
-    def _forward(self, events: bytes) -> None:
-        """D's events from the socket's callback (spliced): to the outlet when nothing in them
-        needs the relay and the outlet is ready, else queued (and the splice ends, so what
-        follows is queued behind them). Never raises."""
-        a, outlet = self._relay.attempt, self._outlet
+    def _forward(self, a: Attempt, outlet: Outlet, events: bytes) -> None:
+        """D's events from the socket's callback (spliced; ``a``: the attempt whose reader
+        is spliced, ``outlet``: where they go): to the outlet when nothing in them needs the
+        relay and the outlet is ready, else queued (and the splice ends, so what follows is
+        queued behind them). Never raises."""
         a.last_token = time.monotonic()
-        if outlet is not None and outlet.ready() and _USAGE not in events:
+        if outlet.ready() and _USAGE not in events:
             outlet.write(events)
             self._spliced += 1
             return
