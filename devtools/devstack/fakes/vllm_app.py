@@ -205,7 +205,7 @@ class _Generation:
         """One stream chunk; ``index``: the token it carries (its id goes out with vLLM's
         ``return_token_ids``, and the first chunk carries the prompt's ids as vLLM places
         them: a chat's on the chunk, a completion's on its choice)."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0}  # the keys in vLLM 0.32's order
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
@@ -215,7 +215,7 @@ class _Generation:
             choice["delta"] = delta
         else:
             choice["text"] = delta_text or ""
-        choice["stop_reason"] = None
+        choice |= {"logprobs": None, "finish_reason": finish, "stop_reason": None}
         out = {
             "id": self.id,
             "object": f"{self.object}.chunk" if self.chat else self.object,
@@ -224,12 +224,12 @@ class _Generation:
             "choices": [choice],
         }
         if self.body.get("return_token_ids") is True:
-            choice["token_ids"] = [] if index is None else [FAKE_TOKEN_ID + index]
             prompt = list(range(1, self.prompt_tokens + 1)) if first else None
             if self.chat and prompt is not None:
                 out["prompt_token_ids"] = prompt
             elif not self.chat:
                 choice["prompt_token_ids"] = prompt
+            choice["token_ids"] = [] if index is None else [FAKE_TOKEN_ID + index]
         return out
 
 

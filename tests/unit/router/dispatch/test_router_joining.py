@@ -23,9 +23,9 @@ def _text(
     i: int, text: str, ids: list[int], finish: str | None = None, prompt: list[int] | None = None
 ) -> dict[str, Any]:
     """A completion chunk as vLLM streams it with ``return_token_ids`` (the prompt's ids in the
-    first chunk's choice, null after)."""
-    choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
-    choice["prompt_token_ids"] = prompt
+    first chunk's choice, null after), its choice's keys in vLLM 0.32's order."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice |= {"stop_reason": None, "prompt_token_ids": prompt, "token_ids": ids}
     return {"id": f"cmpl-{i}", "created": 100 + i, "model": "m", "choices": [choice]}
 
 
@@ -60,7 +60,13 @@ def test_a_completion_stream_joins_with_one_id_each_token_once_and_usage_counted
     first = join.event(_text(1, "a", [7], prompt=PROMPT))
     second = join.event(_text(1, "b", [8]))
     assert first is not None and second is not None
-    assert first["choices"][0].keys() == {"index", "text", "finish_reason"}
+    assert first["choices"][0].keys() == {
+        "index",
+        "text",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+    }
     assert join.resumable() and join.generated == [7, 8]
     request = _completion(max_tokens=5, min_tokens=3)
     continued = join.continuation(request)
@@ -92,7 +98,14 @@ def test_token_ids_the_client_asked_for_stay_in_its_stream() -> None:
     join.next_segment()
     again = join.event(_text(2, "b", [8], prompt=[*PROMPT, 7]))
     assert again is not None  # the prompt's ids are given once
-    assert again["choices"][0] == {"index": 0, "text": "b", "token_ids": [8], "finish_reason": None}
+    assert again["choices"][0] == {
+        "index": 0,
+        "text": "b",
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+        "token_ids": [8],
+    }
 
 
 def test_a_chat_continuation_repeats_no_role_and_leaves_reasoning_and_content_intact() -> None:
