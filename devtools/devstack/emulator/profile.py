@@ -135,7 +135,7 @@ _FILE = TypeAdapter(Profile)
 
 def parse_profile(text: str | bytes) -> Profile:
     """The profile in a profile file's text (JSON); ``ValueError`` naming every field that is
-    missing, unknown, of the wrong type or out of range (``step.base_s: Input should be
+    missing, unknown, of the wrong type or out of range (``step.base_s: input should be
     greater than or equal to 0``), or saying that the text is not JSON."""
     try:
         return _FILE.validate_json(text)
@@ -144,6 +144,7 @@ def parse_profile(text: str | bytes) -> Profile:
 
 
 def _problems(error: ValidationError) -> str:
+    """Every problem pydantic found, as ``field.path: what is wrong``, one after another."""
     found = error.errors(include_url=False, include_input=False)
     return "; ".join(
         f"{'.'.join(map(str, e['loc'])) or 'the file'}: {e['msg'].lower()}" for e in found
